@@ -1,0 +1,140 @@
+"""Configuration: ``ServerArgs`` (every user-facing knob, one CLI flag each) and ``PortArgs``."""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import dataclasses
+import shutil
+import tempfile
+from dataclasses import dataclass, field, fields
+from typing import Any, get_type_hints
+
+_GROUPS = ("model", "server", "transport", "runtime", "extending", "logging")
+
+
+def _opt(default: Any, help: str, group: str, **extra: Any) -> Any:
+    """A dataclass field carrying its CLI help text and group."""
+    return field(default=default, metadata={"help": help, "group": group, **extra})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Everything a user can set, for the server and the offline Engine alike."""
+
+    # model
+    model_path: str | None = _opt(None, "model directory (Hugging Face layout); "
+                                  "default: the embedded model", "model")
+    tokenizer_path: str | None = _opt(None, "tokenizer directory (default: model path)", "model")
+    served_model_name: str | None = _opt(None, "model name reported by the API", "model")
+    dtype: str = _opt("auto", "weight and activation dtype", "model",
+                      choices=("auto", "float32", "bfloat16", "float16"))
+    load_format: str = _opt("auto", "how to load weights", "model",
+                            choices=("auto", "safetensors", "dummy"))
+    is_embedding: bool = _opt(False, "serve a decoder model as an embedding model", "model")
+    context_length: int | None = _opt(None, "maximum tokens per request (default: the "
+                                      "model's max_position_embeddings)", "model")
+    # server
+    host: str = _opt("127.0.0.1", "HTTP host to listen on", "server")
+    port: int = _opt(30000, "HTTP port to listen on", "server")
+    stream_interval: int = _opt(2, "send a streamed chunk every N tokens", "server")
+    # transport
+    transport: str = _opt("zmq", "transport between processes (see `framework plugins`)",
+                          "transport")
+    codec: str = _opt("pickle", "codec between processes (see `framework plugins`)", "transport")
+    allow_insecure_pickle: bool = _opt(False, "allow the pickle codec on tcp:// channels",
+                                       "transport")
+    use_tcp: bool = _opt(False, "use tcp:// channels on 127.0.0.1 instead of ipc://",
+                         "transport")
+    # runtime
+    device: str = _opt("auto", "cpu, cuda, or auto (cuda when available)", "runtime")
+    attention_backend: str = _opt("torch", "attention backend (see `framework plugins`)",
+                                  "runtime")
+    max_running_requests: int = _opt(64, "most requests in the running batch", "runtime")
+    max_total_tokens: int | None = _opt(None, "KV cache size in tokens (default: from "
+                                        "--mem-fraction)", "runtime")
+    mem_fraction: float = _opt(0.8, "fraction of free device memory for the KV cache (GPU)",
+                               "runtime")
+    chunked_prefill_size: int = _opt(2048, "most prompt tokens prefilled per step", "runtime")
+    disable_radix_cache: bool = _opt(False, "turn off prefix caching", "runtime")
+    random_seed: int = _opt(0, "seed for sampling without a per-request seed", "runtime")
+    tp_size: int = _opt(1, "tensor-parallel size", "runtime")
+    pp_size: int = _opt(1, "pipeline-parallel size", "runtime")
+    # extending
+    scheduler_class: str | None = _opt(None, "dotted path of a Scheduler subclass", "extending")
+    tokenizer_manager_class: str | None = _opt(None, "dotted path of a TokenizerManager "
+                                               "subclass", "extending")
+    detokenizer_class: str | None = _opt(None, "dotted path of a Detokenizer subclass",
+                                         "extending")
+    # logging
+    log_level: str = _opt("info", "log level", "logging",
+                          choices=("debug", "info", "warning", "error"))
+
+    def replace(self, **changes: Any) -> ServerArgs:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one ``--flag`` per field, grouped as the dataclass groups them."""
+        hints = get_type_hints(cls)
+        groups = {g: parser.add_argument_group(g) for g in _GROUPS}
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kind = hints[f.name]
+            meta = f.metadata
+            group = groups[meta["group"]]
+            if kind is bool:
+                group.add_argument(flag, action="store_true", help=meta["help"])
+                continue
+            base = int if "int" in str(kind) else float if "float" in str(kind) else str
+            default_text = "" if f.default is None else f" (default: {f.default})"
+            group.add_argument(flag, type=base, default=f.default, choices=meta.get("choices"),
+                               help=meta["help"] + default_text, metavar=None if meta.get(
+                                   "choices") else f.name.upper())
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
+        """Build from parsed arguments."""
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class PortArgs:
+    """Every channel address of one server, made fresh for each start.
+
+    ``ipc://`` socket files (and shared-memory wake-up files) live in a private
+    0700 temporary directory, removed by ``cleanup()`` and at interpreter exit.
+    """
+
+    workdir: str
+    scheduler_input: str  # TokenizerManager → Scheduler: requests and aborts
+    detokenizer_input: str  # Scheduler → Detokenizer: BatchTokenIDOutput
+    tokenizer_input: str  # Detokenizer → TokenizerManager: BatchStrOutput
+    embedding_output: str  # Scheduler → TokenizerManager: BatchEmbeddingOutput
+    rpc: str  # TokenizerManager/Engine ↔ Scheduler: flush cache, weights, info
+    metrics: str  # Scheduler → main: SchedulerMetrics
+
+    CHANNELS = (
+        "scheduler_input",
+        "detokenizer_input",
+        "tokenizer_input",
+        "embedding_output",
+        "rpc",
+        "metrics",
+    )
+
+    @classmethod
+    def create(cls, transport: Any, tcp_host: str | None = None) -> PortArgs:
+        """Addresses for every channel, made by ``transport`` in a new private directory."""
+        workdir = tempfile.mkdtemp(prefix="framework-")  # mkdtemp makes it 0700
+        atexit.register(shutil.rmtree, workdir, True)
+        return cls(workdir, **{
+            name: transport.make_address(workdir, name, tcp_host) for name in cls.CHANNELS
+        })
+
+    def cleanup(self) -> None:
+        """Remove the private directory and everything in it."""
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self.workdir)

@@ -1,0 +1,136 @@
+"""A small generic registry filled by built-ins and by Python entry points.
+
+Entries are stored as ``"module:attribute"`` paths and imported only when
+asked for, so listing plugins imports nothing heavy and nothing imports
+Triton unless a Triton backend is requested.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class UnknownPluginError(ValueError):
+    """A name that no built-in or entry point registered."""
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    """Where a registered name comes from and what it points to."""
+
+    name: str
+    target: str
+    source: str
+
+
+class Registry(Generic[T]):
+    """Names → lazily imported objects, for one kind of plugin.
+
+    ``group`` is the entry-point group scanned (once, on first lookup) for
+    third-party plugins; ``register`` adds built-ins or test doubles.
+    """
+
+    def __init__(self, kind: str, group: str) -> None:
+        self.kind = kind
+        self.group = group
+        self._entries: dict[str, RegistryEntry] = {}
+        self._loaded: dict[str, T] = {}
+        self._scanned = False
+        self._lock = threading.Lock()
+
+    def register(self, name: str, target: str | T, source: str = "built-in") -> None:
+        """Register ``target`` (an object or a ``"module:attr"`` path) under ``name``."""
+        with self._lock:
+            if isinstance(target, str):
+                self._entries[name] = RegistryEntry(name, target, source)
+                self._loaded.pop(name, None)
+            else:
+                path = f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', '?')}"
+                self._entries[name] = RegistryEntry(name, path, source)
+                self._loaded[name] = target
+
+    def get(self, name: str) -> T:
+        """The object registered as ``name``; unknown names list the known ones."""
+        self._scan()
+        with self._lock:
+            if name in self._loaded:
+                return self._loaded[name]
+            entry = self._entries.get(name)
+        if entry is None:
+            known = ", ".join(sorted(self._entries)) or "none"
+            raise UnknownPluginError(f"unknown {self.kind} {name!r}; known: {known}")
+        obj = _import(entry.target, f"{self.kind} {name!r} ({entry.source})")
+        with self._lock:
+            self._loaded[name] = obj
+        return obj
+
+    def names(self) -> list[str]:
+        """Every registered name, sorted."""
+        self._scan()
+        return sorted(self._entries)
+
+    def entries(self) -> list[RegistryEntry]:
+        """Every entry, sorted by name."""
+        self._scan()
+        return [self._entries[n] for n in sorted(self._entries)]
+
+    def _scan(self) -> None:
+        if self._scanned:
+            return
+        self._scanned = True
+        for ep in entry_points(group=self.group):
+            dist = getattr(ep, "dist", None)
+            source = f"entry point of {dist.name} {dist.version}" if dist else "entry point"
+            # Built-ins win a name clash: a plugin cannot silently replace them.
+            if ep.name not in self._entries:
+                self._entries[ep.name] = RegistryEntry(ep.name, ep.value, source)
+
+
+def _import(target: str, what: str) -> Any:
+    module_name, _, attr = target.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split(".") if attr else ():
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise UnknownPluginError(f"cannot load {what} from {target}: {exc}") from exc
+    return obj
+
+
+def import_dotted(path: str) -> Any:
+    """Import ``"package.module.Name"`` or ``"package.module:Name"`` (for --*-class flags)."""
+    if ":" not in path:
+        module, _, attr = path.rpartition(".")
+        path = f"{module}:{attr}"
+    return _import(path, path)
+
+
+TRANSPORTS: Registry[Any] = Registry("transport", "framework.transports")
+CODECS: Registry[Any] = Registry("codec", "framework.codecs")
+ATTENTION_BACKENDS: Registry[Any] = Registry("attention backend", "framework.attention_backends")
+
+TRANSPORTS.register("zmq", "framework.comm.zmq:ZmqTransport")
+TRANSPORTS.register("inproc", "framework.comm.inproc:InprocTransport")
+TRANSPORTS.register("shm", "framework.comm.shm:ShmTransport")
+CODECS.register("pickle", "framework.comm.codec:PickleCodec")
+CODECS.register("msgpack", "framework.comm.codec:MsgpackCodec")
+CODECS.register("json", "framework.comm.codec:JsonCodec")
+ATTENTION_BACKENDS.register("torch", "framework.layers.attention.torch_native:TorchNativeAttnBackend")
+
+REGISTRIES: tuple[Registry[Any], ...] = (TRANSPORTS, CODECS, ATTENTION_BACKENDS)
+
+
+def create_transport(name: str, **options: Any) -> Any:
+    """A new transport instance by name (``options`` go to its constructor)."""
+    return TRANSPORTS.get(name)(**options)
+
+
+def create_codec(name: str) -> Any:
+    """A new codec instance by name; each channel end gets its own."""
+    return CODECS.get(name)()
