@@ -51,7 +51,8 @@ class Registry(Generic[T]):
                 self._entries[name] = RegistryEntry(name, target, source)
                 self._loaded.pop(name, None)
             else:
-                path = f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', '?')}"
+                module = getattr(target, "__module__", "?")
+                path = f"{module}:{getattr(target, '__qualname__', '?')}"
                 self._entries[name] = RegistryEntry(name, path, source)
                 self._loaded[name] = target
 
@@ -121,7 +122,9 @@ TRANSPORTS.register("shm", "framework.comm.shm:ShmTransport")
 CODECS.register("pickle", "framework.comm.codec:PickleCodec")
 CODECS.register("msgpack", "framework.comm.codec:MsgpackCodec")
 CODECS.register("json", "framework.comm.codec:JsonCodec")
-ATTENTION_BACKENDS.register("torch", "framework.layers.attention.torch_native:TorchNativeAttnBackend")
+ATTENTION_BACKENDS.register(
+    "torch", "framework.layers.attention.torch_native:TorchNativeAttnBackend"
+)
 
 REGISTRIES: tuple[Registry[Any], ...] = (TRANSPORTS, CODECS, ATTENTION_BACKENDS)
 

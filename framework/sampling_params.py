@@ -7,7 +7,7 @@ import msgspec
 _TOP_K_ALL = -1
 
 
-class SamplingParams(msgspec.Struct, kw_only=True):
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How one request samples its tokens and when it stops.
 
     The field names follow SGLang's native ``sampling_params`` object, so that a

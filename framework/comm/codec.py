@@ -116,7 +116,8 @@ def _dispatch_table() -> dict:
     torch = _torch()
     if torch is None:
         return copyreg.dispatch_table
-    return {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor, torch.nn.Parameter: _reduce_tensor}
+    tensor_types = (torch.Tensor, torch.nn.Parameter)
+    return {**copyreg.dispatch_table, **dict.fromkeys(tensor_types, _reduce_tensor)}
 
 
 class PickleCodec(Codec):
@@ -220,7 +221,8 @@ class MsgpackCodec(Codec):
             header = (array.dtype.str, tag, list(array.shape), len(self._out) - 1)
             return msgspec.msgpack.Ext(oob, _header_encoder.encode(header))
         header = _header_encoder.encode((array.dtype.str, tag, list(array.shape), -1))
-        return msgspec.msgpack.Ext(inline, len(header).to_bytes(4, "little") + header + array.tobytes())
+        payload = len(header).to_bytes(4, "little") + header + array.tobytes()
+        return msgspec.msgpack.Ext(inline, payload)
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:
         if code in (_EXT_NDARRAY_OOB, _EXT_TENSOR_OOB):

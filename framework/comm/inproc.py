@@ -51,10 +51,9 @@ class InprocChannel:
         except IndexError:
             return None
 
-    def get_blocking(self, timeout: float | None = None) -> list[Buffer] | None:
+    def wait(self, timeout: float | None = None) -> bool:
         with self._ready:
-            self._ready.wait_for(lambda: self._items or self.closed, timeout)
-            return self._items.popleft() if self._items else None
+            return bool(self._ready.wait_for(lambda: self._items or self.closed, timeout))
 
     async def get(self) -> list[Buffer]:
         loop = asyncio.get_running_loop()
@@ -113,9 +112,8 @@ class InprocPipeReceiver(PipeReceiver):
     async def recv_frames(self) -> list[Buffer]:
         return await self._channel.get()
 
-    def recv_frames_blocking(self, timeout: float | None = None) -> list[Buffer] | None:
-        """Block this thread until frames arrive (or ``timeout``)."""
-        return self._channel.get_blocking(timeout)
+    def wait(self, timeout: float) -> bool:
+        return self._channel.wait(timeout)
 
     def close(self) -> None:
         self._hub.unbind(self._address)
@@ -172,10 +170,12 @@ class InprocTransport(Transport):
         return InprocPipeReceiver(self.hub, address)
 
     def rpc_client(self, address: str) -> PipeRpcClient:
-        return PipeRpcClient(self.pipe_sender(address + "/req"), self.pipe_receiver(address + "/rep"))
+        requests, replies = f"{address}/req", f"{address}/rep"
+        return PipeRpcClient(self.pipe_sender(requests), self.pipe_receiver(replies))
 
     def rpc_server(self, address: str) -> PipeRpcServer:
-        return PipeRpcServer(self.pipe_receiver(address + "/req"), self.pipe_sender(address + "/rep"))
+        requests, replies = f"{address}/req", f"{address}/rep"
+        return PipeRpcServer(self.pipe_receiver(requests), self.pipe_sender(replies))
 
     def make_address(self, workdir: str, name: str, tcp_host: str | None = None) -> str:
         if tcp_host is not None:

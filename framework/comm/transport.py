@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar, Generic, TypeVar
@@ -64,6 +65,17 @@ class PipeReceiver(ABC):
     @abstractmethod
     async def recv_frames(self) -> list[Buffer]:
         """Wait for the next frame list."""
+
+    def wait(self, timeout: float) -> bool:
+        """Block the calling thread until frames may be waiting or ``timeout`` s pass.
+
+        An idle poll loop sleeps here instead of spinning. May return early
+        (the caller polls again), so it returns whether something is likely
+        waiting. Ends with a native wake-up (a socket poll, a condition)
+        override this fallback, which just sleeps a little.
+        """
+        time.sleep(min(timeout, 0.001))
+        return False
 
     @abstractmethod
     def close(self) -> None:
@@ -148,6 +160,10 @@ class Receiver:
     async def recv(self) -> Message:
         """Wait for the next message."""
         return self.codec.decode(await self.raw.recv_frames())
+
+    def wait(self, timeout: float) -> bool:
+        """Block until a message may be waiting or ``timeout`` s pass (see ``PipeReceiver``)."""
+        return self.raw.wait(timeout)
 
     def drain(self, limit: int = 1 << 30) -> list[Message]:
         """Every message waiting now (up to ``limit``), skipping garbled ones.

@@ -49,7 +49,8 @@ class _ZmqEnd:
                 self.sock.connect(address)
         except zmq.ZMQError as exc:
             self.sock.close()
-            raise TransportError(f"zmq cannot {'bind' if bind else 'connect'} {address}: {exc}")
+            action = "bind" if bind else "connect"
+            raise TransportError(f"zmq cannot {action} {address}: {exc}") from None
         self._async: zmq.asyncio.Socket | None = None
 
     @property
@@ -108,6 +109,9 @@ class ZmqPipeReceiver(PipeReceiver):
 
     async def recv_frames(self) -> list[Buffer]:
         return await self._end.recv()
+
+    def wait(self, timeout: float) -> bool:
+        return bool(self._end.sock.poll(int(timeout * 1000)))
 
     def close(self) -> None:
         self._end.close()

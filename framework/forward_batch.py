@@ -1,0 +1,80 @@
+"""What one model step consumes: ``ForwardMode`` and ``ForwardBatch``.
+
+The scheduler builds a ``ForwardBatch`` for every step. Tokens of all requests
+are packed one after another (no padding): ``input_ids`` and ``positions``
+hold the new tokens only, and each request reaches its cached prefix through
+its row of ``ReqToTokenPool.req_to_token``. Before the step the scheduler
+allocates a KV slot for every new token, writes the slots into
+``req_to_token[req_pool_idx, prefix_len:seq_len]`` and passes them again as
+``out_cache_loc``; the attention backend writes the new keys and values there.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from framework.layers.attention.base import AttentionBackend
+    from framework.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+
+class ForwardMode(enum.Enum):
+    """The kind of step a batch runs."""
+
+    # Prefill of new tokens on top of an optional cached prefix; requests in one
+    # batch may have different prefix and new-token lengths (packed, no padding).
+    EXTEND = enum.auto()
+    # Exactly one new token per request.
+    DECODE = enum.auto()
+
+    def is_extend(self) -> bool:
+        """True for a prefill step."""
+        return self is ForwardMode.EXTEND
+
+    def is_decode(self) -> bool:
+        """True for a one-token-per-request step."""
+        return self is ForwardMode.DECODE
+
+
+@dataclass
+class ForwardBatch:
+    """The inputs of one model step (see the module docstring for the layout)."""
+
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [num_tokens] int64: new tokens of all requests, concatenated
+    positions: torch.Tensor  # [num_tokens] int64: absolute position of each new token
+    req_pool_indices: torch.Tensor  # [B] int64: each request's row in req_to_token
+    seq_lens: torch.Tensor  # [B] int64: tokens in the KV cache after this step
+    out_cache_loc: torch.Tensor  # [num_tokens] int64: KV slot of each new token
+    extend_prefix_lens: torch.Tensor | None = None  # [B] int64, EXTEND only
+    extend_seq_lens: torch.Tensor | None = None  # [B] int64, EXTEND only
+    # Host copies, so that the torch backend and the scheduler avoid device syncs.
+    seq_lens_cpu: list[int] | None = None
+    extend_prefix_lens_cpu: list[int] | None = None
+    extend_seq_lens_cpu: list[int] | None = None
+    # Set by ModelRunner before the model runs.
+    req_to_token_pool: ReqToTokenPool | None = None
+    token_to_kv_pool: MHATokenToKVPool | None = None
+    attn_backend: AttentionBackend | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of new tokens in the batch."""
+        return int(self.input_ids.shape[0])
+
+    def fill_cpu_lengths(self) -> None:
+        """Fill the host copies of the lengths that are still ``None`` (one sync each)."""
+        if self.seq_lens_cpu is None:
+            self.seq_lens_cpu = self.seq_lens.tolist()
+        if self.forward_mode.is_extend():
+            if self.extend_seq_lens is None or self.extend_prefix_lens is None:
+                raise ValueError("an EXTEND batch needs extend_seq_lens and extend_prefix_lens")
+            if self.extend_seq_lens_cpu is None:
+                self.extend_seq_lens_cpu = self.extend_seq_lens.tolist()
+            if self.extend_prefix_lens_cpu is None:
+                self.extend_prefix_lens_cpu = self.extend_prefix_lens.tolist()

@@ -1,0 +1,99 @@
+"""The plugin registry: built-ins, entry points, lazy loading, clear errors, `framework plugins`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from framework.registry import Registry, UnknownPluginError, import_dotted
+
+
+def _install_fake_plugin(root: Path, group: str, name: str, module: str, body: str) -> None:
+    """A real installed distribution on sys.path: a module plus a dist-info with entry points."""
+    (root / f"{module}.py").write_text(textwrap.dedent(body))
+    dist_info = root / f"fake_plugin_{module}-1.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: fake-plugin-{module}\nVersion: 1.0\n"
+    )
+    (dist_info / "entry_points.txt").write_text(f"[{group}]\n{name} = {module}:Plugin\n")
+
+
+def test_entry_point_plugins_load_lazily(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _install_fake_plugin(
+        tmp_path, "framework.test_plugins", "hello", "fw_fake_hello",
+        """
+        LOADED = True
+        class Plugin:
+            greeting = "hello"
+        """,
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry: Registry[type] = Registry("test plugin", "framework.test_plugins")
+    registry.register("builtin", "framework.comm.codec:JsonCodec")
+
+    assert registry.names() == ["builtin", "hello"]
+    entry = {e.name: e for e in registry.entries()}["hello"]
+    assert entry.target == "fw_fake_hello:Plugin"
+    assert "fake-plugin-fw_fake_hello 1.0" in entry.source
+    assert "fw_fake_hello" not in sys.modules  # listing imports nothing
+    assert registry.get("hello").greeting == "hello"
+    assert "fw_fake_hello" in sys.modules
+
+
+def test_built_ins_win_a_name_clash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _install_fake_plugin(tmp_path, "framework.test_clash", "json", "fw_fake_json",
+                         "class Plugin:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry: Registry[type] = Registry("codec", "framework.test_clash")
+    registry.register("json", "framework.comm.codec:JsonCodec")
+    assert registry.get("json").__name__ == "JsonCodec"
+
+
+def test_unknown_name_lists_the_known_ones() -> None:
+    registry: Registry[type] = Registry("transport", "framework.no_such_group")
+    registry.register("zmq", "framework.comm.zmq:ZmqTransport")
+    registry.register("inproc", "framework.comm.inproc:InprocTransport")
+    with pytest.raises(UnknownPluginError, match=r"unknown transport 'tcp2'; known: inproc, zmq"):
+        registry.get("tcp2")
+
+
+def test_a_broken_target_says_where_it_came_from() -> None:
+    registry: Registry[type] = Registry("codec", "framework.no_such_group")
+    registry.register("bad", "framework.no_such_module:Thing", source="tests")
+    with pytest.raises(UnknownPluginError, match=r"codec 'bad' \(tests\)"):
+        registry.get("bad")
+
+
+def test_register_an_object_directly() -> None:
+    registry: Registry[type] = Registry("codec", "framework.no_such_group")
+
+    class Local:
+        pass
+
+    registry.register("local", Local, source="tests")
+    assert registry.get("local") is Local
+
+
+def test_import_dotted_accepts_both_spellings() -> None:
+    from framework.comm.codec import MsgpackCodec
+
+    assert import_dotted("framework.comm.codec.MsgpackCodec") is MsgpackCodec
+    assert import_dotted("framework.comm.codec:MsgpackCodec") is MsgpackCodec
+    with pytest.raises(UnknownPluginError):
+        import_dotted("framework.comm.codec.Nope")
+
+
+def test_framework_plugins_lists_built_in_transports_and_codecs() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "framework.cli", "plugins"],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout
+    lines = {line.split()[0] for line in out.splitlines() if line.startswith("  ")}
+    assert {"zmq", "inproc", "shm", "pickle", "msgpack", "json", "torch"} <= lines
+    assert "transports (entry-point group framework.transports):" in out
+    assert "[built-in]" in out
