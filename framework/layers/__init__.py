@@ -1,0 +1,1 @@
+"""Model building blocks: TP-aware linear and embedding layers, RoPE, norms, attention."""
