@@ -71,6 +71,16 @@ class ServerArgs:
     log_level: str = _opt("info", "log level", "logging",
                           choices=("debug", "info", "warning", "error"))
 
+    def resolved_model_path(self) -> str:
+        """The model directory to serve: the one given, or the embedded default."""
+        if self.model_path:
+            return self.model_path
+        raise ValueError("no --model-path given (the embedded default model is not available yet)")
+
+    def resolved_tokenizer_path(self) -> str:
+        """The tokenizer directory: ``--tokenizer-path`` or the model directory."""
+        return self.tokenizer_path or self.resolved_model_path()
+
     def replace(self, **changes: Any) -> ServerArgs:
         """A copy with ``changes`` applied."""
         return dataclasses.replace(self, **changes)

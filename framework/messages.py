@@ -112,11 +112,16 @@ class BatchStrOutput(Message):
 
 
 class BatchEmbeddingOutput(Message):
-    """Embeddings of a batch of requests: Scheduler → TokenizerManager."""
+    """Embeddings of a batch of requests: Scheduler → TokenizerManager.
+
+    ``embeddings`` is one float32 array of shape ``[len(rids), hidden]`` (row
+    ``i`` for request ``i``), so the whole batch travels as a single zero-copy
+    frame; it has zero columns when every request of the batch was aborted.
+    """
 
     rids: list[str]
     finished_reasons: list[FinishReason | None]
-    embeddings: list[np.ndarray]
+    embeddings: np.ndarray
     prompt_tokens: list[int]
 
 

@@ -51,7 +51,7 @@ def sample_messages() -> list[Any]:
         ),
         BatchEmbeddingOutput(
             rids=["e1", "e2"], finished_reasons=[FinishReason("stop")] * 2,
-            embeddings=[rng.standard_normal(8192, dtype=np.float32) for _ in range(2)],
+            embeddings=rng.standard_normal((2, 8192), dtype=np.float32),
             prompt_tokens=[4, 5],
         ),
         AbortReq(rid="r9"),

