@@ -17,6 +17,13 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from framework.config import ServerArgs
+    from framework.server.serve import run_server
+
+    return run_server(ServerArgs.from_cli_args(args))
+
+
 def _cmd_bench_transport(args: argparse.Namespace) -> int:
     from framework.bench.transport import run_from_cli
 
@@ -30,6 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+
+    serve = sub.add_parser(
+        "serve", help="start the OpenAI-compatible server",
+        description="Start the HTTP server, the Scheduler and the Detokenizer.",
+    )
+    from framework.config import ServerArgs
+
+    ServerArgs.add_cli_args(serve)
+    serve.set_defaults(handler=_cmd_serve)
 
     plugins = sub.add_parser("plugins", help="list registered transports, codecs and "
                              "attention backends")

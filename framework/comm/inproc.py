@@ -7,6 +7,7 @@ same ``InprocTransport`` object meet by address and nothing is global.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import deque
 from typing import Any
@@ -41,8 +42,7 @@ class InprocChannel:
             self._items.append(frames)
             waiters, self._waiters = self._waiters, []
             self._ready.notify()
-        for loop, fut in waiters:
-            loop.call_soon_threadsafe(_wake, fut)
+        _wake_all(waiters)
 
     def get_nowait(self) -> list[Buffer] | None:
         # deque.popleft is atomic; no lock on the hot path.
@@ -68,7 +68,11 @@ class InprocChannel:
                 if self._items:
                     continue
                 self._waiters.append((loop, fut))
-            await fut
+            try:
+                await fut
+            finally:
+                with self._lock, contextlib.suppress(ValueError):
+                    self._waiters.remove((loop, fut))
 
     def close(self) -> None:
         with self._lock:
@@ -76,7 +80,13 @@ class InprocChannel:
             self._items.clear()
             waiters, self._waiters = self._waiters, []
             self._ready.notify_all()
-        for loop, fut in waiters:
+        _wake_all(waiters)
+
+
+def _wake_all(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]) -> None:
+    for loop, fut in waiters:
+        # A waiter whose loop has ended (its thread stopped) has nobody to wake.
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(_wake, fut)
 
 

@@ -1,0 +1,64 @@
+"""One request as the Scheduler sees it: its tokens, its KV slots and how far it has got."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from framework.messages import FinishReason
+from framework.sampling_params import SamplingParams
+
+
+@dataclass
+class Req:
+    """A generation or embedding request inside the Scheduler.
+
+    The tokens whose KV is computed are ``fill_ids[:kv_len]``; ``fill_ids`` is the
+    prompt followed by the output so far, so a request that was retracted (its KV
+    freed under memory pressure) is simply prefilled again from ``kv_len = 0``.
+    """
+
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    is_embedding: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    stream_interval: int = 2
+
+    output_ids: list[int] = field(default_factory=list)
+    req_pool_idx: int | None = None
+    kv_len: int = 0
+    cached_tokens: int = 0
+    finished_reason: FinishReason | None = None
+    #: ``output_ids[:sent_len]`` have been sent to the Detokenizer already.
+    sent_len: int = 0
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs_val: list[list[float]] = field(default_factory=list)
+    output_top_logprobs_idx: list[list[int]] = field(default_factory=list)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token the model must have seen before sampling the next one."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        """Length of ``fill_ids`` without building the list."""
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def extend_remaining(self) -> int:
+        """Tokens still to prefill before the next token can be sampled."""
+        return self.seq_len - self.kv_len
+
+    @property
+    def finished(self) -> bool:
+        """True once a finish reason is set."""
+        return self.finished_reason is not None
+
+    def output_due(self) -> bool:
+        """Whether this request has something the client should see now."""
+        if self.finished:
+            return True
+        return self.stream and len(self.output_ids) - self.sent_len >= self.stream_interval

@@ -1,0 +1,466 @@
+"""The Starlette app: OpenAI-compatible and SGLang-native routes over the TokenizerManager."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+import numpy as np
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from framework.config import ServerArgs
+from framework.messages import AbortReq
+from framework.runtime.tokenizer_manager import GenerateRequest, RequestError, TokenizerManager
+from framework.sampling_params import SamplingParams
+from framework.server import openai as oai
+from framework.server.sse import error_body, sse_event, sse_stream
+
+logger = logging.getLogger("framework.server")
+
+S = TypeVar("S", bound=msgspec.Struct)
+_json = msgspec.json.Encoder()
+
+
+@dataclass
+class ServerState:
+    """What the routes need: the runtime front and facts about the model."""
+
+    tokenizer_manager: TokenizerManager
+    server_args: ServerArgs
+    model_name: str
+    model_path: str
+    context_len: int
+    is_embedding: bool
+
+
+class JSONResponse(Response):
+    """A JSON response encoded by msgspec (numpy arrays already converted)."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return _json.encode(content)
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+    """An OpenAI-style error body with ``status``."""
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+async def parse_body(request: Request, schema: type[S]) -> S:
+    """Decode and validate the JSON body; a bad body is a ``RequestError`` (400)."""
+    body = await request.body()
+    try:
+        return msgspec.json.decode(body, type=schema)
+    except msgspec.ValidationError as exc:
+        raise RequestError(f"invalid request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"the body is not valid JSON: {exc}") from None
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _handler(fn: Handler) -> Handler:
+    """Turn bad input into 400s and a dead runtime into 503s, with OpenAI's error body."""
+
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await fn(request)
+        except (RequestError, ValueError) as exc:
+            return error_response(str(exc), 400)
+        except RuntimeError as exc:
+            logger.exception("request failed")
+            return error_response(str(exc), 503)
+        except Exception as exc:
+            logger.exception("request failed")
+            return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
+
+    wrapped.__name__ = fn.__name__
+    return wrapped
+
+
+def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several async iterators, tagging each item with its stream's index."""
+
+    async def merged() -> AsyncIterator[tuple[int, Any]]:
+        queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int, stream: AsyncIterator[Any]) -> None:
+            try:
+                async for item in stream:
+                    await queue.put((i, item, None))
+                await queue.put((i, done, None))
+            except Exception as exc:
+                await queue.put((i, done, exc))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item, error = await queue.get()
+                if error is not None:
+                    raise error
+                if item is done:
+                    remaining -= 1
+                    continue
+                yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    return merged()
+
+
+class Routes:
+    """The route handlers, bound to one ``ServerState``."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.tm = state.tokenizer_manager
+
+    # ------------------------------------------------------------------ helpers
+
+    def _requests(self, prompts: list[tuple[str | None, list[int] | None]],
+                  params: SamplingParams, stream: bool, logprobs: int | None,
+                  ) -> list[GenerateRequest]:
+        """One GenerateRequest per prompt and choice (``n``), seeds offset per choice."""
+        out = []
+        for text, ids in prompts:
+            for choice in range(params.n):
+                p = msgspec.structs.replace(params, n=1)
+                if p.seed is not None:
+                    p.seed += choice
+                out.append(GenerateRequest(
+                    text=text, input_ids=ids, sampling_params=p, stream=stream,
+                    return_logprob=logprobs is not None, top_logprobs_num=logprobs or 0,
+                ))
+        return out
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.state.model_name, self.state.model_path):
+            raise RequestError(f"model {model!r} is not served here; "
+                               f"this server serves {self.state.model_name!r}")
+
+    def _check_generation(self) -> None:
+        if self.state.is_embedding:
+            raise RequestError("this model is an embedding model; use /v1/embeddings")
+
+    async def _first_outputs(self, reqs: list[GenerateRequest]) -> list[dict[str, Any]]:
+        """Run every request to completion (validating all before the first is sent)."""
+        for req in reqs:
+            try:
+                req.sampling_params.verify()
+            except ValueError as exc:
+                raise RequestError(str(exc)) from None
+        return list(await asyncio.gather(*(self.tm.generate_one(r) for r in reqs)))
+
+    # ------------------------------------------------------------------ OpenAI
+
+    async def completions(self, request: Request) -> Response:
+        body = await parse_body(request, oai.CompletionRequest)
+        self._check_model(body.model)
+        self._check_generation()
+        params = body.sampling_params(body.max_tokens, 16)
+        params.verify()
+        prompts = oai.split_prompts(body.prompt)
+        reqs = self._requests(prompts, params, body.stream, body.logprobs)
+        prefix = [p[0] or "" for p in prompts] if body.echo else None
+        if body.stream:
+            return self._stream_completions(body, reqs, prefix, params.n)
+        outputs = await self._first_outputs(reqs)
+        choices = []
+        for i, out in enumerate(outputs):
+            meta = out["meta_info"]
+            text = (prefix[i // params.n] if prefix else "") + out["text"]
+            choices.append({
+                "index": i, "text": text,
+                "logprobs": oai.completion_logprobs(meta, self.tm.tokenizer, 0, 0),
+                "finish_reason": oai.finish_reason_name(meta),
+            })
+        return JSONResponse({
+            "id": oai.new_id("cmpl"), "object": "text_completion", "created": oai.now(),
+            "model": self.state.model_name, "choices": choices,
+            "usage": self._usage(outputs, params.n),
+        })
+
+    def _usage(self, outputs: list[dict[str, Any]], n: int) -> dict[str, Any]:
+        metas = [o["meta_info"] for o in outputs]
+        prompt = sum(m["prompt_tokens"] for m in metas[::n])
+        completion = sum(m["completion_tokens"] for m in metas)
+        cached = sum(m["cached_tokens"] for m in metas[::n])
+        return oai.usage(prompt, completion, cached)
+
+    def _stream_completions(self, body: oai.CompletionRequest, reqs: list[GenerateRequest],
+                            prefix: list[str] | None, n: int) -> Response:
+        cid, created = oai.new_id("cmpl"), oai.now()
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            last: dict[int, dict[str, Any]] = {}
+            sent_tokens: dict[int, int] = {}
+            for i in range(len(reqs)):
+                if prefix:
+                    yield self._completion_chunk(cid, created, i, prefix[i // n], None, None)
+            async for i, out in _merge([self.tm.generate(r) for r in reqs]):
+                meta = out["meta_info"]
+                start = sent_tokens.get(i, 0)
+                logprobs = oai.completion_logprobs(meta, self.tm.tokenizer, start,
+                                                   len(out["text"]) - len(out["delta"]))
+                sent_tokens[i] = meta["completion_tokens"]
+                last[i] = out
+                yield self._completion_chunk(cid, created, i, out["delta"], logprobs,
+                                             oai.finish_reason_name(meta))
+            if include_usage:
+                yield {"id": cid, "object": "text_completion", "created": created,
+                       "model": self.state.model_name, "choices": [],
+                       "usage": self._usage([last[i] for i in sorted(last)], n)}
+
+        return self._sse(events())
+
+    def _completion_chunk(self, cid: str, created: int, index: int, text: str,
+                          logprobs: Any, finish: str | None) -> dict[str, Any]:
+        return {
+            "id": cid, "object": "text_completion", "created": created,
+            "model": self.state.model_name,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                         "finish_reason": finish}],
+        }
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await parse_body(request, oai.ChatCompletionRequest)
+        self._check_model(body.model)
+        self._check_generation()
+        prompt = self._chat_prompt(body.messages)
+        params = body.sampling_params(body.max_completion_tokens or body.max_tokens,
+                                      self.state.context_len)
+        params.verify()
+        top = body.top_logprobs or 0 if body.logprobs else None
+        reqs = self._requests([(None, prompt)], params, body.stream, top)
+        if body.stream:
+            return self._stream_chat(body, reqs, params.n)
+        outputs = await self._first_outputs(reqs)
+        choices = [{
+            "index": i,
+            "message": {"role": "assistant", "content": out["text"]},
+            "logprobs": oai.chat_logprobs(out["meta_info"], self.tm.tokenizer, 0),
+            "finish_reason": oai.finish_reason_name(out["meta_info"]),
+        } for i, out in enumerate(outputs)]
+        return JSONResponse({
+            "id": oai.new_id("chatcmpl"), "object": "chat.completion", "created": oai.now(),
+            "model": self.state.model_name, "choices": choices,
+            "usage": self._usage(outputs, params.n),
+        })
+
+    def _chat_prompt(self, messages: list[oai.ChatMessage]) -> list[int]:
+        if not messages:
+            raise RequestError("messages must not be empty")
+        tokenizer = self.tm.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise RequestError("this model's tokenizer has no chat template; "
+                               "use /v1/completions")
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                                tokenize=True)
+        except Exception as exc:  # templates raise their own errors for bad roles
+            raise RequestError(f"cannot apply the chat template: {exc}") from None
+        if isinstance(ids, dict):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _stream_chat(self, body: oai.ChatCompletionRequest, reqs: list[GenerateRequest],
+                     n: int) -> Response:
+        cid, created = oai.new_id("chatcmpl"), oai.now()
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(index: int, delta: dict[str, Any], logprobs: Any,
+                  finish: str | None) -> dict[str, Any]:
+            return {"id": cid, "object": "chat.completion.chunk", "created": created,
+                    "model": self.state.model_name,
+                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                 "finish_reason": finish}]}
+
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            last: dict[int, dict[str, Any]] = {}
+            sent_tokens: dict[int, int] = {}
+            for i in range(len(reqs)):
+                yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+            async for i, out in _merge([self.tm.generate(r) for r in reqs]):
+                meta = out["meta_info"]
+                logprobs = oai.chat_logprobs(meta, self.tm.tokenizer, sent_tokens.get(i, 0))
+                sent_tokens[i] = meta["completion_tokens"]
+                last[i] = out
+                yield chunk(i, {"content": out["delta"]}, logprobs,
+                            oai.finish_reason_name(meta))
+            if include_usage:
+                yield {"id": cid, "object": "chat.completion.chunk", "created": created,
+                       "model": self.state.model_name, "choices": [],
+                       "usage": self._usage([last[i] for i in sorted(last)], n)}
+
+        return self._sse(events())
+
+    async def embeddings(self, request: Request) -> Response:
+        body = await parse_body(request, oai.EmbeddingRequest)
+        self._check_model(body.model)
+        if not self.state.is_embedding:
+            raise RequestError("this model is a generation model; it does not serve embeddings")
+        if body.encoding_format not in ("float", "base64"):
+            raise RequestError("encoding_format must be 'float' or 'base64'")
+        items = oai.split_prompts(body.input)
+        results = await asyncio.gather(*(self.tm.embed(text=t, input_ids=ids)
+                                         for t, ids in items))
+        data = []
+        for i, res in enumerate(results):
+            vector = np.asarray(res["embedding"], dtype=np.float32)
+            value: Any = (base64.b64encode(vector.tobytes()).decode()
+                          if body.encoding_format == "base64" else vector.tolist())
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        prompt_tokens = sum(r["meta_info"]["prompt_tokens"] for r in results)
+        return JSONResponse({
+            "object": "list", "data": data, "model": self.state.model_name,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+        })
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.state.model_name, "object": "model", "created": oai.now(),
+            "owned_by": "framework", "root": self.state.model_path,
+            "max_model_len": self.state.context_len,
+        }]})
+
+    # ------------------------------------------------------------------ native
+
+    async def generate(self, request: Request) -> Response:
+        body = await parse_body(request, oai.GenerateRequestBody)
+        self._check_generation()
+        params = SamplingParams.from_dict(body.sampling_params)
+        params.verify()
+        if body.text is not None and body.input_ids is not None:
+            raise RequestError("give either text or input_ids, not both")
+        if body.text is None and body.input_ids is None:
+            raise RequestError("give text or input_ids")
+        batched = isinstance(body.text, list) or (
+            bool(body.input_ids) and isinstance(body.input_ids[0], list))
+        prompts = oai.split_prompts(body.text if body.text is not None else body.input_ids)
+        reqs = [GenerateRequest(text=t, input_ids=ids, sampling_params=params,
+                                stream=body.stream, return_logprob=body.return_logprob,
+                                top_logprobs_num=body.top_logprobs_num,
+                                rid=None if batched else body.rid)
+                for t, ids in prompts]
+        if body.stream:
+            async def events() -> AsyncIterator[dict[str, Any]]:
+                async for i, out in _merge([self.tm.generate(r) for r in reqs]):
+                    out = {k: v for k, v in out.items() if k != "delta"}
+                    out["index"] = i
+                    yield out
+            return self._sse(events())
+        outputs = [{k: v for k, v in o.items() if k != "delta"}
+                   for o in await self._first_outputs(reqs)]
+        return JSONResponse(outputs if batched else outputs[0])
+
+    async def health(self, request: Request) -> Response:
+        if self.tm.dead_reason is not None:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    async def health_generate(self, request: Request) -> Response:
+        if self.tm.dead_reason is not None:
+            return Response(status_code=503)
+        try:
+            if self.state.is_embedding:
+                await asyncio.wait_for(self.tm.embed(input_ids=[0]), 60)
+            else:
+                req = GenerateRequest(input_ids=[0], sampling_params=SamplingParams(
+                    max_new_tokens=1, temperature=0.0))
+                await asyncio.wait_for(self.tm.generate_one(req), 60)
+        except (asyncio.TimeoutError, RuntimeError):
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    async def get_model_info(self, request: Request) -> Response:
+        return JSONResponse({
+            "model_path": self.state.model_path,
+            "tokenizer_path": self.state.server_args.tokenizer_path or self.state.model_path,
+            "is_generation": not self.state.is_embedding,
+            "served_model_name": self.state.model_name,
+            "context_length": self.state.context_len,
+        })
+
+    async def get_server_info(self, request: Request) -> Response:
+        info = await self.tm.get_scheduler_info()
+        args = dataclasses.asdict(self.state.server_args)
+        metrics = self.tm.last_metrics
+        return JSONResponse({
+            **args, "scheduler": info,
+            "metrics": msgspec.to_builtins(metrics) if metrics is not None else None,
+        })
+
+    async def flush_cache(self, request: Request) -> Response:
+        reply = await self.tm.flush_cache()
+        status = 200 if reply.success else 400
+        return JSONResponse({"success": reply.success, "message": reply.message},
+                            status_code=status)
+
+    async def abort_request(self, request: Request) -> Response:
+        body = await parse_body(request, oai.AbortBody)
+        if not body.rid and not body.abort_all:
+            raise RequestError("give rid or abort_all")
+        await self.tm.send_to_scheduler.send(AbortReq(
+            rid=body.rid, abort_all=body.abort_all, reason="aborted by /abort_request"))
+        return JSONResponse({"success": True})
+
+    async def update_weights_from_disk(self, request: Request) -> Response:
+        body = await parse_body(request, oai.UpdateWeightsBody)
+        reply = await self.tm.update_weights_from_disk(body.model_path, body.load_format)
+        status = 200 if reply.success else 400
+        return JSONResponse({"success": reply.success, "message": reply.message,
+                             "num_paused_requests": reply.num_paused_requests},
+                            status_code=status)
+
+    # ------------------------------------------------------------------ plumbing
+
+    @staticmethod
+    def _sse(events: AsyncIterator[Any]) -> StreamingResponse:
+        return StreamingResponse(sse_stream(events), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+
+def build_app(state: ServerState) -> Starlette:
+    """The Starlette application for ``state``."""
+    routes = Routes(state)
+    table = [
+        ("/v1/completions", routes.completions, ["POST"]),
+        ("/v1/chat/completions", routes.chat_completions, ["POST"]),
+        ("/v1/embeddings", routes.embeddings, ["POST"]),
+        ("/v1/models", routes.models, ["GET"]),
+        ("/generate", routes.generate, ["POST"]),
+        ("/health", routes.health, ["GET"]),
+        ("/health_generate", routes.health_generate, ["GET"]),
+        ("/get_model_info", routes.get_model_info, ["GET"]),
+        ("/get_server_info", routes.get_server_info, ["GET"]),
+        ("/flush_cache", routes.flush_cache, ["POST"]),
+        ("/abort_request", routes.abort_request, ["POST"]),
+        ("/update_weights_from_disk", routes.update_weights_from_disk, ["POST"]),
+    ]
+    app = Starlette(routes=[Route(path, _handler(fn), methods=methods)
+                            for path, fn, methods in table])
+    app.state.server = state
+    return app
+
+
+__all__ = ["JSONResponse", "ServerState", "build_app", "error_response", "sse_event"]

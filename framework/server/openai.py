@@ -1,0 +1,224 @@
+"""OpenAI-compatible request schemas and the response shapes built from runtime outputs.
+
+Requests are ``msgspec.Struct``s: decoding validates types, and unknown
+fields are ignored as OpenAI ignores them. ``to_sampling_params`` maps the
+OpenAI names onto ``SamplingParams``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Union
+
+import msgspec
+
+from framework.sampling_params import SamplingParams
+
+# A string, a list of strings, token ids or lists of token ids; msgspec unions allow one list
+# type, so the list's items are checked by ``split_prompts``.
+Prompt = Union[str, list[Any]]  # noqa: UP007 - msgspec needs a runtime Union
+
+
+class StreamOptions(msgspec.Struct):
+    """``stream_options`` of a streaming request."""
+
+    include_usage: bool = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Sampling fields shared by completions and chat completions (OpenAI names + extras)."""
+
+    model: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    user: str | None = None
+    # Extensions that SGLang and vLLM accept as well.
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stop_token_ids: list[int] | None = None
+    no_stop_trim: bool = False
+
+    def sampling_params(self, max_tokens: int | None, default_max: int) -> SamplingParams:
+        """The runtime's ``SamplingParams`` for this request."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_new_tokens=default_max if max_tokens is None else max_tokens,
+            min_new_tokens=self.min_tokens, stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []), temperature=self.temperature,
+            top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim,
+            seed=self.seed, n=self.n,
+        )
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    """``POST /v1/completions``."""
+
+    prompt: Prompt
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    """One chat message; content may be a string or a list of text parts."""
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The message's text (text parts joined)."""
+        if isinstance(self.content, list):
+            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    """``POST /v1/embeddings``."""
+
+    input: Prompt
+    model: str | None = None
+    encoding_format: str = "float"
+    user: str | None = None
+
+
+class GenerateRequestBody(msgspec.Struct, kw_only=True):
+    """``POST /generate``: SGLang's native request."""
+
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None
+    sampling_params: dict[str, Any] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    rid: str | None = None
+
+
+class UpdateWeightsBody(msgspec.Struct, kw_only=True):
+    """``POST /update_weights_from_disk``."""
+
+    model_path: str
+    load_format: str = "auto"
+    abort_all_requests: bool = False
+
+
+class AbortBody(msgspec.Struct, kw_only=True):
+    """``POST /abort_request``."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+def split_prompts(prompt: Prompt) -> list[tuple[str | None, list[int] | None]]:
+    """A prompt field as a list of (text, input_ids) pairs, one per prompt."""
+    if isinstance(prompt, str):
+        return [(prompt, None)]
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return [(None, list(prompt))]  # type: ignore[arg-type]
+    if all(isinstance(p, str) for p in prompt):
+        return [(p, None) for p in prompt]  # type: ignore[misc]
+    if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+        return [(None, list(p)) for p in prompt]  # type: ignore[arg-type]
+    raise ValueError("prompt must be a string, a list of strings, or token ids")
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def new_id(prefix: str) -> str:
+    """An OpenAI-style object id."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """The ``created`` timestamp."""
+    return int(time.time())
+
+
+def finish_reason_name(meta: dict[str, Any]) -> str | None:
+    """OpenAI's finish_reason string from the runtime's finish reason object."""
+    reason = meta.get("finish_reason")
+    if reason is None:
+        return None
+    return {"stop": "stop", "length": "length", "abort": "abort"}.get(reason["type"], "stop")
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """The ``usage`` object."""
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if cached_tokens:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def completion_logprobs(meta: dict[str, Any], tokenizer: Any, start: int,
+                        text_offset: int) -> dict[str, Any] | None:
+    """The legacy completions ``logprobs`` object for tokens ``start:`` of ``meta``."""
+    pairs = meta.get("output_token_logprobs")
+    if pairs is None:
+        return None
+    tops = meta.get("output_top_logprobs") or [[] for _ in pairs]
+    tokens = [tokenizer.decode([tid]) for _, tid in pairs[start:]]
+    offsets = []
+    for tok in tokens:
+        offsets.append(text_offset)
+        text_offset += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _ in pairs[start:]],
+        "top_logprobs": [
+            {tokenizer.decode([tid]): lp for lp, tid in row} for row in tops[start:]
+        ],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(meta: dict[str, Any], tokenizer: Any, start: int) -> dict[str, Any] | None:
+    """The chat ``logprobs`` object (``content`` list) for tokens ``start:``."""
+    pairs = meta.get("output_token_logprobs")
+    if pairs is None:
+        return None
+    tops = meta.get("output_top_logprobs") or [[] for _ in pairs]
+    content = []
+    for (lp, tid), row in zip(pairs[start:], tops[start:]):
+        token = tokenizer.decode([tid])
+        content.append({
+            "token": token, "logprob": lp, "bytes": list(token.encode()),
+            "top_logprobs": [
+                {"token": tokenizer.decode([t]), "logprob": v,
+                 "bytes": list(tokenizer.decode([t]).encode())} for v, t in row
+            ],
+        })
+    return {"content": content}

@@ -1,0 +1,332 @@
+"""The real server as a subprocess: OpenAI and native routes, SSE, aborts, weights, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from framework import Engine
+from tests.model_fixtures import make_tiny_checkpoint
+from tests.server_harness import ServerProcess, child_pids, start_server, stream_events
+
+PROMPTS = [
+    "hello world",
+    "the quick brown fox jumps over",
+    "a",
+    "one two three four five six seven eight nine ten",
+    "serving systems batch requests",
+    "def add(a, b):",
+    "tokens",
+    "the cache holds keys and values for every layer of the model",
+]
+MAX_TOKENS = 12
+STREAM_INTERVAL = 2
+GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_TOKENS, "ignore_eos": True}
+
+CONFIGS = [("zmq", "pickle"), ("zmq", "msgpack"), ("shm", "msgpack")]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two tiny Llama checkpoints of the same shape with different weights."""
+    first = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt_a"), "llama", seed=1)
+    second = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt_b"), "llama", seed=2)
+    return first, second
+
+
+def _engine_outputs(model: Path) -> list[dict[str, Any]]:
+    with Engine(model_path=str(model)) as engine:
+        return engine.generate(PROMPTS, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoints: tuple[Path, Path]) -> dict[Path, list[dict[str, Any]]]:
+    """Greedy outputs of the offline Engine for both checkpoints: the reference."""
+    return {ckpt: _engine_outputs(ckpt) for ckpt in checkpoints}
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=[f"{t}+{c}" for t, c in CONFIGS])
+def server(request: pytest.FixtureRequest, checkpoints: tuple[Path, Path],
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    transport, codec = request.param
+    log_dir = tmp_path_factory.mktemp("logs")
+    proc = start_server(checkpoints[0], log_dir, "--transport", transport, "--codec", codec,
+                        "--stream-interval", str(STREAM_INTERVAL))
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        yield c
+
+
+def _completion_body(prompt: str, stream: bool = False, **extra: Any) -> dict[str, Any]:
+    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": stream, **extra}
+
+
+def _expected_events(tokens: int) -> int:
+    return math.ceil(tokens / STREAM_INTERVAL)
+
+
+def test_completions_json(client: httpx.Client, expected: dict, checkpoints: tuple) -> None:
+    ref = expected[checkpoints[0]]
+    response = client.post("/v1/completions", json=_completion_body(PROMPTS[1]))
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "text_completion"
+    assert body["id"].startswith("cmpl-")
+    choice = body["choices"][0]
+    assert choice["text"] == ref[1]["text"]
+    assert choice["finish_reason"] == "length"
+    assert body["usage"] == {
+        "prompt_tokens": ref[1]["meta_info"]["prompt_tokens"],
+        "completion_tokens": MAX_TOKENS,
+        "total_tokens": ref[1]["meta_info"]["prompt_tokens"] + MAX_TOKENS,
+    }
+
+
+def test_completions_sse(client: httpx.Client, expected: dict, checkpoints: tuple) -> None:
+    ref = expected[checkpoints[0]]
+    events = stream_events(client, "/v1/completions", _completion_body(
+        PROMPTS[3], stream=True, stream_options={"include_usage": True}))
+    assert events[-1] == "[DONE]"
+    usage_chunk, chunks = events[-2], events[:-2]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == MAX_TOKENS
+    assert len(chunks) == _expected_events(MAX_TOKENS)
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == ref[3]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [
+        "length"]
+
+
+def test_generate_json(client: httpx.Client, expected: dict, checkpoints: tuple) -> None:
+    ref = expected[checkpoints[0]]
+    body = client.post("/generate", json={"text": PROMPTS[5], "sampling_params": GREEDY}).json()
+    assert body["text"] == ref[5]["text"]
+    assert body["output_ids"] == ref[5]["output_ids"]
+    assert body["meta_info"]["finish_reason"] == {"type": "length"}
+    assert body["meta_info"]["completion_tokens"] == MAX_TOKENS
+
+
+def test_generate_sse(client: httpx.Client, expected: dict, checkpoints: tuple) -> None:
+    ref = expected[checkpoints[0]]
+    events = stream_events(client, "/generate", {"text": PROMPTS[0], "sampling_params": GREEDY,
+                                                 "stream": True})
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) == _expected_events(MAX_TOKENS)
+    assert chunks[-1]["text"] == ref[0]["text"]  # /generate streams the text so far
+    assert chunks[-1]["output_ids"] == ref[0]["output_ids"]
+    assert [c["meta_info"]["completion_tokens"] for c in chunks] == list(
+        range(STREAM_INTERVAL, MAX_TOKENS + 1, STREAM_INTERVAL))
+
+
+def test_32_concurrent_streams_match_the_engine(server: ServerProcess, expected: dict,
+                                                checkpoints: tuple) -> None:
+    ref = expected[checkpoints[0]]
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, str, int, bool]:
+        prompt = i % len(PROMPTS)
+        body = _completion_body(PROMPTS[prompt], stream=True)
+        text, events, done = "", 0, False
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    continue
+                import json
+
+                text += json.loads(line[6:])["choices"][0]["text"]
+                events += 1
+        return prompt, text, events, done
+
+    async def run_all() -> list[tuple[int, str, int, bool]]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120,
+                                     limits=limits) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    results = asyncio.run(run_all())
+    assert len(results) == 32
+    for prompt, text, events, done in results:
+        assert done, "a stream did not end with [DONE]"
+        assert events == _expected_events(MAX_TOKENS)
+        assert text == ref[prompt]["text"]
+
+
+def test_openai_client(server: ServerProcess, expected: dict, checkpoints: tuple) -> None:
+    ref = expected[checkpoints[0]]
+    oa = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+    model = oa.models.list().data[0].id
+    completion = oa.completions.create(model=model, prompt=PROMPTS[2], max_tokens=MAX_TOKENS,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert completion.choices[0].text == ref[2]["text"]
+    assert completion.usage.completion_tokens == MAX_TOKENS
+    stream = oa.completions.create(model=model, prompt=PROMPTS[2], max_tokens=MAX_TOKENS,
+                                   temperature=0, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(chunk.choices[0].text for chunk in stream) == ref[2]["text"]
+
+
+def test_bad_input_is_a_400_with_an_openai_error(client: httpx.Client) -> None:
+    cases = [
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "top_p": 2}, "top_p"),
+        ("/v1/completions", {"max_tokens": 3}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "model": "nope"}, "nope"),
+        ("/v1/completions", {"prompt": []}, "empty"),
+        ("/v1/completions", {"prompt": [1, "x"]}, "prompt"),
+        ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+        ("/generate", {"sampling_params": {}}, "text"),
+        ("/v1/embeddings", {"input": "x"}, "embedding"),
+    ]
+    for path, body, word in cases:
+        response = client.post(path, json=body)
+        assert response.status_code == 400, (path, body, response.text)
+        error = response.json()["error"]
+        assert word in error["message"], error
+        assert error["type"] == "invalid_request_error"
+        assert error["code"] == 400
+    response = client.post("/v1/completions", content=b"{not json")
+    assert response.status_code == 400
+    assert "JSON" in response.json()["error"]["message"]
+
+
+def test_operational_endpoints(client: httpx.Client, checkpoints: tuple) -> None:
+    assert client.get("/health").status_code == 200
+    assert client.get("/health_generate").status_code == 200
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == str(checkpoints[0])
+    info = client.get("/get_model_info").json()
+    assert info["is_generation"] is True
+    assert info["model_path"] == str(checkpoints[0])
+    server_info = client.get("/get_server_info").json()
+    assert server_info["stream_interval"] == STREAM_INTERVAL
+    assert server_info["scheduler"]["kv_cache_idle_and_free"] is True
+    assert client.post("/flush_cache").json()["success"] is True
+    assert client.post("/abort_request", json={"rid": "no-such-request"}).status_code == 200
+
+
+def _wait_idle(client: httpx.Client, timeout: float = 10.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = client.get("/get_server_info").json()["scheduler"]
+        if info["kv_cache_idle_and_free"] or time.monotonic() > deadline:
+            return info
+        time.sleep(0.05)
+
+
+def test_client_disconnect_aborts_and_frees_kv(client: httpx.Client) -> None:
+    before = client.get("/get_server_info").json()["scheduler"]["aborted_requests"]
+    body = {"prompt": PROMPTS[0], "max_tokens": 100000, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        got = [line for line, _ in zip(lines, range(4))]
+        assert any(line.startswith("data: ") for line in got)
+    # The connection is closed mid-stream; the request must be aborted and its slots freed.
+    info = _wait_idle(client)
+    assert info["kv_cache_idle_and_free"] is True, info
+    assert info["aborted_requests"] == before + 1
+
+
+def test_update_weights_from_disk(server: ServerProcess, client: httpx.Client, expected: dict,
+                                  checkpoints: tuple, tmp_path: Path) -> None:
+    first, second = checkpoints
+
+    async def update_during_stream() -> tuple[list[str], dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as ac:
+            body = _completion_body(PROMPTS[0], stream=True, max_tokens=200)
+
+            async def stream() -> list[str]:
+                async with ac.stream("POST", "/v1/completions", json=body) as response:
+                    return [line async for line in response.aiter_lines() if line]
+
+            task = asyncio.create_task(stream())
+            await asyncio.sleep(0.2)
+            reply = (await ac.post("/update_weights_from_disk",
+                                   json={"model_path": str(second)})).json()
+            return await asyncio.wait_for(task, 60), reply
+
+    lines, reply = asyncio.run(update_during_stream())
+    assert reply["success"] is True, reply
+    assert lines[-1] == "data: [DONE]"  # the in-flight request finished, it did not hang
+    for i in (1, 4):
+        body = client.post("/generate", json={"text": PROMPTS[i], "sampling_params": GREEDY})
+        assert body.json()["output_ids"] == expected[second][i]["output_ids"]
+
+    bad = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "none")})
+    assert bad.status_code == 400
+    assert bad.json()["success"] is False
+    assert "none" in bad.json()["message"]
+    body = client.post("/generate", json={"text": PROMPTS[1], "sampling_params": GREEDY})
+    assert body.json()["output_ids"] == expected[second][1]["output_ids"]
+
+    restored = client.post("/update_weights_from_disk", json={"model_path": str(first)})
+    assert restored.json()["success"] is True
+
+
+def _alive(pids: list[int], wait: float = 5.0) -> list[int]:
+    """The pids still running after up to ``wait`` seconds (zombies count as gone)."""
+    deadline = time.monotonic() + wait
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                alive.append(pid)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def _private_tmp(tmp_path: Path) -> dict[str, str]:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    return {"TMPDIR": str(tmp)}
+
+
+def test_sigterm_leaves_no_child_and_no_socket_file(checkpoints: tuple, tmp_path: Path) -> None:
+    env = _private_tmp(tmp_path)
+    server = start_server(checkpoints[0], tmp_path, env=env)
+    children = server.children()
+    assert len(children) >= 2
+    assert os.listdir(env["TMPDIR"]), "the server keeps its sockets under TMPDIR"
+    assert server.stop(signal.SIGTERM) == 0, server.log()
+    assert _alive(children) == []
+    assert os.listdir(env["TMPDIR"]) == []
+
+
+def test_killing_the_scheduler_takes_the_server_down(checkpoints: tuple, tmp_path: Path) -> None:
+    env = _private_tmp(tmp_path)
+    server = start_server(checkpoints[0], tmp_path, env=env)
+    pid = httpx.get(f"{server.base_url}/get_server_info").json()["scheduler"]["pid"]
+    children = child_pids(server.proc.pid)
+    assert pid in children
+    started = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    code = server.proc.wait(timeout=10)
+    assert time.monotonic() - started < 10
+    assert code != 0
+    assert "scheduler process exited unexpectedly" in server.log()
+    assert _alive(children) == []
+    assert os.listdir(env["TMPDIR"]) == []
