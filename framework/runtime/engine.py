@@ -26,10 +26,12 @@ _START_TIMEOUT_S = 600.0
 class ComponentThread(threading.Thread):
     """Runs one component in a daemon thread and reports readiness or failure."""
 
-    def __init__(self, name: str, build: Callable[[], Any], run: Callable[[Any], None]) -> None:
+    def __init__(self, name: str, build: Callable[[], Any], run: Callable[[Any], None],
+                 on_error: Callable[[str], None]) -> None:
         super().__init__(name=name, daemon=True)
         self._build = build
         self._run = run
+        self._on_error = on_error
         self.component: Any = None
         self.error: BaseException | None = None
         self.ready = threading.Event()
@@ -47,6 +49,7 @@ class ComponentThread(threading.Thread):
         except BaseException as exc:
             self.error = exc
             logger.exception("%s stopped with an error", self.name)
+            self._on_error(f"the {self.name} failed: {exc!r}")
 
     def wait_ready(self, timeout: float) -> Any:
         """The built component; re-raises the error if building it failed."""
@@ -93,12 +96,12 @@ class Engine:
         self.tokenizer_manager = classes.tokenizer_manager(args, port_args, transport, tokenizer)
         scheduler = ComponentThread(
             "scheduler", lambda: classes.scheduler(args, port_args, transport),
-            lambda s: s.event_loop(),
+            lambda s: s.event_loop(), self._fail_all,
         )
         detokenizer = ComponentThread(
             "detokenizer",
             lambda: classes.detokenizer.from_server_args(args, port_args, transport),
-            lambda d: asyncio.run(d.serve()),
+            lambda d: asyncio.run(d.serve()), self._fail_all,
         )
         self._threads = [scheduler, detokenizer]
         for thread in self._threads:
@@ -108,6 +111,12 @@ class Engine:
         self.scheduler = scheduler.component
         self.tokenizer_manager.context_len = self.scheduler.context_len
         self._loop.run_until_complete(self._start_manager())
+
+    def _fail_all(self, reason: str) -> None:
+        """Wake every waiting request with the failure (called from a component's thread)."""
+        manager = self.tokenizer_manager
+        if manager is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(manager.fail_all, reason)
 
     async def _start_manager(self) -> None:
         assert self.tokenizer_manager is not None

@@ -105,6 +105,7 @@ class Scheduler:
         self._last_metrics = 0.0
         self._generated_since_metrics = 0
         self.aborted_requests = 0
+        self.steps = {mode.name.lower(): 0 for mode in ForwardMode}
 
     # ------------------------------------------------------------------ loop
 
@@ -158,9 +159,11 @@ class Scheduler:
             top_logprobs_num=msg.top_logprobs_num,
             stream_interval=params.stream_interval or self.server_args.stream_interval,
         )
-        room = self.context_len - len(req.origin_input_ids)
+        capacity = min(self.context_len, self.model_runner.token_to_kv_allocator.size)
+        room = capacity - len(req.origin_input_ids)
         if params.max_new_tokens > room:
-            # As the OpenAI API does, generation stops at the context length.
+            # As the OpenAI API does, generation stops at the context length (or at what the
+            # KV cache can hold for a request alone).
             params.max_new_tokens = max(room, 0)
             params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
         self.add_request(req)
@@ -264,6 +267,8 @@ class Scheduler:
         return {
             "pid": os.getpid(),
             "aborted_requests": self.aborted_requests,
+            "extend_steps": self.steps["extend"],
+            "decode_steps": self.steps["decode"],
             "num_running_reqs": len(self.running),
             "num_waiting_reqs": len(self.waiting),
             "max_total_tokens": allocator.size,
@@ -304,7 +309,9 @@ class Scheduler:
         """Take waiting requests in order while the token budget, slots and KV allow."""
         budget = self.server_args.chunked_prefill_size
         allocator = self.model_runner.token_to_kv_allocator
-        # Keep one KV slot per running request for its next decode step.
+        # Keep one KV slot per running request for its next decode step, and one for each
+        # admitted request too: a request admitted without room to decode would be retracted
+        # at once and admitted again, forever.
         free_kv = allocator.available_size() - len(self.running)
         reqs: list[Req] = []
         lens: list[int] = []
@@ -316,7 +323,7 @@ class Scheduler:
                 break
             chunk = req.extend_remaining if req.is_embedding else min(req.extend_remaining,
                                                                        budget)
-            if chunk > free_kv or (req.is_embedding and chunk > budget and reqs):
+            if chunk + 1 > free_kv or (req.is_embedding and chunk > budget and reqs):
                 break
             if req.req_pool_idx is None:
                 slots = self.model_runner.req_to_token_pool.alloc(1)
@@ -327,7 +334,7 @@ class Scheduler:
             reqs.append(req)
             lens.append(chunk)
             budget -= chunk
-            free_kv -= chunk
+            free_kv -= chunk + 1
             if chunk < req.extend_remaining:
                 break  # a chunked request ends the batch; it continues next step
         if not reqs:
@@ -348,6 +355,7 @@ class Scheduler:
 
     def run_batch(self, batch: ScheduledBatch) -> None:
         """Run one model step for ``batch`` and process its results."""
+        self.steps[batch.mode.name.lower()] += 1
         forward_batch = self.build_forward_batch(batch)
         output = self.model_runner.forward(forward_batch)
         for req, n in zip(batch.reqs, batch.extend_lens):
@@ -355,10 +363,12 @@ class Scheduler:
         if output.embeddings is not None:
             self.process_embeddings(batch, output.embeddings)
             return
+        # Requests whose prompt is now fully in the cache sample a token; a partial chunk
+        # does not (its logits are for a token in the middle of the prompt).
         sampled = [i for i in range(len(batch.reqs)) if batch.completes_prefill(i)]
         if sampled:
             self.sample_and_append(batch, output.next_token_logits, sampled)
-        self.after_step(batch)
+        self.after_step(batch, set(sampled))
 
     def build_forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:
         """Allocate KV slots for the new tokens and pack them (no padding)."""
@@ -454,7 +464,7 @@ class Scheduler:
         found = [(tail.find(s), s) for s in stops if s in tail]
         return min(found)[1] if found else None
 
-    def after_step(self, batch: ScheduledBatch) -> None:
+    def after_step(self, batch: ScheduledBatch, sampled: set[int]) -> None:
         """Send due outputs, free finished requests, move prefilled ones to running."""
         due = [r for r in batch.reqs if r.output_due()]
         if due:
@@ -463,7 +473,7 @@ class Scheduler:
         for i, req in enumerate(batch.reqs):
             if req.finished:
                 continue
-            if not batch.completes_prefill(i):
+            if i not in sampled:
                 self.waiting.appendleft(req)  # a chunk remains; continue next step
             elif id(req) not in running_ids:
                 self.running.append(req)

@@ -1,0 +1,81 @@
+"""Token embeddings and the output projection, split over ranks along the vocabulary."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from framework.layers.linear import require_single_rank
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table whose rows (the vocabulary) are split evenly over ranks.
+
+    The vocabulary is padded up to a multiple of ``tp_size``; padding rows are
+    zero. Each rank holds rows ``[tp_rank * rows_per_rank, (tp_rank + 1) *
+    rows_per_rank)`` of the padded table.
+    """
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, *, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        super().__init__()
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.rows_per_rank = -(-num_embeddings // tp_size)
+        self.vocab_start = tp_rank * self.rows_per_rank
+        self.weight = nn.Parameter(
+            torch.empty(self.rows_per_rank, embedding_dim), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        """Copy this rank's rows of the full ``[num_embeddings, dim]`` table; zero the padding."""
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} takes no shard id, got {shard_id!r}")
+        expected = (self.num_embeddings, self.embedding_dim)
+        if tuple(loaded_weight.shape) != expected:
+            raise ValueError(
+                f"{type(self).__name__}: checkpoint tensor has shape "
+                f"{tuple(loaded_weight.shape)}, expected {expected}"
+            )
+        real_rows = max(0, min(self.rows_per_rank, self.num_embeddings - self.vocab_start))
+        param.data.narrow(0, 0, real_rows).copy_(
+            loaded_weight.narrow(0, self.vocab_start, real_rows)
+        )
+        param.data[real_rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embed token ids; needs ``tp_size == 1`` until the all-reduce exists."""
+        require_single_rank(self, self.tp_size)
+        return F.embedding(input_ids, self.weight)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Use the table as an output projection: logits ``[n, num_embeddings]``.
+
+        This is how a model with tied embeddings projects onto the vocabulary.
+        The result is in the weight dtype.
+        """
+        require_single_rank(self, self.tp_size)
+        return F.linear(hidden_states, self.weight)[:, : self.num_embeddings]
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, tp_rank={self.tp_rank}, "
+            f"tp_size={self.tp_size}"
+        )
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection ``hidden -> vocabulary logits``, split like the embedding."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """An output head is not an embedding lookup; use ``compute_logits``."""
+        raise RuntimeError("ParallelLMHead is applied with compute_logits(hidden_states)")

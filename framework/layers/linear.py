@@ -1,0 +1,302 @@
+"""Linear layers laid out for tensor parallelism.
+
+Each layer holds only its rank's part of the full matrix and knows how to cut
+that part out of a checkpoint tensor (``weight_loader``), so that a model loads
+the same files at any ``tp_size``:
+
+* ``ColumnParallelLinear`` splits the output features (rows of the weight);
+* ``MergedColumnParallelLinear`` is several column-parallel matrices stacked
+  (gate and up projections), each split on its own;
+* ``QKVParallelLinear`` stacks the query, key and value projections, split by
+  heads (key/value heads are replicated when there are fewer than ranks);
+* ``RowParallelLinear`` splits the input features (columns of the weight); its
+  partial outputs need a sum over ranks.
+
+Parameters are created with the default dtype and device, so a model builds
+them under ``torch.device(...)`` and ``default_dtype(...)``. Only ``tp_size=1``
+runs a forward pass for now: the all-reduce of ``RowParallelLinear`` arrives
+with the distributed layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Create floating-point tensors in ``dtype`` inside the block."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """``numerator / denominator``, raising ``ValueError`` when it does not divide evenly."""
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tp_size ({denominator})")
+    return numerator // denominator
+
+
+def check_loaded_shape(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    """Raise ``ValueError`` unless ``loaded`` has exactly the shape of ``param``."""
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(
+            f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, "
+            f"expected {tuple(param.shape)}"
+        )
+
+
+def default_weight_loader(
+    param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None
+) -> None:
+    """Copy a whole, unsharded tensor into ``param`` (shapes must match exactly)."""
+    if shard_id is not None:
+        raise ValueError(f"a replicated parameter takes no shard id, got {shard_id!r}")
+    check_loaded_shape(param, loaded_weight, "parameter")
+    param.data.copy_(loaded_weight)
+
+
+def require_single_rank(layer: nn.Module, tp_size: int) -> None:
+    """Raise ``NotImplementedError`` for a forward pass that needs collectives over ranks."""
+    if tp_size > 1:
+        raise NotImplementedError(
+            f"{type(layer).__name__} with tp_size={tp_size} needs the tensor-parallel "
+            "collectives, which are not available yet"
+        )
+
+
+class LinearBase(nn.Module):
+    """A ``y = x W^T + b`` layer holding this rank's ``[out_local, in_local]`` part of ``W``."""
+
+    def __init__(
+        self,
+        local_input_size: int,
+        local_output_size: int,
+        *,
+        bias: bool,
+        tp_rank: int,
+        tp_size: int,
+    ) -> None:
+        super().__init__()
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.weight = nn.Parameter(
+            torch.empty(local_output_size, local_input_size), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(local_output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        """Copy this rank's part of the checkpoint tensor ``loaded_weight`` into ``param``."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply this rank's part of the layer to ``x`` of shape ``[..., in_local]``."""
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        out_features, in_features = self.weight.shape
+        return (
+            f"in_local={in_features}, out_local={out_features}, bias={self.bias is not None}, "
+            f"tp_rank={self.tp_rank}, tp_size={self.tp_size}"
+        )
+
+
+def _load_rows(
+    param: torch.Tensor,
+    loaded_weight: torch.Tensor,
+    *,
+    param_offset: int,
+    rows: int,
+    loaded_start: int,
+    loaded_rows: int,
+    what: str,
+) -> None:
+    """Copy ``loaded_weight[loaded_start:+rows]`` into ``param[param_offset:+rows]``.
+
+    ``loaded_weight`` must be the whole checkpoint tensor: ``loaded_rows`` rows
+    and the trailing shape of ``param``.
+    """
+    expected = (loaded_rows, *param.shape[1:])
+    if tuple(loaded_weight.shape) != expected:
+        raise ValueError(
+            f"{what}: checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
+            f"expected {expected}"
+        )
+    param.data.narrow(0, param_offset, rows).copy_(loaded_weight.narrow(0, loaded_start, rows))
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split over ranks; each rank returns its slice of the output."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        local_output = divide(output_size, tp_size, "output features")
+        super().__init__(input_size, local_output, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        """Copy this rank's rows of the full ``[output_size, ...]`` checkpoint tensor."""
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} takes no shard id, got {shard_id!r}")
+        rows = param.shape[0]
+        _load_rows(param, loaded_weight, param_offset=0, rows=rows,
+                   loaded_start=self.tp_rank * rows, loaded_rows=rows * self.tp_size,
+                   what=type(self).__name__)
+
+
+class MergedColumnParallelLinear(LinearBase):
+    """Several column-parallel matrices stacked along the output (e.g. gate and up).
+
+    Checkpoints hold them separately; ``shard_id`` is the matrix's index in
+    ``output_sizes``.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        *,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        self.local_output_sizes = [
+            divide(size, tp_size, "output features") for size in self.output_sizes
+        ]
+        super().__init__(
+            input_size, sum(self.local_output_sizes), bias=bias, tp_rank=tp_rank, tp_size=tp_size
+        )
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        """Copy this rank's rows of matrix number ``shard_id`` into its place in ``param``."""
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(
+                f"shard_id must be an int in [0, {len(self.output_sizes)}), got {shard_id!r}"
+            )
+        rows = self.local_output_sizes[shard_id]
+        _load_rows(param, loaded_weight, param_offset=sum(self.local_output_sizes[:shard_id]),
+                   rows=rows, loaded_start=self.tp_rank * rows,
+                   loaded_rows=self.output_sizes[shard_id],
+                   what=f"{type(self).__name__} shard {shard_id}")
+
+
+class QKVParallelLinear(LinearBase):
+    """Query, key and value projections stacked as ``[q | k | v]`` and split by heads.
+
+    With fewer key/value heads than ranks, each key/value head is replicated on
+    ``tp_size // total_num_kv_heads`` consecutive ranks.
+    """
+
+    SHARD_IDS = ("q", "k", "v")
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        *,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = divide(total_num_heads, tp_size, "attention heads")
+        if tp_size >= total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.kv_replicas = divide(tp_size, total_num_kv_heads, "tp_size / key-value heads")
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size, "key/value heads")
+            self.kv_replicas = 1
+        local_output = (self.num_heads + 2 * self.num_kv_heads) * head_size
+        super().__init__(hidden_size, local_output, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        """Copy this rank's heads of projection ``shard_id`` ("q", "k" or "v") into ``param``."""
+        if shard_id not in self.SHARD_IDS:
+            raise ValueError(f"shard_id must be one of {self.SHARD_IDS}, got {shard_id!r}")
+        q_rows = self.num_heads * self.head_size
+        kv_rows = self.num_kv_heads * self.head_size
+        if shard_id == "q":
+            offset, rows, start = 0, q_rows, self.tp_rank * q_rows
+            full_rows = self.total_num_heads * self.head_size
+        else:
+            offset = q_rows if shard_id == "k" else q_rows + kv_rows
+            rows, start = kv_rows, (self.tp_rank // self.kv_replicas) * kv_rows
+            full_rows = self.total_num_kv_heads * self.head_size
+        _load_rows(param, loaded_weight, param_offset=offset, rows=rows, loaded_start=start,
+                   loaded_rows=full_rows, what=f"{type(self).__name__} shard {shard_id!r}")
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split over ranks; the partial outputs are summed over ranks."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        local_input = divide(input_size, tp_size, "input features")
+        super().__init__(local_input, output_size, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        """Copy this rank's columns of the weight.
+
+        The bias is whole on every rank: it belongs after the sum over ranks, added once.
+        """
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} takes no shard id, got {shard_id!r}")
+        if param.dim() == 2:
+            cols = param.shape[1]
+            expected = (param.shape[0], cols * self.tp_size)
+            if tuple(loaded_weight.shape) != expected:
+                raise ValueError(
+                    f"{type(self).__name__}: checkpoint tensor has shape "
+                    f"{tuple(loaded_weight.shape)}, expected {expected}"
+                )
+            loaded_weight = loaded_weight.narrow(1, self.tp_rank * cols, cols)
+        check_loaded_shape(param, loaded_weight, type(self).__name__)
+        param.data.copy_(loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the layer; needs ``tp_size == 1`` until the all-reduce exists."""
+        require_single_rank(self, self.tp_size)
+        return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,136 @@
+"""Rotary position embeddings (RoPE) with the default, "linear" and "llama3" frequency schemes.
+
+Frequencies are computed in float32 from the absolute position of every packed
+token, so any mix of prefill and decode tokens is rotated in one call. The
+rotation follows the Hugging Face "rotate half" layout (the two halves of the
+head dimension form the pairs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """The RoPE settings of a model, read from its Hugging Face config."""
+
+    rope_type: str = "default"
+    theta: float = DEFAULT_ROPE_THETA
+    factor: float = 1.0
+    # "llama3" only:
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> RopeConfig:
+        """Read ``rope_parameters`` (transformers 5) or ``rope_scaling``/``rope_theta`` (older)."""
+        params = getattr(hf_config, "rope_parameters", None) or getattr(
+            hf_config, "rope_scaling", None
+        ) or {}
+        if any(isinstance(value, dict) for value in params.values()):
+            raise ValueError("per-layer RoPE parameters are not supported")
+        rope_type = params.get("rope_type") or params.get("type") or "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"RoPE type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+            )
+        partial = params.get(
+            "partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)
+        )
+        if partial not in (None, 1.0):
+            raise ValueError(f"partial_rotary_factor {partial} is not supported (only 1.0)")
+        theta = params.get("rope_theta") or getattr(hf_config, "rope_theta", None)
+        kwargs: dict[str, Any] = {
+            "rope_type": rope_type,
+            "theta": float(theta or DEFAULT_ROPE_THETA),
+        }
+        if rope_type != "default":
+            kwargs["factor"] = float(params["factor"])
+        if rope_type == "llama3":
+            kwargs["low_freq_factor"] = float(params["low_freq_factor"])
+            kwargs["high_freq_factor"] = float(params["high_freq_factor"])
+            kwargs["original_max_position_embeddings"] = int(
+                params.get("original_max_position_embeddings")
+                or hf_config.max_position_embeddings
+            )
+        return cls(**kwargs)
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """The ``head_dim // 2`` inverse frequencies (float32) of the given RoPE scheme."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    # Long wavelengths are slowed down by `factor`, short ones kept, and the
+    # band in between blends the two smoothly (Llama 3.1's context extension).
+    old_context = rope.original_max_position_embeddings
+    low_freq_wavelen = old_context / rope.low_freq_factor
+    high_freq_wavelen = old_context / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_context / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_band, blended, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` over the last dimension."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates queries and keys by their absolute positions."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        self.head_dim = head_dim
+        self.rope = rope
+        self.inv_freq: torch.Tensor
+        # float32 whatever the model dtype; derived, so not a checkpoint weight.
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin`` tables ``[n, head_dim]`` for the given positions, in ``dtype``."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q`` ``[n, heads * head_dim]`` and ``k`` ``[n, kv_heads * head_dim]``."""
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        heads = x.reshape(x.shape[0], -1, self.head_dim)
+        rotated = heads * cos[:, None, :] + rotate_half(heads) * sin[:, None, :]
+        return rotated.reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, rope={self.rope}"

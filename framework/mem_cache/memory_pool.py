@@ -1,0 +1,183 @@
+"""The paged KV cache: request slots, KV-slot allocation and the per-layer K/V buffers.
+
+Two levels of indirection, as in SGLang:
+
+* ``ReqToTokenPool`` maps a request slot (one row) to the KV slots of its
+  tokens: ``req_to_token[req, i]`` is the KV slot of the request's token ``i``.
+* ``TokenToKVPoolAllocator`` hands out KV slots; ``MHATokenToKVPool`` holds the
+  keys and values of every slot for every layer.
+
+KV slot 0 is reserved as a padding slot and never handed out, so that a
+zero-filled ``req_to_token`` row never points at a live token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Request slot → KV slots of its tokens."""
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device) -> None:
+        if size <= 0 or max_context_len <= 0:
+            raise ValueError(
+                f"ReqToTokenPool needs size > 0 and max_context_len > 0, got {size}, "
+                f"{max_context_len}"
+            )
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = device
+        self.req_to_token = torch.zeros(
+            (size, max_context_len), dtype=torch.int64, device=device
+        )
+        self._free_slots: list[int] = list(range(size))
+
+    def alloc(self, need: int = 1) -> list[int] | None:
+        """``need`` free request slots, or ``None`` when fewer are free."""
+        if need > len(self._free_slots):
+            return None
+        taken = self._free_slots[:need]
+        self._free_slots = self._free_slots[need:]
+        return taken
+
+    def free(self, indices: int | list[int]) -> None:
+        """Return request slots to the pool."""
+        if isinstance(indices, int):
+            indices = [indices]
+        self._free_slots.extend(indices)
+
+    def available_size(self) -> int:
+        """Number of free request slots."""
+        return len(self._free_slots)
+
+    def clear(self) -> None:
+        """Mark every request slot free."""
+        self._free_slots = list(range(self.size))
+
+
+class TokenToKVPoolAllocator:
+    """Free list of KV slots ``1..size`` (slot 0 is the reserved padding slot)."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        if size <= 0:
+            raise ValueError(f"the KV cache needs at least one slot, got size={size}")
+        self.size = size
+        self.device = device
+        self._free_slots = self._all_slots()
+
+    def _all_slots(self) -> torch.Tensor:
+        return torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+
+    def alloc(self, need: int) -> torch.Tensor | None:
+        """``need`` free KV slots (int64, on the pool's device), or ``None`` if fewer are free."""
+        if need > self._free_slots.numel():
+            return None
+        taken = self._free_slots[:need]
+        self._free_slots = self._free_slots[need:]
+        return taken
+
+    def free(self, indices: torch.Tensor) -> None:
+        """Return KV slots to the free list."""
+        if indices.numel() == 0:
+            return
+        self._free_slots = torch.cat((self._free_slots, indices.to(self.device, torch.int64)))
+
+    def available_size(self) -> int:
+        """Exact number of free KV slots."""
+        return int(self._free_slots.numel())
+
+    def clear(self) -> None:
+        """Mark every KV slot free."""
+        self._free_slots = self._all_slots()
+
+
+class MHATokenToKVPool:
+    """Per-layer key and value buffers, ``[size + 1, num_kv_heads, head_dim]`` each."""
+
+    def __init__(
+        self,
+        size: int,
+        dtype: torch.dtype,
+        num_kv_heads: int,
+        head_dim: int,
+        num_layers: int,
+        device: torch.device,
+    ) -> None:
+        self.size = size
+        self.dtype = dtype
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_layers = num_layers
+        self.device = device
+        shape = (size + 1, num_kv_heads, head_dim)  # + 1: the padding slot 0
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers of one layer."""
+        return self.k_buffers[layer_id], self.v_buffers[layer_id]
+
+    def set_kv_buffer(
+        self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Write keys and values of ``n`` tokens at slots ``loc``.
+
+        ``k`` and ``v`` are ``[n, num_kv_heads * head_dim]`` or ``[n, num_kv_heads, head_dim]``.
+        """
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        self.k_buffers[layer_id][loc] = k.reshape(shape).to(self.dtype)
+        self.v_buffers[layer_id][loc] = v.reshape(shape).to(self.dtype)
+
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V that one token takes across all layers."""
+        return kv_cache_bytes_per_token(
+            self.num_kv_heads, self.head_dim, self.num_layers, self.dtype
+        )
+
+
+def kv_cache_bytes_per_token(
+    num_kv_heads: int, head_dim: int, num_layers: int, dtype: torch.dtype
+) -> int:
+    """Bytes of K and V that one token takes across all layers."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_kv_heads * head_dim * num_layers * element_size
+
+
+# On CPU there is no "free device memory" worth measuring; the default pool is
+# enough for every running request at full context, capped at this many tokens.
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 2**16
+
+
+def decide_max_total_tokens(
+    *,
+    max_total_tokens: int | None,
+    mem_fraction: float,
+    bytes_per_token: int,
+    context_len: int,
+    max_running_requests: int,
+    device: torch.device,
+) -> int:
+    """Size of the KV cache in tokens.
+
+    ``max_total_tokens`` wins when given. Otherwise, on CUDA, ``mem_fraction`` of
+    the memory free now (after the weights are loaded) goes to the KV cache; on
+    other devices the size is ``min(context_len * max_running_requests,
+    CPU_DEFAULT_MAX_TOTAL_TOKENS)``.
+    """
+    if max_total_tokens is not None:
+        if max_total_tokens <= 0:
+            raise ValueError(f"--max-total-tokens must be > 0, got {max_total_tokens}")
+        return max_total_tokens
+    if device.type == "cuda":
+        if not 0.0 < mem_fraction <= 1.0:
+            raise ValueError(f"--mem-fraction must be in (0, 1], got {mem_fraction}")
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        tokens = int(free_bytes * mem_fraction) // bytes_per_token
+        if tokens <= 0:
+            raise ValueError(
+                f"no device memory left for the KV cache ({free_bytes} bytes free); "
+                "lower the model size or raise --mem-fraction"
+            )
+        return tokens
+    return min(context_len * max_running_requests, CPU_DEFAULT_MAX_TOTAL_TOKENS)

@@ -1,0 +1,1 @@
+"""Running a model: its configuration, weight loading, and the per-device ModelRunner."""

@@ -1,0 +1,173 @@
+"""Building a model and filling its weights from safetensors files or at random.
+
+Checkpoints are read shard by shard (``model.safetensors``, or the shards
+named by ``model.safetensors.index.json``, or every ``*.safetensors`` file),
+tensor by tensor, so host memory holds one tensor at a time; each model's
+``load_weights`` maps the Hugging Face names onto its own parameters. The
+``dummy`` format fills the parameters at random instead, to run a model of a
+given shape without its files.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from framework.model_executor.model_config import ModelConfig, check_model_dir
+from framework.models import get_model_class
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_INDEX_FILE = "model.safetensors.index.json"
+_SINGLE_FILE = "model.safetensors"
+DUMMY_WEIGHT_STD = 0.02
+
+
+def find_safetensors_files(model_path: str | Path) -> list[Path]:
+    """The checkpoint files of a model directory, in load order.
+
+    Raises:
+        ValueError: no safetensors files, a malformed index, or a shard the index
+            names is missing.
+    """
+    path = check_model_dir(model_path)
+    index_path = path / _INDEX_FILE
+    if index_path.is_file():
+        return _files_from_index(index_path)
+    if (path / _SINGLE_FILE).is_file():
+        return [path / _SINGLE_FILE]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for pattern in ("*.bin", "*.pt") for p in path.glob(pattern))
+        hint = f" (found {', '.join(others[:3])}; only safetensors is supported)" if others else ""
+        raise ValueError(f"no *.safetensors files in model directory {str(path)!r}{hint}")
+    return files
+
+
+def _files_from_index(index_path: Path) -> list[Path]:
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+        weight_map = index["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"malformed {index_path}: {type(exc).__name__}: {exc}") from exc
+    files = [index_path.parent / name for name in names]
+    missing = [file.name for file in files if not file.is_file()]
+    if missing:
+        raise ValueError(f"{index_path} names shards that are missing: {', '.join(missing)}")
+    return files
+
+
+def iterate_safetensors(
+    files: list[Path], *, progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of every file, on CPU, with a progress bar."""
+    for file in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=not progress):
+        with _open_safetensors(file) as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, handle.get_tensor(name)
+
+
+def iterate_safetensors_shapes(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, meta tensor of the stored shape)``: a checkpoint's layout, no data read."""
+    for file in files:
+        with _open_safetensors(file) as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                shape = handle.get_slice(name).get_shape()
+                yield name, torch.empty(shape, device="meta")
+
+
+def _open_safetensors(file: Path) -> Any:
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises its own error type for corrupt files
+        raise ValueError(f"cannot read {file}: {exc}") from exc
+
+
+def check_load_format(load_format: str) -> None:
+    """``ValueError`` for an unknown ``--load-format``."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load format must be one of {LOAD_FORMATS}, got {load_format!r}")
+
+
+def create_model(
+    model_config: ModelConfig, device: torch.device, *, tp_rank: int = 0, tp_size: int = 1
+) -> nn.Module:
+    """An instance of the model class with uninitialized weights on ``device``.
+
+    Options the class does not take are not passed; ``tp_size > 1`` needs a
+    class that takes ``tp_size``.
+    """
+    model_cls = get_model_class(model_config.architecture)
+    accepted = inspect.signature(model_cls).parameters
+    options = {"tp_rank": tp_rank, "tp_size": tp_size, "model_dir": model_config.model_path}
+    if tp_size > 1 and "tp_size" not in accepted:
+        raise ValueError(f"{model_config.architecture} does not support tensor parallelism")
+    kwargs = {name: value for name, value in options.items() if name in accepted}
+    model = model_cls(model_config.hf_config, model_config.dtype, device, **kwargs)
+    return model.eval()
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights: matrices ~ N(0, DUMMY_WEIGHT_STD), biases 0, other vectors (norms) 1."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if name.endswith("bias"):
+            param.zero_()
+        elif param.dim() < 2:
+            param.fill_(1.0)
+        else:
+            if param.device not in generators:
+                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+            param.normal_(0.0, DUMMY_WEIGHT_STD, generator=generators[param.device])
+
+
+def load_weights(
+    model: nn.Module, model_path: str | Path, load_format: str, *, seed: int = 0
+) -> None:
+    """Fill ``model``'s weights from ``model_path`` (or at random for ``dummy``)."""
+    check_load_format(load_format)
+    if load_format == "dummy":
+        fill_dummy_weights(model, seed)
+        return
+    model.load_weights(iterate_safetensors(find_safetensors_files(model_path)))
+
+
+def dry_run_load(model_config: ModelConfig, model_path: str | Path) -> None:
+    """Check that a checkpoint fits the model (names and shapes) without reading its data.
+
+    The model is built on the meta device, so this costs no memory.
+    """
+    meta_model = create_model(model_config, torch.device("meta"))
+    meta_model.load_weights(iterate_safetensors_shapes(find_safetensors_files(model_path)))
+
+
+def load_model(
+    model_config: ModelConfig,
+    device: torch.device,
+    load_format: str = "auto",
+    *,
+    seed: int = 0,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> nn.Module:
+    """Build the model on ``device`` and fill its weights.
+
+    Raises:
+        ValueError: unknown load format, missing checkpoint files, or weights that
+            do not fit the model.
+    """
+    check_load_format(load_format)
+    if load_format != "dummy":
+        find_safetensors_files(model_config.model_path)  # fail before building the model
+    model = create_model(model_config, device, tp_rank=tp_rank, tp_size=tp_size)
+    load_weights(model, model_config.model_path, load_format, seed=seed)
+    return model

@@ -1,0 +1,60 @@
+"""Model classes by Hugging Face architecture name (``config.architectures``).
+
+Classes are registered as ``"module:Class"`` paths and imported on first use.
+Third-party packages add architectures through the ``framework.models`` entry
+point group. Every class follows one contract: ``cls(config, dtype, device,
+**options)`` (``options`` among ``tp_rank``, ``tp_size``, ``model_dir``, as the
+class accepts), ``forward(input_ids, positions, forward_batch)`` and
+``load_weights(iterable of (name, tensor))``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from framework.registry import Registry
+
+MODEL_ARCHITECTURES: Registry[Any] = Registry("model architecture", "framework.models")
+
+for _name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    MODEL_ARCHITECTURES.register(_name, f"framework.models.llama:{_name}")
+MODEL_ARCHITECTURES.register("BertModel", "framework.models.bert:BertModel")
+
+# Architectures whose forward returns pooled embeddings rather than logits.
+EMBEDDING_ARCHITECTURES: frozenset[str] = frozenset({"BertModel"})
+
+
+def supported_architectures() -> list[str]:
+    """Every architecture name a model class is registered for, sorted."""
+    return MODEL_ARCHITECTURES.names()
+
+
+def resolve_architecture(architectures: Sequence[str] | None) -> str:
+    """The first of a config's ``architectures`` that has a model class.
+
+    Raises:
+        ValueError: none of them is supported (the message lists the supported ones).
+    """
+    supported = supported_architectures()
+    for name in architectures or ():
+        if name in supported:
+            return name
+    raise ValueError(
+        f"unsupported model architecture {list(architectures or [])}; "
+        f"supported: {', '.join(supported)}"
+    )
+
+
+def get_model_class(architecture: str) -> Any:
+    """The model class registered for ``architecture`` (imported now)."""
+    return MODEL_ARCHITECTURES.get(resolve_architecture([architecture]))
+
+
+__all__ = [
+    "EMBEDDING_ARCHITECTURES",
+    "MODEL_ARCHITECTURES",
+    "get_model_class",
+    "resolve_architecture",
+    "supported_architectures",
+]

@@ -1,0 +1,357 @@
+"""Llama-family decoders: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+
+All four share one pre-norm transformer with grouped-query attention, RoPE
+and a SwiGLU MLP; the differences are a few switches (``AttentionOptions``).
+The model runs on packed batches over the paged KV cache: ``forward`` takes
+the new tokens of every request and returns one row per request, the
+next-token logits or, when served as an embedding model, the last token's
+L2-normalized hidden state.
+
+Model-class contract (shared with the other models): ``cls(config, dtype,
+device, *, tp_rank=0, tp_size=1)``, ``forward(input_ids, positions,
+forward_batch, get_embedding=False)`` and ``load_weights(weights)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from framework.layers.activation import GatedActivation
+from framework.layers.attention.radix_attention import RadixAttention
+from framework.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from framework.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_dtype,
+    default_weight_loader,
+)
+from framework.layers.norm import RMSNorm
+from framework.layers.rotary import RopeConfig, RotaryEmbedding
+
+if TYPE_CHECKING:
+    from framework.forward_batch import ForwardBatch
+
+# Checkpoint projections that load into one stacked parameter:
+# (name in the checkpoint, name of the stacked parameter, shard id).
+_STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+)
+_SHARDS_OF_STACKED: dict[str, tuple[str | int, ...]] = {
+    "qkv_proj": ("q", "k", "v"),
+    "gate_up_proj": (0, 1),
+}
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """The per-family switches of the attention block."""
+
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+
+
+def head_dim_of(config: Any) -> int:
+    """The attention head size: ``config.head_dim`` when set, else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads_of(config: Any) -> int:
+    """Key/value heads (``num_key_value_heads``, falling back to the attention heads)."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention with RoPE over the paged KV cache."""
+
+    def __init__(
+        self,
+        config: Any,
+        layer_id: int,
+        options: AttentionOptions,
+        *,
+        tp_rank: int,
+        tp_size: int,
+    ) -> None:
+        super().__init__()
+        head_dim = head_dim_of(config)
+        self.head_dim = head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            num_kv_heads_of(config),
+            bias=options.qkv_bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim,
+            config.hidden_size,
+            bias=options.o_bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if options.qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(head_dim, RopeConfig.from_hf_config(config))
+        self.attn = RadixAttention(
+            self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_id
+        )
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """``[n, hidden] -> [n, hidden]`` for the batch's new tokens."""
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self._per_head(self.q_norm, q)
+            k = self._per_head(self.k_norm, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, forward_batch))
+
+    def _per_head(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return norm(x.reshape(-1, self.head_dim)).view(x.shape)
+
+
+class LlamaMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up stacked in one matrix."""
+
+    def __init__(self, config: Any, *, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], bias=bias, tp_rank=tp_rank, tp_size=tp_size
+        )
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, bias=bias, tp_rank=tp_rank, tp_size=tp_size
+        )
+        self.act_fn = GatedActivation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden] -> [n, hidden]``."""
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(
+        self, config: Any, layer_id: int, options: AttentionOptions, *, tp_rank: int, tp_size: int
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, options, tp_rank=tp_rank, tp_size=tp_size)
+        self.mlp = LlamaMLP(config, tp_rank=tp_rank, tp_size=tp_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        forward_batch: ForwardBatch,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the block's output and the running residual stream separately.
+
+        Keeping the residual apart lets the next norm add it (``RMSNorm(x, residual)``).
+        """
+        if residual is None:
+            residual = hidden_states
+            normed = self.input_layernorm(hidden_states)
+        else:
+            normed, residual = self.input_layernorm(hidden_states, residual)
+        attn_out = self.self_attn(positions, normed, forward_batch)
+        normed, residual = self.post_attention_layernorm(attn_out, residual)
+        return self.mlp(normed), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, the decoder layers and the final norm."""
+
+    def __init__(
+        self, config: Any, options: AttentionOptions, *, tp_rank: int, tp_size: int
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, layer_id, options, tp_rank=tp_rank, tp_size=tp_size)
+            for layer_id in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Final hidden states ``[n, hidden]`` of the batch's new tokens."""
+        hidden_states = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        if residual is None:  # a model without layers
+            return self.norm(hidden_states)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+def last_token_rows(forward_batch: ForwardBatch) -> torch.Tensor | None:
+    """Row of each request's last new token in the packed batch (``None``: every row)."""
+    if forward_batch.forward_mode.is_decode():
+        return None
+    if forward_batch.extend_seq_lens is None:
+        raise ValueError("an EXTEND batch needs extend_seq_lens")
+    return torch.cumsum(forward_batch.extend_seq_lens, dim=0) - 1
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama decoder with its language-model head."""
+
+    @classmethod
+    def attention_options(cls, config: Any) -> AttentionOptions:
+        """Llama: bias on all four projections when ``attention_bias``, no q/k norm."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=False)
+
+    def __init__(
+        self,
+        config: Any,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        with torch.device(device), default_dtype(dtype):
+            self.model = LlamaModel(
+                config, self.attention_options(config), tp_rank=tp_rank, tp_size=tp_size
+            )
+            if self.tie_word_embeddings:
+                self.lm_head: VocabParallelEmbedding = self.model.embed_tokens
+            else:
+                self.lm_head = ParallelLMHead(
+                    config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
+                )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        get_embedding: bool = False,
+    ) -> torch.Tensor:
+        """One row per request: float32 next-token logits ``[B, vocab]``.
+
+        With ``get_embedding``, the L2-normalized final hidden state of each
+        request's last token ``[B, hidden]`` instead (last-token pooling).
+        """
+        hidden_states = self.model(input_ids, positions, forward_batch)
+        rows = last_token_rows(forward_batch)
+        if rows is not None:
+            hidden_states = hidden_states[rows]
+        if get_embedding:
+            return F.normalize(hidden_states.float(), p=2.0, dim=-1)
+        return self.lm_head.compute_logits(hidden_states).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named weights into the model, stacking q/k/v and gate/up.
+
+        Raises:
+            ValueError: a weight matches no parameter or has the wrong shape, or a
+                parameter got no weight.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, str | int | None]] = set()
+        for checkpoint_name, tensor in weights:
+            name = self._parameter_name(checkpoint_name)
+            if name is None:
+                continue
+            param_name, shard_id = self._stacked_target(name)
+            param = params.get(param_name)
+            if param is None:
+                raise ValueError(f"checkpoint weight {checkpoint_name!r} matches no parameter")
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, shard_id)
+            except ValueError as exc:
+                raise ValueError(f"checkpoint weight {checkpoint_name!r}: {exc}") from None
+            loaded.add((param_name, shard_id))
+        missing = sorted(
+            name if shard is None else f"{name}[{shard}]"
+            for name, shard in self._expected_loads(params) - loaded
+        )
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint has no weights for {len(missing)} parameters: {shown}")
+
+    def _parameter_name(self, checkpoint_name: str) -> str | None:
+        """The model-side name of a checkpoint weight, or None for weights to skip."""
+        if "rotary_emb.inv_freq" in checkpoint_name:
+            return None  # derived buffer some old checkpoints store
+        if self.tie_word_embeddings and checkpoint_name == "lm_head.weight":
+            return None  # tied: the head is the embedding table
+        return checkpoint_name
+
+    @staticmethod
+    def _stacked_target(name: str) -> tuple[str, str | int | None]:
+        for checkpoint_part, param_part, shard_id in _STACKED_PARAMS:
+            if f".{checkpoint_part}." in name:
+                return name.replace(f".{checkpoint_part}.", f".{param_part}."), shard_id
+        return name, None
+
+    @staticmethod
+    def _expected_loads(params: dict[str, nn.Parameter]) -> set[tuple[str, str | int | None]]:
+        expected: set[tuple[str, str | int | None]] = set()
+        for name in params:
+            stacked = name.split(".")[-2]
+            for shard_id in _SHARDS_OF_STACKED.get(stacked, (None,)):
+                expected.add((name, shard_id))
+        return expected
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: the Llama architecture (its sliding window is handled by capping the context)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: bias on the q/k/v projections, none on the output projection."""
+
+    @classmethod
+    def attention_options(cls, config: Any) -> AttentionOptions:
+        """Qwen2 always has q/k/v bias."""
+        return AttentionOptions(qkv_bias=True, o_bias=False, qk_norm=False)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: RMSNorm over each query and key head before RoPE."""
+
+    @classmethod
+    def attention_options(cls, config: Any) -> AttentionOptions:
+        """Per-head q/k norm; bias on all four projections when ``attention_bias``."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)

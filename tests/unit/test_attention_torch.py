@@ -1,0 +1,195 @@
+"""The torch attention backend against a float64 softmax(QK^T)V reference.
+
+Each case lays requests out in the paged pool the way the scheduler does
+(shuffled KV slots, a cached prefix written beforehand, new tokens packed
+back to back) and compares every output row with attention computed from the
+unpaged tensors in float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from framework.forward_batch import ForwardBatch, ForwardMode
+from framework.layers.attention.radix_attention import RadixAttention
+from framework.layers.attention.torch_native import TorchNativeAttnBackend
+from framework.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from tests.model_fixtures import single_threaded_torch
+
+CPU = torch.device("cpu")
+HEAD_DIM = 8
+POOL_TOKENS = 256
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    with single_threaded_torch():
+        yield
+
+@dataclass
+class RequestData:
+    """One request's unpaged tensors: all of its keys/values and its new queries."""
+
+    row: int
+    prefix_len: int
+    keys: torch.Tensor  # [seq_len, kv_heads, dim]
+    values: torch.Tensor  # [seq_len, kv_heads, dim]
+    queries: torch.Tensor  # [num_new, heads, dim]
+
+    @property
+    def seq_len(self) -> int:
+        return self.keys.shape[0]
+
+
+def reference_attention(request: RequestData, scaling: float) -> torch.Tensor:
+    """Causal float64 attention of the new queries over all keys: [num_new, heads, dim]."""
+    q = request.queries.double()
+    heads, kv_heads = q.shape[1], request.keys.shape[1]
+    k = request.keys.double().repeat_interleave(heads // kv_heads, dim=1)
+    v = request.values.double().repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scaling
+    query_pos = torch.arange(q.shape[0])[:, None] + request.prefix_len
+    allowed = torch.arange(request.seq_len)[None, :] <= query_pos
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+
+
+def run_case(
+    mode: ForwardMode,
+    prefix_lens: list[int],
+    new_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    *,
+    save_kv_cache: bool = True,
+    seed: int = 0,
+) -> tuple[list[RequestData], torch.Tensor, MHATokenToKVPool, torch.Tensor]:
+    """Lay the requests out in shuffled pool slots and run one layer of the backend."""
+    generator = torch.Generator().manual_seed(seed)
+    req_pool = ReqToTokenPool(size=len(prefix_lens) + 2, max_context_len=64, device=CPU)
+    kv_pool = MHATokenToKVPool(POOL_TOKENS, torch.float32, num_kv_heads, HEAD_DIM, 2, CPU)
+    free_slots = (torch.randperm(POOL_TOKENS, generator=generator) + 1).tolist()
+    rows = req_pool.alloc(len(prefix_lens))
+    assert rows is not None
+    layer = RadixAttention(num_heads, HEAD_DIM, HEAD_DIM**-0.5, num_kv_heads, layer_id=1)
+    requests, new_slots = [], []
+    for row, prefix_len, num_new in zip(rows, prefix_lens, new_lens, strict=True):
+        seq_len = prefix_len + num_new
+        shape = (seq_len, num_kv_heads, HEAD_DIM)
+        request = RequestData(
+            row,
+            prefix_len,
+            torch.randn(shape, generator=generator),
+            torch.randn(shape, generator=generator),
+            torch.randn((num_new, num_heads, HEAD_DIM), generator=generator),
+        )
+        slots = torch.tensor([free_slots.pop() for _ in range(seq_len)])
+        req_pool.req_to_token[row, :seq_len] = slots
+        # The prefix is already cached; new tokens are written by the backend
+        # unless save_kv_cache is off, in which case they must be there already.
+        cached = seq_len if not save_kv_cache else prefix_len
+        kv_pool.set_kv_buffer(1, slots[:cached], request.keys[:cached], request.values[:cached])
+        requests.append(request)
+        new_slots.append(slots[prefix_len:])
+    batch = ForwardBatch(
+        forward_mode=mode,
+        batch_size=len(requests),
+        input_ids=torch.zeros(sum(new_lens), dtype=torch.int64),
+        positions=torch.cat([torch.arange(r.prefix_len, r.seq_len) for r in requests]),
+        req_pool_indices=torch.tensor(rows),
+        seq_lens=torch.tensor([r.seq_len for r in requests]),
+        out_cache_loc=torch.cat(new_slots),
+        req_to_token_pool=req_pool,
+        token_to_kv_pool=kv_pool,
+    )
+    if mode.is_extend():
+        batch.extend_prefix_lens = torch.tensor(prefix_lens)
+        batch.extend_seq_lens = torch.tensor(new_lens)
+    backend = TorchNativeAttnBackend(
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=HEAD_DIM, device=CPU
+    )
+    batch.attn_backend = backend
+    backend.init_forward_metadata(batch)
+    q = torch.cat([r.queries for r in requests]).reshape(-1, num_heads * HEAD_DIM)
+    k = torch.cat([r.keys[r.prefix_len :] for r in requests]).reshape(-1, num_kv_heads * HEAD_DIM)
+    v = torch.cat([r.values[r.prefix_len :] for r in requests]).reshape(k.shape)
+    output = layer(q, k, v, batch, save_kv_cache=save_kv_cache)
+    return requests, output, kv_pool, torch.cat(new_slots)
+
+
+def assert_matches_reference(
+    requests: list[RequestData], output: torch.Tensor, num_heads: int
+) -> None:
+    assert output.dtype == torch.float32
+    rows = output.view(-1, num_heads, HEAD_DIM)
+    start = 0
+    for request in requests:
+        num_new = request.queries.shape[0]
+        expected = reference_attention(request, HEAD_DIM**-0.5)
+        torch.testing.assert_close(
+            rows[start : start + num_new].double(), expected, atol=1e-5, rtol=1e-5
+        )
+        start += num_new
+    assert start == output.shape[0]
+
+
+HEAD_LAYOUTS = [(4, 4), (4, 2), (6, 1)]  # MHA, GQA, MQA
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEAD_LAYOUTS)
+def test_extend_over_cached_prefixes_with_mixed_lengths(num_heads: int, num_kv_heads: int) -> None:
+    prefix_lens = [0, 5, 0, 17, 3]
+    new_lens = [7, 1, 12, 4, 9]
+    requests, output, _, _ = run_case(
+        ForwardMode.EXTEND, prefix_lens, new_lens, num_heads, num_kv_heads
+    )
+    assert output.shape == (sum(new_lens), num_heads * HEAD_DIM)
+    assert_matches_reference(requests, output, num_heads)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEAD_LAYOUTS)
+def test_decode_with_mixed_lengths(num_heads: int, num_kv_heads: int) -> None:
+    prefix_lens = [0, 1, 9, 30, 4]
+    requests, output, _, _ = run_case(
+        ForwardMode.DECODE, prefix_lens, [1] * len(prefix_lens), num_heads, num_kv_heads, seed=1
+    )
+    assert_matches_reference(requests, output, num_heads)
+
+
+def test_backend_writes_new_keys_and_values_at_out_cache_loc() -> None:
+    requests, _, kv_pool, new_slots = run_case(ForwardMode.EXTEND, [2, 0], [3, 4], 4, 2, seed=2)
+    k_buffer, v_buffer = kv_pool.get_kv_buffer(1)
+    expected_k = torch.cat([r.keys[r.prefix_len :] for r in requests])
+    expected_v = torch.cat([r.values[r.prefix_len :] for r in requests])
+    torch.testing.assert_close(k_buffer[new_slots], expected_k)
+    torch.testing.assert_close(v_buffer[new_slots], expected_v)
+    assert not kv_pool.get_kv_buffer(0)[0].any(), "only the layer's own buffers are written"
+
+
+def test_without_saving_the_backend_reads_keys_already_in_the_pool() -> None:
+    requests, output, _, _ = run_case(
+        ForwardMode.EXTEND, [3, 0], [5, 2], 4, 2, save_kv_cache=False, seed=3
+    )
+    assert_matches_reference(requests, output, 4)
+
+
+def test_extend_lengths_that_do_not_add_up_are_rejected() -> None:
+    backend = TorchNativeAttnBackend(num_heads=2, num_kv_heads=1, head_dim=HEAD_DIM, device=CPU)
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=1,
+        input_ids=torch.zeros(3, dtype=torch.int64),
+        positions=torch.arange(3),
+        req_pool_indices=torch.tensor([0]),
+        seq_lens=torch.tensor([4]),
+        out_cache_loc=torch.tensor([1, 2, 3]),
+        extend_prefix_lens=torch.tensor([0]),
+        extend_seq_lens=torch.tensor([3]),
+    )
+    with pytest.raises(ValueError, match="seq_len"):
+        backend.init_forward_metadata(batch)

@@ -1,0 +1,135 @@
+"""The KV cache pools: request slots, KV-slot accounting, per-layer K/V buffers, sizing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from framework.mem_cache.memory_pool import (
+    CPU_DEFAULT_MAX_TOTAL_TOKENS,
+    MHATokenToKVPool,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+    decide_max_total_tokens,
+    kv_cache_bytes_per_token,
+)
+
+CPU = torch.device("cpu")
+
+
+def test_req_to_token_pool_allocates_each_row_once_and_takes_rows_back() -> None:
+    pool = ReqToTokenPool(size=4, max_context_len=16, device=CPU)
+    assert pool.req_to_token.shape == (4, 16)
+    assert pool.req_to_token.dtype == torch.int64
+    first = pool.alloc(3)
+    assert first is not None and len(set(first)) == 3
+    assert pool.available_size() == 1
+    assert pool.alloc(2) is None, "more rows than are free must fail, not over-allocate"
+    last = pool.alloc()
+    assert last is not None and set(last).isdisjoint(first)
+    assert pool.available_size() == 0
+    pool.free(first[0])
+    pool.free(first[1:] + last)
+    assert pool.available_size() == 4
+    assert sorted(pool.alloc(4) or []) == [0, 1, 2, 3]
+
+
+def test_req_to_token_pool_rejects_empty_shapes() -> None:
+    with pytest.raises(ValueError, match="size"):
+        ReqToTokenPool(size=0, max_context_len=8, device=CPU)
+
+
+def test_allocator_never_hands_out_the_padding_slot() -> None:
+    allocator = TokenToKVPoolAllocator(size=10, device=CPU)
+    assert allocator.available_size() == 10
+    slots = allocator.alloc(10)
+    assert slots is not None and slots.dtype == torch.int64
+    assert sorted(slots.tolist()) == list(range(1, 11))
+    assert allocator.alloc(1) is None
+    assert allocator.available_size() == 0
+
+
+def test_allocator_reuses_freed_slots_and_refuses_too_large_requests() -> None:
+    allocator = TokenToKVPoolAllocator(size=8, device=CPU)
+    held = allocator.alloc(6)
+    assert held is not None
+    assert allocator.alloc(3) is None, "a failed alloc must not take any slot"
+    assert allocator.available_size() == 2
+    allocator.free(held[:4])
+    assert allocator.available_size() == 6
+    again = allocator.alloc(6)
+    assert again is not None
+    assert set(again.tolist()).isdisjoint(held[4:].tolist())
+    allocator.free(torch.empty(0, dtype=torch.int64))
+    assert allocator.available_size() == 0
+    allocator.clear()
+    assert allocator.available_size() == 8
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(min_value=0, max_value=7)), max_size=40))
+def test_allocator_accounting_holds_for_any_alloc_free_sequence(
+    ops: list[tuple[bool, int]],
+) -> None:
+    size = 16
+    allocator = TokenToKVPoolAllocator(size=size, device=CPU)
+    held: list[torch.Tensor] = []
+    for is_alloc, amount in ops:
+        if is_alloc:
+            slots = allocator.alloc(amount)
+            if slots is None:
+                assert amount > allocator.available_size()
+            else:
+                held.append(slots)
+        elif held:
+            allocator.free(held.pop(amount % len(held)))
+        in_use = torch.cat(held).tolist() if held else []
+        assert len(in_use) == len(set(in_use)), "a slot was handed out twice"
+        assert 0 not in in_use
+        assert allocator.available_size() + len(in_use) == size
+
+
+def test_kv_pool_writes_both_layouts_casts_dtype_and_keeps_layers_apart() -> None:
+    pool = MHATokenToKVPool(
+        size=6, dtype=torch.bfloat16, num_kv_heads=2, head_dim=3, num_layers=2, device=CPU
+    )
+    k_buffer, v_buffer = pool.get_kv_buffer(1)
+    assert k_buffer.shape == (7, 2, 3) and v_buffer.dtype == torch.bfloat16
+    loc = torch.tensor([5, 2])
+    k_flat = torch.randn(2, 6)
+    v_heads = torch.randn(2, 2, 3)
+    pool.set_kv_buffer(1, loc, k_flat, v_heads)
+    torch.testing.assert_close(k_buffer[loc], k_flat.view(2, 2, 3).to(torch.bfloat16))
+    torch.testing.assert_close(v_buffer[loc], v_heads.to(torch.bfloat16))
+    untouched = torch.tensor([0, 1, 3, 4, 6])
+    assert not k_buffer[untouched].any() and not v_buffer[untouched].any()
+    assert not pool.get_kv_buffer(0)[0].any(), "writing layer 1 must not touch layer 0"
+
+
+def test_bytes_per_token_counts_keys_and_values_of_every_layer() -> None:
+    assert kv_cache_bytes_per_token(8, 128, 32, torch.float16) == 2 * 8 * 128 * 32 * 2
+    assert kv_cache_bytes_per_token(2, 16, 2, torch.float32) == 2 * 2 * 16 * 2 * 4
+    pool = MHATokenToKVPool(4, torch.float32, 2, 16, 2, CPU)
+    assert pool.bytes_per_token() == kv_cache_bytes_per_token(2, 16, 2, torch.float32)
+
+
+def test_sizing_prefers_explicit_tokens_and_caps_the_cpu_default() -> None:
+    common = {"mem_fraction": 0.8, "bytes_per_token": 1024, "device": CPU}
+    explicit = decide_max_total_tokens(
+        max_total_tokens=1234, context_len=100, max_running_requests=2, **common
+    )
+    assert explicit == 1234
+    small = decide_max_total_tokens(
+        max_total_tokens=None, context_len=256, max_running_requests=8, **common
+    )
+    assert small == 256 * 8
+    large = decide_max_total_tokens(
+        max_total_tokens=None, context_len=32768, max_running_requests=64, **common
+    )
+    assert large == CPU_DEFAULT_MAX_TOTAL_TOKENS
+    with pytest.raises(ValueError, match="max-total-tokens"):
+        decide_max_total_tokens(
+            max_total_tokens=0, context_len=100, max_running_requests=2, **common
+        )
