@@ -19,9 +19,14 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from framework.config import ServerArgs
+    from framework.runtime.launch import ComponentError
     from framework.server.serve import run_server
 
-    return run_server(ServerArgs.from_cli_args(args))
+    try:
+        return run_server(ServerArgs.from_cli_args(args))
+    except ComponentError as exc:
+        print(f"framework: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _cmd_bench_transport(args: argparse.Namespace) -> int:
@@ -30,12 +35,18 @@ def _cmd_bench_transport(args: argparse.Namespace) -> int:
     return run_from_cli(args)
 
 
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    # A fixed width keeps --help (and the generated reference) the same on every terminal.
+    return argparse.HelpFormatter(prog, width=100, max_help_position=32)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line, one sub-command per job."""
     parser = argparse.ArgumentParser(
-        prog="framework", description="An asyncio-first LLM serving runtime."
+        prog="framework", description="An asyncio-first LLM serving runtime.",
+        formatter_class=_formatter,
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_subparser)
     sub.required = True
 
     serve = sub.add_parser(
@@ -51,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "attention backends")
     plugins.set_defaults(handler=_cmd_plugins)
 
+    reference = sub.add_parser("reference", help="print the CLI reference (docs/cli.md)")
+    reference.set_defaults(handler=lambda _: print(render_cli_reference(), end="") or 0)
+
     bench = sub.add_parser("bench", help="run a benchmark harness")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")
     bench_sub.required = True
@@ -60,6 +74,32 @@ def build_parser() -> argparse.ArgumentParser:
     add_transport_args(transport)
     transport.set_defaults(handler=_cmd_bench_transport)
     return parser
+
+
+def _subparser(**kwargs: object) -> argparse.ArgumentParser:
+    kwargs.setdefault("formatter_class", _formatter)
+    return argparse.ArgumentParser(**kwargs)  # type: ignore[arg-type]
+
+
+def render_cli_reference() -> str:
+    """docs/cli.md: the ``--help`` of every command, generated from the parser."""
+    parser = build_parser()
+    sections = [("framework", parser)]
+    stack = [("framework", parser)]
+    while stack:
+        name, current = stack.pop(0)
+        for action in current._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child_name, child in action.choices.items():
+                    full = f"{name} {child_name}"
+                    sections.append((full, child))
+                    stack.append((full, child))
+    out = ["# CLI reference", "",
+           "Generated from the parser by `python -m framework.cli reference`; "
+           "a test keeps it in sync.", ""]
+    for name, sub_parser in sections:
+        out += [f"## `{name}`", "", "```text", sub_parser.format_help().rstrip(), "```", ""]
+    return "\n".join(out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -57,10 +57,8 @@ class ServerArgs:
     mem_fraction: float = _opt(0.8, "fraction of free device memory for the KV cache (GPU)",
                                "runtime")
     chunked_prefill_size: int = _opt(2048, "most prompt tokens prefilled per step", "runtime")
-    disable_radix_cache: bool = _opt(False, "turn off prefix caching", "runtime")
     random_seed: int = _opt(0, "seed for sampling without a per-request seed", "runtime")
     tp_size: int = _opt(1, "tensor-parallel size", "runtime")
-    pp_size: int = _opt(1, "pipeline-parallel size", "runtime")
     # extending
     scheduler_class: str | None = _opt(None, "dotted path of a Scheduler subclass", "extending")
     tokenizer_manager_class: str | None = _opt(None, "dotted path of a TokenizerManager "
@@ -100,14 +98,22 @@ class ServerArgs:
                 continue
             base = int if "int" in str(kind) else float if "float" in str(kind) else str
             default_text = "" if f.default is None else f" (default: {f.default})"
+            metavar = None if meta.get("choices") else _metavar(f.name, base)
             group.add_argument(flag, type=base, default=f.default, choices=meta.get("choices"),
-                               help=meta["help"] + default_text, metavar=None if meta.get(
-                                   "choices") else f.name.upper())
+                               help=meta["help"] + default_text, metavar=metavar)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
         """Build from parsed arguments."""
         return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
+
+
+def _metavar(name: str, kind: type) -> str:
+    if name.endswith("_path"):
+        return "DIR"
+    if name.endswith("_class"):
+        return "DOTTED.PATH"
+    return {int: "N", float: "X"}.get(kind, "NAME")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, NoReturn
 
 from framework.config import PortArgs, ServerArgs
 from framework.registry import create_transport, import_dotted
@@ -89,6 +89,17 @@ def _child_setup(server_args: ServerArgs) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _report_start_failure(ready: Connection, name: str, exc: Exception) -> NoReturn:
+    """Tell the parent why this child could not start, then exit."""
+    if isinstance(exc, ValueError):
+        message = str(exc)  # a user error (bad model directory, bad flag): its message says it
+    else:
+        logger.exception("the %s failed to start", name)
+        message = f"{type(exc).__name__}: {exc}"
+    ready.send(("error", message))
+    sys.exit(1)
+
+
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, transport: Any,
                           ready: Connection) -> None:
     """Body of the Scheduler process."""
@@ -96,9 +107,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, transpor
     try:
         scheduler = component_classes(server_args).scheduler(server_args, port_args, transport)
     except Exception as exc:
-        logger.exception("scheduler failed to start")
-        ready.send(("error", f"{type(exc).__name__}: {exc}"))
-        sys.exit(1)
+        _report_start_failure(ready, "scheduler", exc)
     signal.signal(signal.SIGTERM, lambda *_: scheduler.stop())
     ready.send(("ready", {"context_len": scheduler.context_len,
                           "is_embedding": scheduler.model_config.is_embedding}))
@@ -116,9 +125,7 @@ def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, transp
         detokenizer = component_classes(server_args).detokenizer.from_server_args(
             server_args, port_args, transport)
     except Exception as exc:
-        logger.exception("detokenizer failed to start")
-        ready.send(("error", f"{type(exc).__name__}: {exc}"))
-        sys.exit(1)
+        _report_start_failure(ready, "detokenizer", exc)
     signal.signal(signal.SIGTERM, lambda *_: detokenizer.stop())
     ready.send(("ready", {}))
     try:

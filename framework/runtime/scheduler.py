@@ -266,6 +266,7 @@ class Scheduler:
         req_pool = self.model_runner.req_to_token_pool
         return {
             "pid": os.getpid(),
+            "scheduler_class": f"{type(self).__module__}.{type(self).__qualname__}",
             "aborted_requests": self.aborted_requests,
             "extend_steps": self.steps["extend"],
             "decode_steps": self.steps["decode"],

@@ -1,0 +1,72 @@
+"""The command line: the generated reference is current, and user errors are one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from framework.cli import build_parser, render_cli_reference
+from framework.config import ServerArgs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_docs_cli_reference_is_generated_from_the_parser() -> None:
+    assert (ROOT / "docs" / "cli.md").read_text() == render_cli_reference(), (
+        "docs/cli.md is stale: run `python -m framework.cli reference > docs/cli.md`"
+    )
+
+
+def test_serve_flags_map_onto_server_args() -> None:
+    args = build_parser().parse_args([
+        "serve", "--model-path", "/m", "--transport", "shm", "--codec", "msgpack",
+        "--stream-interval", "5", "--allow-insecure-pickle", "--mem-fraction", "0.5",
+    ])
+    server_args = ServerArgs.from_cli_args(args)
+    assert server_args == ServerArgs(model_path="/m", transport="shm", codec="msgpack",
+                                     stream_interval=5, allow_insecure_pickle=True,
+                                     mem_fraction=0.5)
+
+
+def test_serve_help_is_grouped() -> None:
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for group in ("model:", "server:", "transport:", "runtime:", "extending:", "logging:"):
+        assert group in help_text
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "framework.cli", *args], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+
+
+def test_a_missing_model_directory_is_a_one_line_error(tmp_path: Path) -> None:
+    result = run_cli("serve", "--model-path", str(tmp_path / "nowhere"))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("framework: error:")
+    assert "nowhere" in lines[0]
+
+
+def test_an_unknown_transport_lists_the_known_ones(tmp_path: Path) -> None:
+    result = run_cli("bench", "transport", "--transports", "carrier-pigeon", "--quick",
+                     "--output", str(tmp_path))
+    assert result.returncode == 2
+    assert "carrier-pigeon" in result.stderr
+    assert "zmq" in result.stderr
+
+
+def test_a_model_directory_without_weights_is_a_one_line_error(tmp_path: Path) -> None:
+    from tests.model_fixtures import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path, "llama")
+    for weights in model.glob("*.safetensors"):
+        weights.unlink()
+    result = run_cli("serve", "--model-path", str(model), "--log-level", "error")
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [
+        f"framework: error: the scheduler failed to start: no *.safetensors files in model "
+        f"directory '{model}'"
+    ], result.stderr
