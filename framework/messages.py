@@ -93,6 +93,12 @@ class BatchTokenIDOutput(Message):
     output_token_logprobs_idx: list[list[int]] = msgspec.field(default_factory=list)
     output_top_logprobs_val: list[list[list[float]]] = msgspec.field(default_factory=list)
     output_top_logprobs_idx: list[list[list[int]]] = msgspec.field(default_factory=list)
+    #: Sent with a request's first output only (else empty lists; both lists are empty when
+    #: no request of the batch is new): its stop strings, so that a stream never shows part
+    #: of one, and the last prompt ids, so that the first output token decodes with the
+    #: spacing it has after the prompt.
+    stop_strs: list[list[str]] = msgspec.field(default_factory=list)
+    context_ids: list[list[int]] = msgspec.field(default_factory=list)
 
 
 class BatchStrOutput(Message):

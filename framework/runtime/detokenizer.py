@@ -48,11 +48,15 @@ class IncrementalDecoder:
     (special tokens skipped or not) already bound.
     """
 
-    def __init__(self, decode: DecodeFn) -> None:
+    def __init__(self, decode: DecodeFn, context_ids: Sequence[int] = (),
+                 stop_strs: Sequence[str] = ()) -> None:
         self.decode = decode
-        self.ids: list[int] = []
+        # Context ids (the end of the prompt) sit before the output in the window but are
+        # never part of the text: the first output token then keeps its leading space.
+        self.ids: list[int] = list(context_ids)
         self.prefix_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(self.ids)
+        self.stop_strs = [s for s in stop_strs if s]
         #: The text of ``ids[:read_offset]``.
         self.text = ""
         #: How many characters have been emitted; may run ahead of ``text`` by a printable tail.
@@ -66,10 +70,10 @@ class IncrementalDecoder:
             self.text += tail
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
-            return self._emit(self.text)
+            return self._emit(self._hold_stop_prefix(self.text))
         # The offsets stay put: the window is decoded again once the character's
         # remaining bytes arrive. What precedes the incomplete character is final.
-        return self._emit(self.text + tail.rstrip(REPLACEMENT_CHAR))
+        return self._emit(self._hold_stop_prefix(self.text + tail.rstrip(REPLACEMENT_CHAR)))
 
     def finish(
         self,
@@ -93,6 +97,21 @@ class IncrementalDecoder:
             if cut != -1:
                 full_text = full_text[:cut]
         return self._emit(full_text)
+
+    def _hold_stop_prefix(self, text: str) -> str:
+        """``text`` without a tail that could be the start of a stop string.
+
+        The Scheduler ends a request on the token that completes a stop string
+        and ``finish`` cuts it; until then a partial match must not be shown,
+        since emitted text is never taken back.
+        """
+        hold = 0
+        for stop in self.stop_strs:
+            for k in range(min(len(stop) - 1, len(text) - self.sent_len), hold, -1):
+                if text.endswith(stop[:k]):
+                    hold = k
+                    break
+        return text[: len(text) - hold] if hold else text
 
     def _unread_text(self, end: int) -> str:
         """The text of ``ids[read_offset:end]``, decoded in the context of the window."""
@@ -188,7 +207,12 @@ class Detokenizer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def new_decoder(
-        self, *, skip_special_tokens: bool, spaces_between_special_tokens: bool
+        self,
+        *,
+        skip_special_tokens: bool,
+        spaces_between_special_tokens: bool,
+        context_ids: Sequence[int] = (),
+        stop_strs: Sequence[str] = (),
     ) -> IncrementalDecoder:
         """A fresh per-request state decoding with the request's settings."""
         decode = functools.partial(
@@ -196,7 +220,7 @@ class Detokenizer:
             skip_special_tokens=skip_special_tokens,
             spaces_between_special_tokens=spaces_between_special_tokens,
         )
-        return IncrementalDecoder(decode)
+        return IncrementalDecoder(decode, context_ids, stop_strs)
 
     def decode_step(
         self,
@@ -207,6 +231,8 @@ class Detokenizer:
         skip_special_tokens: bool,
         spaces_between_special_tokens: bool,
         no_stop_trim: bool,
+        context_ids: Sequence[int] = (),
+        stop_strs: Sequence[str] = (),
     ) -> str:
         """One request's step: its new text since its last output.
 
@@ -218,6 +244,8 @@ class Detokenizer:
             decoder = self.new_decoder(
                 skip_special_tokens=skip_special_tokens,
                 spaces_between_special_tokens=spaces_between_special_tokens,
+                context_ids=context_ids,
+                stop_strs=() if no_stop_trim else stop_strs,
             )
             self.decoders[rid] = decoder
         if finished_reason is None:
@@ -237,6 +265,8 @@ class Detokenizer:
                 skip_special_tokens=batch.skip_special_tokens[i],
                 spaces_between_special_tokens=batch.spaces_between_special_tokens[i],
                 no_stop_trim=batch.no_stop_trim[i],
+                context_ids=batch.context_ids[i] if batch.context_ids else (),
+                stop_strs=batch.stop_strs[i] if batch.stop_strs else (),
             )
             for i, rid in enumerate(batch.rids)
         ]
@@ -292,12 +322,14 @@ def _stop_to_trim(reason: FinishReason, no_stop_trim: bool) -> tuple[int | None,
 def _check_parallel_lists(batch: BatchTokenIDOutput) -> None:
     """Refuse a batch whose per-request lists do not line up with ``rids``."""
     size = len(batch.rids)
+    optional = [name for name in ("stop_strs", "context_ids") if getattr(batch, name)]
     for name in (
         "finished_reasons",
         "output_ids",
         "skip_special_tokens",
         "spaces_between_special_tokens",
         "no_stop_trim",
+        *optional,
     ):
         if len(getattr(batch, name)) != size:
             raise ValueError(

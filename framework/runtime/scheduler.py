@@ -52,6 +52,8 @@ logger = logging.getLogger("framework.scheduler")
 _IDLE_WAIT_S = 0.05
 _METRICS_INTERVAL_S = 1.0
 _EMBEDDING_PARAMS = SamplingParams(max_new_tokens=0)
+# Prompt ids sent as decoding context with a request's first output.
+_CONTEXT_IDS = 5
 
 
 @dataclass
@@ -528,8 +530,9 @@ class Scheduler:
             spaces_between_special_tokens=[], no_stop_trim=[], prompt_tokens=[],
             completion_tokens=[], cached_tokens=[],
         )
-        # Logprob lists stay empty (not one empty list per request) when nobody asked.
+        # Optional lists stay empty (not one empty list per request) when nobody needs them.
         with_logprobs = any(r.return_logprob for r in reqs)
+        with_first = any(r.sent_len == 0 for r in reqs)
         for req in reqs:
             start = req.sent_len
             params = req.sampling_params
@@ -548,6 +551,11 @@ class Scheduler:
                     req.output_ids[start:] if req.return_logprob else [])
                 out.output_top_logprobs_val.append(req.output_top_logprobs_val[start:])
                 out.output_top_logprobs_idx.append(req.output_top_logprobs_idx[start:])
+            if with_first:
+                first = req.sent_len == 0
+                out.stop_strs.append(list(params.stop) if first else [])
+                out.context_ids.append(
+                    req.origin_input_ids[-_CONTEXT_IDS:] if first else [])
             req.sent_len = len(req.output_ids)
         self.send_to_detokenizer.send_nowait(out)
 

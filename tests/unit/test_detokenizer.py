@@ -529,3 +529,60 @@ def test_load_tokenizer_reports_broken_files(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
         load_tokenizer(str(tmp_path))
+
+
+# --------------------------------------------------------------------------- first-output context
+
+
+def stream_with_first(
+    detokenizer: Detokenizer,
+    chunks: list[list[int]],
+    finish: FinishReason,
+    *,
+    stop_strs: list[str] = (),  # type: ignore[assignment]
+    context_ids: list[int] = (),  # type: ignore[assignment]
+) -> list[str]:
+    """Like ``stream``, with stop strings and context ids sent in the first output only."""
+    outputs = []
+    for index, chunk in enumerate(chunks):
+        batch = token_batch(["r"], [chunk], [finish if index == len(chunks) - 1 else None])
+        if index == 0:
+            batch.stop_strs = [list(stop_strs)]
+            batch.context_ids = [list(context_ids)]
+        outputs.append(detokenizer.handle_batch(batch).output_strs[0])
+    return outputs
+
+
+@settings(max_examples=40, deadline=None)
+@given(stop=st.sampled_from(["STOP", "swer", " is", "42.", "👍🏽"]), sizes=chunk_sizes)
+def test_a_stream_never_shows_part_of_a_stop_string(
+    gpt2: Any, stop: str, sizes: list[int]
+) -> None:
+    """Whatever the chunking, text that could start a stop string waits for the next chunk."""
+    all_ids = gpt2.encode(STOP_TEXT)
+    end = next(k for k in range(1, len(all_ids) + 1) if stop in gpt2.decode(all_ids[:k]))
+    finish = FinishReason(type="stop", matched=stop)
+    outputs = stream_with_first(Detokenizer(gpt2), split(all_ids[:end], sizes), finish,
+                                stop_strs=[stop])
+    whole = gpt2.decode(all_ids[:end])
+    # Emitted text is never taken back, so the joined stream proves no partial stop leaked.
+    check_stream(outputs, whole[: whole.index(stop)])
+
+
+def test_a_request_that_runs_on_after_a_partial_stop_match_gets_its_text(gpt2: Any) -> None:
+    ids = gpt2.encode("The answer is 4 and more")
+    outputs = stream_with_first(Detokenizer(gpt2), [[t] for t in ids], LENGTH,
+                                stop_strs=["is 42"])
+    check_stream(outputs, "The answer is 4 and more")
+
+
+def test_context_ids_give_the_first_token_its_leading_space(llama: Any) -> None:
+    prompt = llama.encode("The capital of France is", add_special_tokens=False)
+    full = llama.encode("The capital of France is Paris", add_special_tokens=False)
+    assert full[: len(prompt)] == prompt
+    output = full[len(prompt):]
+    with_context = stream_with_first(Detokenizer(llama), [output], LENGTH,
+                                     context_ids=prompt[-5:])
+    without = stream_with_first(Detokenizer(llama), [output], LENGTH)
+    assert "".join(with_context) == " Paris"
+    assert "".join(without) == "Paris"
