@@ -79,7 +79,10 @@ def _peer_send(
             asyncio.run(send_all_async())
         else:
             for kind, item in items:
-                raw.send_frames_nowait(item) if kind == "raw" else typed.send_nowait(item)
+                if kind == "raw":
+                    raw.send_frames_nowait(item)
+                else:
+                    typed.send_nowait(item)
         return sent_at
     finally:
         raw.close()
