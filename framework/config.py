@@ -73,7 +73,9 @@ class ServerArgs:
         """The model directory to serve: the one given, or the embedded default."""
         if self.model_path:
             return self.model_path
-        raise ValueError("no --model-path given (the embedded default model is not available yet)")
+        from framework.default_model import default_model_path
+
+        return default_model_path()
 
     def resolved_tokenizer_path(self) -> str:
         """The tokenizer directory: ``--tokenizer-path`` or the model directory."""

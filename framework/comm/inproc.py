@@ -16,10 +16,8 @@ from framework.comm.codec import Buffer
 from framework.comm.transport import (
     Frames,
     PipeReceiver,
-    PipeRpcClient,
-    PipeRpcServer,
+    PipeRpcTransport,
     PipeSender,
-    Transport,
     TransportError,
 )
 
@@ -163,7 +161,7 @@ class InprocHub:
             return list(self._channels)
 
 
-class InprocTransport(Transport):
+class InprocTransport(PipeRpcTransport):
     """Channels between threads and tasks of one process, kept in this instance's hub."""
 
     name = "inproc"
@@ -178,14 +176,6 @@ class InprocTransport(Transport):
 
     def pipe_receiver(self, address: str) -> InprocPipeReceiver:
         return InprocPipeReceiver(self.hub, address)
-
-    def rpc_client(self, address: str) -> PipeRpcClient:
-        requests, replies = f"{address}/req", f"{address}/rep"
-        return PipeRpcClient(self.pipe_sender(requests), self.pipe_receiver(replies))
-
-    def rpc_server(self, address: str) -> PipeRpcServer:
-        requests, replies = f"{address}/req", f"{address}/rep"
-        return PipeRpcServer(self.pipe_receiver(requests), self.pipe_sender(replies))
 
     def make_address(self, workdir: str, name: str, tcp_host: str | None = None) -> str:
         if tcp_host is not None:

@@ -84,10 +84,8 @@ from framework.comm.codec import Buffer
 from framework.comm.transport import (
     Frames,
     PipeReceiver,
-    PipeRpcClient,
-    PipeRpcServer,
+    PipeRpcTransport,
     PipeSender,
-    Transport,
     TransportError,
 )
 
@@ -882,7 +880,7 @@ def _byte_view(buf: Buffer) -> memoryview:
 # --------------------------------------------------------------------------- transport
 
 
-class ShmTransport(Transport):
+class ShmTransport(PipeRpcTransport):
     """Pipes through shared memory rings between processes of one machine.
 
     ``ring_bytes`` is the data size of each ring a receiver creates (messages
@@ -917,14 +915,6 @@ class ShmTransport(Transport):
 
     def pipe_receiver(self, address: str) -> ShmPipeReceiver:
         return ShmPipeReceiver(address, self.ring_bytes, self.atomic_words)
-
-    def rpc_client(self, address: str) -> PipeRpcClient:
-        requests, replies = f"{address}.req", f"{address}.rep"
-        return PipeRpcClient(self.pipe_sender(requests), self.pipe_receiver(replies))
-
-    def rpc_server(self, address: str) -> PipeRpcServer:
-        requests, replies = f"{address}.req", f"{address}.rep"
-        return PipeRpcServer(self.pipe_receiver(requests), self.pipe_sender(replies))
 
     def make_address(self, workdir: str, name: str, tcp_host: str | None = None) -> str:
         if tcp_host is not None:

@@ -328,6 +328,22 @@ class Transport(ABC):
 # --------------------------------------------------------------------------- RPC over pipes
 
 
+class PipeRpcTransport(Transport):
+    """A transport without a native request/reply socket: RPC over two of its own pipes.
+
+    The server binds the request pipe at ``address.req``, the client the reply pipe at
+    ``address.rep``.
+    """
+
+    def rpc_client(self, address: str) -> PipeRpcClient:
+        return PipeRpcClient(self.pipe_sender(f"{address}.req"),
+                             self.pipe_receiver(f"{address}.rep"))
+
+    def rpc_server(self, address: str) -> PipeRpcServer:
+        return PipeRpcServer(self.pipe_receiver(f"{address}.req"),
+                             self.pipe_sender(f"{address}.rep"))
+
+
 class PipeRpcClient(RawRpcClient):
     """RPC built from two pipes, for transports without a native request/reply socket.
 
