@@ -315,6 +315,9 @@ def serve_receiver(transport: Transport, data_address: str, reply_address: str) 
 
 def _spawned_receiver(transport_name: str, data_address: str, reply_address: str) -> None:
     """Entry point of the receiver process: its own transport instance, made by name."""
+    from framework.runtime.launch import die_with_parent
+
+    die_with_parent()  # a harness killed mid-run must not leave its receiver behind
     serve_receiver(create_transport(transport_name), data_address, reply_address)
 
 

@@ -65,7 +65,7 @@ def component_classes(server_args: ServerArgs) -> ComponentClasses:
 # --------------------------------------------------------------------------- children
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Make sure this child never outlives the process that started it."""
     parent = os.getppid()
     with contextlib.suppress(OSError, AttributeError):
@@ -82,7 +82,7 @@ def _die_with_parent() -> None:
 
 
 def _child_setup(server_args: ServerArgs) -> None:
-    _die_with_parent()
+    die_with_parent()
     logging.basicConfig(level=server_args.log_level.upper(),
                         format="[%(asctime)s %(processName)s] %(levelname)s %(message)s")
     # The parent handles Ctrl-C and stops its children; a child just follows SIGTERM.
