@@ -54,9 +54,12 @@ record leaves the channel unusable.
 
 Memory ordering: on x86-64 (total store order) plain loads and stores keep the
 order the ring needs (data before the write position is published, the read
-position published only after the data is copied out). On other CPUs the
-position and state words go through libatomic's sequentially consistent loads
-and stores instead, which are slower (a ctypes call each).
+position published only after the data is copied out). Each word moves in one
+aligned 8-byte access, through a memoryview of 64-bit items: ``struct.pack_into``
+would not do, as it clears the bytes before writing the value, and the other
+process may read the word in between. On other CPUs the position and state
+words go through libatomic's sequentially consistent loads and stores instead,
+which are slower (a ctypes call each).
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ _DATA_AT = 256
 _ASLEEP, _CLOSED = 1, 2  # receiver state bits; the bits above count the receiver's sleeps
 _SLEEP_ONE = 4
 
-_U64 = struct.Struct("=Q")  # native layout: one aligned 8-byte load or store on x86
+_U64 = struct.Struct("=Q")  # a record's frame count; the segment's magic and capacity
 # Frames at least this large come back as a writable bytearray, smaller ones as bytes.
 _BYTEARRAY_MIN = 64 * 1024
 
@@ -186,19 +189,25 @@ def _skip_registration(name: str, rtype: str) -> None:
 
 
 class _PlainWords:
-    """Header words read and written with plain aligned 8-byte loads and stores (x86)."""
+    """Header words read and written with plain aligned 8-byte loads and stores (x86).
+
+    Items of a ``"Q"`` memoryview are copied in one piece. ``struct.pack_into``
+    first clears the bytes and then writes the value, so another process could
+    read a word as 0 in between: a sender that sees the read position at 0
+    reckons more room than the ring has and overwrites bytes not yet taken.
+    """
 
     def __init__(self, buf: memoryview) -> None:
-        self._buf = buf
+        self._words = buf[:_DATA_AT].cast("Q")
 
     def load(self, offset: int) -> int:
-        return _U64.unpack_from(self._buf, offset)[0]
+        return self._words[offset >> 3]
 
     def store(self, offset: int, value: int) -> None:
-        _U64.pack_into(self._buf, offset, value)
+        self._words[offset >> 3] = value
 
     def release(self) -> None:
-        self._buf = memoryview(b"")
+        self._words.release()  # the view pins the mapping: it must go before the segment closes
 
 
 class _AtomicWords:
@@ -344,15 +353,17 @@ class _PartialRecord:
     def fill(self, ring: _Ring, pos: int, available: int) -> int:
         """Copy up to ``available`` bytes from ``pos``; returns how many were taken."""
         taken = 0
-        while self.index < len(self.frames) and taken < available:
+        while self.index < len(self.frames):
             frame = self.frames[self.index]
             n = min(len(frame) - self.offset, available - taken)
             ring.copy_into(pos + taken, memoryview(frame)[self.offset : self.offset + n])
             taken += n
             self.offset += n
-            if self.offset == len(frame):
-                self.index += 1
-                self.offset = 0
+            if self.offset < len(frame):
+                break  # the rest of this frame has not come yet
+            # Go on even with nothing left to take: empty frames after it are complete now.
+            self.index += 1
+            self.offset = 0
         return taken
 
     @property
@@ -542,9 +553,17 @@ class ShmPipeReceiver(PipeReceiver):
         self._set_asleep(ring, True)
         try:
             while True:
+                read = self._read
                 frames = self.recv_frames_nowait()
                 if frames is not None:
                     return frames
+                if self._read != read:
+                    # Part of a record came. A sender wakes each sleep once, and this one's
+                    # wake-up may be spent: sleep anew (and check again) so the next chunk
+                    # wakes us rather than the safety-net timer.
+                    self._set_asleep(ring, True)
+                    check = _FIRST_WAKE_CHECK_S
+                    continue
                 await self._readable(loop, check)
                 self._open_ring()  # closed meanwhile: raise
                 self._drain_wakeups()
@@ -635,7 +654,14 @@ class _Producer:
         """
         room = self.ring.capacity - (self.write - self.read_seen)
         if room < need:
-            self.read_seen = self.ring.load(_READ_AT)
+            read = self.ring.load(_READ_AT)
+            if not self.read_seen <= read <= self.write:
+                # Going on would overwrite bytes the receiver has not taken yet.
+                raise TransportError(
+                    f"the shm ring of {self.address} is corrupt: read position {read} "
+                    f"outside {self.read_seen}..{self.write}"
+                )
+            self.read_seen = read
             room = self.ring.capacity - (self.write - self.read_seen)
         return room
 

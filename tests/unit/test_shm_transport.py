@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from framework.comm import shm
 from framework.comm.codec import CodecError
-from framework.comm.shm import ShmTransport, segment_name
+from framework.comm.shm import _READ_AT, ShmTransport, _Ring, segment_name
 from framework.comm.transport import TransportError
 from framework.messages import (
     AbortReq,
@@ -40,7 +41,12 @@ DEADLINE_S = 20.0
 
 def _peer_main(conn: Connection) -> None:
     """Run commands from the test process until told to stop; answer each with its outcome."""
-    commands = {"send": _peer_send, "serve": _peer_serve}
+    commands = {
+        "send": _peer_send,
+        "serve": _peer_serve,
+        "stream": _peer_stream,
+        "count_up": _peer_count_up,
+    }
     while True:
         command, args = conn.recv()
         if command == "stop":
@@ -106,6 +112,35 @@ def _peer_serve(
         asyncio.run(serve())
     finally:
         server.close()
+
+
+def _peer_stream(conn: Connection, options: dict[str, Any], address: str, count: int) -> None:
+    """Send ``stream_record(0)`` to ``stream_record(count - 1)`` through the async face."""
+    sender = ShmTransport(**options).pipe_sender(address)
+
+    async def send_all() -> None:
+        for index in range(count):
+            await sender.send_frames(stream_record(index))
+
+    try:
+        asyncio.run(send_all())
+    finally:
+        sender.close()
+
+
+def _peer_count_up(conn: Connection, segment: str, seconds: float) -> int:
+    """Store 1, 2, 3, ... into the read position word of ``segment`` for ``seconds``."""
+    ring = _Ring.attach(segment, atomic_words=False)
+    value = 0
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for _ in range(1000):
+                value += 1
+                ring.store(_READ_AT, value)
+        return value
+    finally:
+        ring.close(unlink=False)
 
 
 class Peer:
@@ -183,6 +218,42 @@ def big_embedding(total_bytes: int) -> BatchEmbeddingOutput:
         embeddings=rng.standard_normal((n, total_bytes // 4 // n), dtype=np.float32),
         prompt_tokens=[1] * n,
     )
+
+
+def stream_record(index: int) -> list[Any]:
+    """Record ``index`` of a stream: 100 KiB to 1 MiB records of three frames between small ones.
+
+    The float32 frame is a plain memoryview, whose len() counts floats rather than bytes,
+    and every other large record ends in an empty frame.
+    """
+    rng = np.random.default_rng(index)
+    if index % 3 == 2:
+        return [rng.bytes(int(rng.integers(1, 300)))]
+    body = rng.bytes(int(rng.integers(1, 12_000)))
+    floats = rng.standard_normal(int(rng.integers(25_600, 262_144)), dtype=np.float32)
+    tail = b"" if index % 3 == 1 else index.to_bytes(8, "little")
+    return [body, memoryview(floats), tail]
+
+
+async def receive_stream(receiver: Any, count: int) -> list[int]:
+    """Take ``count`` stream records, polling first, then waiting briefly (often cancelled).
+
+    Returns the indices of the records whose frames differ from what was sent.
+    """
+    wrong = []
+    deadline = time.monotonic() + DEADLINE_S
+    for index in range(count):
+        frames = receiver.recv_frames_nowait()
+        while frames is None:
+            assert time.monotonic() < deadline, f"record {index} of {count} did not arrive"
+            try:
+                frames = await asyncio.wait_for(receiver.recv_frames(), 0.002)
+            except asyncio.TimeoutError:
+                frames = receiver.recv_frames_nowait()
+        sent = [memoryview(frame).cast("B") for frame in stream_record(index)]
+        if [bytes(frame) for frame in frames] != [bytes(frame) for frame in sent]:
+            wrong.append(index)
+    return wrong
 
 
 async def recv_all(receiver: Any, count: int) -> list[Any]:
@@ -497,3 +568,103 @@ def test_a_cancelled_async_send_still_finishes_its_record(workdir: str) -> None:
         sender.close()
         receiver.close()
     assert received == [large, [b"next"]]
+
+
+def test_position_words_are_never_seen_half_written(peer: Peer, workdir: str) -> None:
+    # A position word read while another process stores it must hold the old or the new
+    # value. A store that clears the word first lets the sender see the read position at 0,
+    # reckon more room than the ring has, and overwrite bytes the receiver has not taken.
+    segment = segment_name(f"shm://{workdir}/words")
+    ring = _Ring.create(segment, 4096, atomic_words=False)
+    try:
+        peer.start("count_up", segment=segment, seconds=0.3)
+        highest = backwards = reads = 0
+        while not peer.conn.poll(0):
+            for _ in range(1000):
+                value = ring.load(_READ_AT)
+                backwards += value < highest
+                highest = max(highest, value)
+            reads += 1000
+        stored = peer.result()
+        assert ring.load(_READ_AT) == stored
+    finally:
+        ring.close(unlink=True)
+    assert reads > 10_000
+    assert backwards == 0, f"{backwards} of {reads} reads went back"
+
+
+def test_large_records_stream_intact_through_a_small_ring(peer: Peer, workdir: str) -> None:
+    # Records of up to 16 times the ring, between small ones: the sender streams them in
+    # chunks, re-reading the read position while the receiver moves it, and the receiver
+    # assembles them across polls and async receives that time out (are cancelled) often.
+    options = {"ring_bytes": 64 * 1024}
+    transport = ShmTransport(**options)
+    address = transport.make_address(workdir, "stream")
+    receiver = transport.pipe_receiver(address)
+    count = 45
+    peer.start("stream", options=options, address=address, count=count)
+    try:
+        wrong = asyncio.run(receive_stream(receiver, count))
+    finally:
+        receiver.close()  # a sender still waiting for room gives up once the receiver is gone
+        status, detail = peer.answer()
+    assert wrong == [], f"records {wrong} arrived with other bytes than were sent"
+    assert status == "ok", detail
+    assert leftovers(workdir, address) == []
+
+
+def test_a_record_ending_in_an_empty_frame_arrives_in_chunks(workdir: str) -> None:
+    # The last chunk of the record ends where its last non-empty frame does: the empty frame
+    # after it must not keep the record waiting for bytes that will never come.
+    transport = ShmTransport(ring_bytes=4096)
+    address = transport.make_address(workdir, "empty-tail")
+    receiver = transport.pipe_receiver(address)
+    sender = transport.pipe_sender(address)
+    record = [os.urandom(20_000), b"", b""]
+    thread = threading.Thread(target=sender.send_frames_nowait, args=(record,))
+    thread.start()
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        frames = receiver.recv_frames_nowait()
+        while frames is None and time.monotonic() < deadline:
+            receiver.wait(0.05)
+            frames = receiver.recv_frames_nowait()
+        thread.join(DEADLINE_S)
+    finally:
+        sender.close()
+        receiver.close()
+    assert frames == record
+
+
+def test_an_async_receiver_is_woken_for_every_chunk_of_a_large_record(
+    workdir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A sender wakes a sleeping receiver once per sleep. A receiver that took part of a record
+    # must sleep anew, or each later chunk waits for its safety-net timer (5 ms, doubling up
+    # to 250 ms): a dozen chunks would take seconds. The sender's periodic liveness pokes
+    # would hide that, so they are off here.
+    monkeypatch.setattr(shm, "_LIVENESS_EVERY", 1 << 30)
+    transport = ShmTransport(ring_bytes=4096)
+    address = transport.make_address(workdir, "chunks")
+    receiver = transport.pipe_receiver(address)
+    sender = transport.pipe_sender(address)
+    record = [os.urandom(12 * 4096)]
+
+    async def scenario() -> tuple[list[Any], float]:
+        receiving = asyncio.create_task(receiver.recv_frames())
+        await asyncio.sleep(0.05)  # asleep on the FIFO by now
+        started = time.monotonic()
+        thread = threading.Thread(target=sender.send_frames_nowait, args=(record,))
+        thread.start()
+        frames = await asyncio.wait_for(receiving, DEADLINE_S)
+        elapsed = time.monotonic() - started
+        await asyncio.to_thread(thread.join)
+        return frames, elapsed
+
+    try:
+        frames, elapsed = asyncio.run(scenario())
+    finally:
+        sender.close()
+        receiver.close()
+    assert frames == record
+    assert elapsed < 0.5, f"a 12-chunk record took {elapsed:.2f} s"
