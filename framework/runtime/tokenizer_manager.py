@@ -190,6 +190,8 @@ class TokenizerManager:
         ids = await self.tokenize(text) if text is not None else list(input_ids or [])
         if not ids:
             raise RequestError("the prompt is empty")
+        if not all(type(t) is int for t in ids):
+            raise RequestError("input_ids must be a list of integer token ids")
         if self.context_len is not None and len(ids) >= self.context_len:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens, but the model's context length is "
@@ -211,6 +213,10 @@ class TokenizerManager:
             req.sampling_params.verify()
         except ValueError as exc:
             raise RequestError(str(exc)) from None
+        if req.sampling_params.n != 1:
+            # The OpenAI routes fan n out into n requests; one request is one sequence.
+            raise RequestError("n > 1 is served by /v1/completions and /v1/chat/completions; "
+                               "send n requests (with different seeds) instead")
         input_ids = await self._input_ids(req.text, req.input_ids)
         rid = req.rid or uuid.uuid4().hex
         if rid in self.rid_to_state:

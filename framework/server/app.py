@@ -7,7 +7,7 @@ import base64
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -279,7 +279,7 @@ class Routes:
                                                 tokenize=True)
         except Exception as exc:  # templates raise their own errors for bad roles
             raise RequestError(f"cannot apply the chat template: {exc}") from None
-        if isinstance(ids, dict):
+        if isinstance(ids, Mapping):  # newer transformers return a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
 

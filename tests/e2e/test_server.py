@@ -330,3 +330,37 @@ def test_killing_the_scheduler_takes_the_server_down(checkpoints: tuple, tmp_pat
     assert "scheduler process exited unexpectedly" in server.log()
     assert _alive(children) == []
     assert os.listdir(env["TMPDIR"]) == []
+
+
+def test_chat_completions_json_and_sse(client: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "hello there"}]
+    body = {"messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    reply = client.post("/v1/chat/completions", json=body).json()
+    assert reply["object"] == "chat.completion"
+    choice = reply["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["finish_reason"] == "length"
+    assert reply["usage"]["completion_tokens"] == 6
+    events = stream_events(client, "/v1/chat/completions", {**body, "stream": True})
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == choice["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_n_choices_and_logprobs(client: httpx.Client, expected: dict,
+                                checkpoints: tuple) -> None:
+    ref = expected[checkpoints[0]]
+    body = _completion_body(PROMPTS[1], n=3, logprobs=2)
+    reply = client.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in reply["choices"]] == [0, 1, 2]
+    assert all(c["text"] == ref[1]["text"] for c in reply["choices"])  # greedy: all the same
+    logprobs = reply["choices"][0]["logprobs"]
+    assert len(logprobs["token_logprobs"]) == MAX_TOKENS
+    assert all(len(top) <= 2 for top in logprobs["top_logprobs"])
+    assert reply["usage"]["completion_tokens"] == 3 * MAX_TOKENS
+    refused = client.post("/generate", json={"text": "x", "sampling_params": {"n": 2}})
+    assert refused.status_code == 400

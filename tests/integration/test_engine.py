@@ -266,3 +266,9 @@ def test_minilm_embeddings_match_transformers() -> None:
         cosine = float(np.dot(vec, want) / np.linalg.norm(vec) / np.linalg.norm(want))
         assert cosine > 0.9999
     assert np.allclose(single, got[1], atol=1e-5)
+
+
+def test_non_integer_input_ids_are_refused_before_the_scheduler(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="integer token ids"):
+        engine.generate(input_ids=["input_ids", "attention_mask"], sampling_params=GREEDY)
+    assert engine.generate(PROMPTS[0], {"max_new_tokens": 2})["meta_info"]["completion_tokens"]
