@@ -161,6 +161,17 @@ class Receiver:
         """Wait for the next message."""
         return self.codec.decode(await self.raw.recv_frames())
 
+    async def recv_valid(self) -> Message:
+        """Wait for the next message that decodes; garbled frames are logged and skipped.
+
+        The async counterpart of ``drain()``, for a component's receive loop.
+        """
+        while True:
+            try:
+                return await self.recv()
+            except CodecError as exc:
+                _log_dropped(exc)
+
     def wait(self, timeout: float) -> bool:
         """Block until a message may be waiting or ``timeout`` s pass (see ``PipeReceiver``)."""
         return self.raw.wait(timeout)

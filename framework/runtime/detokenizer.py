@@ -26,7 +26,6 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from framework.comm.codec import CodecError
 from framework.comm.transport import Receiver, Sender, Transport
 from framework.config import PortArgs, ServerArgs
 from framework.messages import BatchStrOutput, BatchTokenIDOutput, FinishReason, Message
@@ -298,12 +297,7 @@ class Detokenizer:
         (``TransportError``) or cancellation ends the loop.
         """
         while True:
-            try:
-                msg = await receiver.recv()
-            except CodecError as exc:
-                logger.warning("detokenizer dropped a frame that did not decode: %s", exc)
-                continue
-            reply = self.handle_message(msg)
+            reply = self.handle_message(await receiver.recv_valid())
             if reply is not None:
                 await sender.send(reply)
 

@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from framework.comm.codec import CodecError
 from framework.comm.transport import Receiver, Transport, TransportError
 from framework.config import PortArgs, ServerArgs
 from framework.messages import (
@@ -142,10 +141,7 @@ class TokenizerManager:
     async def _receive_loop(self, receiver: Receiver, handle: Callable[[Message], None]) -> None:
         while True:
             try:
-                msg = await receiver.recv()
-            except CodecError as exc:
-                logger.warning("dropped an output that did not decode: %s", exc)
-                continue
+                msg = await receiver.recv_valid()
             except TransportError:
                 return  # closed during shutdown
             handle(msg)
