@@ -57,6 +57,10 @@ class ServerArgs:
     mem_fraction: float = _opt(0.8, "fraction of free device memory for the KV cache (GPU)",
                                "runtime")
     chunked_prefill_size: int = _opt(2048, "most prompt tokens prefilled per step", "runtime")
+    schedule_policy: str = _opt("fcfs", "order of admission: first come first served, or "
+                                "longest cached prefix first", "runtime",
+                                choices=("fcfs", "lpm"))
+    disable_radix_cache: bool = _opt(False, "do not reuse the KV of shared prefixes", "runtime")
     random_seed: int = _opt(0, "seed for sampling without a per-request seed", "runtime")
     tp_size: int = _opt(1, "tensor-parallel size", "runtime")
     # extending
