@@ -11,18 +11,17 @@ average time to first token when prompts differ a lot in length.
 
 from __future__ import annotations
 
-from framework.runtime.scheduler import ScheduledBatch, Scheduler
+from framework.runtime.schedule_batch import ScheduledBatch
+from framework.runtime.scheduler import Scheduler
 
 
 class ShortestPromptFirstScheduler(Scheduler):
     """Reorders the waiting queue by prompt length before each prefill selection."""
 
     def select_prefill_requests(self) -> ScheduledBatch | None:
-        # A request that already holds KV slots (a prompt being prefilled in chunks) keeps
-        # its place at the front; only the requests that have not started are reordered.
-        started = [r for r in self.waiting if r.req_pool_idx is not None]
-        fresh = sorted((r for r in self.waiting if r.req_pool_idx is None),
-                       key=lambda r: len(r.origin_input_ids))
+        # Waiting requests hold no KV (a prompt being prefilled in chunks is kept apart, in
+        # self.chunked_req, and goes on first), so the whole queue can be reordered.
+        shortest_first = sorted(self.waiting, key=lambda r: len(r.origin_input_ids))
         self.waiting.clear()
-        self.waiting.extend(started + fresh)
+        self.waiting.extend(shortest_first)
         return super().select_prefill_requests()

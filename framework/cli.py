@@ -35,6 +35,12 @@ def _cmd_bench_transport(args: argparse.Namespace) -> int:
     return run_from_cli(args)
 
 
+def _cmd_bench_prefix_cache(args: argparse.Namespace) -> int:
+    from framework.bench.prefix_cache import run_from_cli
+
+    return run_from_cli(args)
+
+
 def _formatter(prog: str) -> argparse.HelpFormatter:
     # A fixed width keeps --help (and the generated reference) the same on every terminal.
     return argparse.HelpFormatter(prog, width=100, max_help_position=32)
@@ -73,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_transport_args(transport)
     transport.set_defaults(handler=_cmd_bench_transport)
+    prefix_cache = bench_sub.add_parser(
+        "prefix-cache", help="time to first token and throughput, radix cache on vs off")
+    from framework.bench.prefix_cache import add_cli_args as add_prefix_cache_args
+
+    add_prefix_cache_args(prefix_cache)
+    prefix_cache.set_defaults(handler=_cmd_bench_prefix_cache)
     return parser
 
 

@@ -63,6 +63,13 @@ class ServerArgs:
     disable_radix_cache: bool = _opt(False, "do not reuse the KV of shared prefixes", "runtime")
     random_seed: int = _opt(0, "seed for sampling without a per-request seed", "runtime")
     tp_size: int = _opt(1, "tensor-parallel size", "runtime")
+    launch_mode: str = _opt("process", "run the Scheduler and the Detokenizer as processes, or "
+                            "as threads of the main process (for tests and debugging; the "
+                            "inproc transport needs threads)", "runtime",
+                            choices=("process", "thread"))
+    torch_threads: int | None = _opt(None, "torch threads of each Scheduler (default: the "
+                                     "usable cores minus one, shared by the scheduler ranks, "
+                                     "at least 1)", "runtime")
     # extending
     scheduler_class: str | None = _opt(None, "dotted path of a Scheduler subclass", "extending")
     tokenizer_manager_class: str | None = _opt(None, "dotted path of a TokenizerManager "

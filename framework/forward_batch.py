@@ -7,19 +7,18 @@ its row of ``ReqToTokenPool.req_to_token``. Before the step the scheduler
 allocates a KV slot for every new token, writes the slots into
 ``req_to_token[req_pool_idx, prefix_len:seq_len]`` and passes them again as
 ``out_cache_loc``; the attention backend writes the new keys and values there.
+
+The batch carries indices only: the pools and the attention backend are built
+once by the ``ModelRunner`` and reached from there, so that this module, which
+everything may use, imports nothing from the layers or the KV cache.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from framework.layers.attention.base import AttentionBackend
-    from framework.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 
 class ForwardMode(enum.Enum):
@@ -57,10 +56,6 @@ class ForwardBatch:
     seq_lens_cpu: list[int] | None = None
     extend_prefix_lens_cpu: list[int] | None = None
     extend_seq_lens_cpu: list[int] | None = None
-    # Set by ModelRunner before the model runs.
-    req_to_token_pool: ReqToTokenPool | None = None
-    token_to_kv_pool: MHATokenToKVPool | None = None
-    attn_backend: AttentionBackend | None = None
 
     @property
     def num_tokens(self) -> int:

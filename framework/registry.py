@@ -114,6 +114,8 @@ def import_dotted(path: str) -> Any:
 
 TRANSPORTS: Registry[Any] = Registry("transport", "framework.transports")
 CODECS: Registry[Any] = Registry("codec", "framework.codecs")
+# Attention backends are classes built once per rank as ``ATTENTION_BACKENDS.get(name)(args)``
+# with an ``AttentionBackendArgs`` (see framework/layers/attention/base.py).
 ATTENTION_BACKENDS: Registry[Any] = Registry("attention backend", "framework.attention_backends")
 
 TRANSPORTS.register("zmq", "framework.comm.zmq:ZmqTransport")

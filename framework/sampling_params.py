@@ -1,10 +1,72 @@
-"""Per-request sampling parameters, checked before a request enters the runtime."""
+"""Per-request sampling parameters, checked before a request enters the runtime.
+
+Every limit a request's values must respect lives here, so that each edge (the HTTP
+routes, the Engine, the TokenizerManager) refuses the same values with the same words.
+"""
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 import msgspec
 
 _TOP_K_ALL = -1
+
+# Temperatures below this sample the argmax, as in SGLang and vLLM: dividing float32 logits
+# by a smaller temperature may overflow to inf, and the softmax of inf is NaN.
+GREEDY_TEMPERATURE = 1e-5
+# Any larger temperature already spreads the probability almost evenly; the cap keeps the
+# value far from where float32 would round it to inf.
+MAX_TEMPERATURE = 100.0
+# Top log-probabilities per token that a request may ask for (vLLM's default max_logprobs).
+MAX_TOP_LOGPROBS = 20
+# Choices of one OpenAI request; each is a full request in the Scheduler.
+MAX_N = 128
+# Seeds travel as msgpack integers and seed torch generators; both take this range.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+# Other integer fields must fit a signed 64-bit integer (msgpack, torch tensors).
+INT64_MAX = 2**63 - 1
+
+
+def _is_int(value: object) -> bool:
+    """True for an ``int`` that is not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_top_logprobs_num(value: object, field: str = "top_logprobs_num") -> None:
+    """Raise ``ValueError`` naming ``field`` unless ``value`` is an int in [0, MAX_TOP_LOGPROBS]."""
+    if not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS:  # type: ignore[operator]
+        raise ValueError(
+            f"{field} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}"
+        )
+
+
+def check_token_ids(token_ids: Sequence[object], vocab_size: int | None, field: str) -> None:
+    """Raise ``ValueError`` naming ``field`` unless every id is an int in ``[0, vocab_size)``.
+
+    Without a known vocabulary the bound is the signed 64-bit range, which is what the
+    Scheduler's tensors hold.
+    """
+    upper = vocab_size if vocab_size is not None else INT64_MAX + 1
+    for position, token in enumerate(token_ids):
+        if not _is_int(token) or not 0 <= token < upper:  # type: ignore[operator]
+            raise ValueError(
+                f"{field} must hold integer token ids in [0, {upper}), got {token!r} at "
+                f"position {position}"
+            )
+
+
+def wrap_seed(seed: int) -> int:
+    """``seed`` moved into [SEED_MIN, SEED_MAX] by a multiple of 2**64.
+
+    The sampler reads a seed modulo 2**64, so the wrapped seed names the same random stream;
+    this keeps ``seed + choice`` of an ``n > 1`` request in the range every codec carries.
+    """
+    if SEED_MIN <= seed <= SEED_MAX:
+        return seed
+    return (seed - SEED_MIN) % 2**64 + SEED_MIN
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -12,7 +74,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     The field names follow SGLang's native ``sampling_params`` object, so that a
     ``/generate`` body written for SGLang works here unchanged. ``verify()``
-    raises ``ValueError`` naming the offending field.
+    raises ``ValueError`` naming the offending field and its allowed range.
     """
 
     max_new_tokens: int = 128
@@ -47,25 +109,49 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def is_greedy(self) -> bool:
-        """True when sampling reduces to argmax."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """True when sampling reduces to argmax (a temperature below 1e-5, or top_k == 1)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
-    def verify(self) -> None:
-        """Raise ``ValueError`` with a message naming the field if any value is out of range."""
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice ``index`` of an ``n > 1`` request: n=1, seed + index."""
+        seed = None if self.seed is None else wrap_seed(self.seed + index)
+        return msgspec.structs.replace(self, n=1, seed=seed)
+
+    def verify(self, vocab_size: int | None = None) -> None:
+        """Raise ``ValueError`` naming the field and its range if any value is out of range.
+
+        ``vocab_size``, when known, bounds ``stop_token_ids``.
+        """
+        self._verify_floats()
+        self._verify_ints()
+        if not isinstance(self.stop, list) or not all(
+            isinstance(s, str) and s for s in self.stop
+        ):
+            raise ValueError("stop must be a list of non-empty strings")
+        check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
+
+    def _verify_floats(self) -> None:
+        """Finite values first (NaN compares false to every bound), then each range."""
+        floats = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        for name, value in floats.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         checks: list[tuple[bool, str]] = [
-            (self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}"),
-            (self.min_new_tokens >= 0, f"min_new_tokens must be >= 0, got {self.min_new_tokens}"),
             (
-                self.min_new_tokens <= self.max_new_tokens,
-                f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
-                f"({self.max_new_tokens})",
+                0.0 <= self.temperature <= MAX_TEMPERATURE,
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}] (below {GREEDY_TEMPERATURE:g}"
+                f" it means greedy), got {self.temperature}",
             ),
-            (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (
-                self.top_k == _TOP_K_ALL or self.top_k >= 1,
-                f"top_k must be -1 (disabled) or >= 1, got {self.top_k}",
-            ),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
             (
                 -2.0 <= self.frequency_penalty <= 2.0,
@@ -79,20 +165,58 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 0.0 < self.repetition_penalty <= 2.0,
                 f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
             ),
-            (self.n >= 1, f"n must be >= 1, got {self.n}"),
+        ]
+        _raise_first(checks)
+
+    def _verify_ints(self) -> None:
+        """Integer fields: each within its range, all within what msgpack and torch carry."""
+        ints = {
+            "max_new_tokens": self.max_new_tokens,
+            "min_new_tokens": self.min_new_tokens,
+            "top_k": self.top_k,
+            "n": self.n,
+        }
+        if self.stream_interval is not None:
+            ints["stream_interval"] = self.stream_interval
+        if self.seed is not None:
+            ints["seed"] = self.seed
+        for name, value in ints.items():
+            if not _is_int(value):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        checks: list[tuple[bool, str]] = [
             (
-                self.stream_interval is None or self.stream_interval >= 1,
-                f"stream_interval must be >= 1, got {self.stream_interval}",
+                0 <= self.max_new_tokens <= INT64_MAX,
+                f"max_new_tokens must be in [0, {INT64_MAX}], got {self.max_new_tokens}",
             ),
             (
-                all(isinstance(s, str) and s for s in self.stop),
-                "stop must be a list of non-empty strings",
+                0 <= self.min_new_tokens <= INT64_MAX,
+                f"min_new_tokens must be in [0, {INT64_MAX}], got {self.min_new_tokens}",
             ),
             (
-                all(t >= 0 for t in self.stop_token_ids),
-                "stop_token_ids must be non-negative token ids",
+                self.min_new_tokens <= self.max_new_tokens,
+                f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
+                f"({self.max_new_tokens})",
+            ),
+            (
+                self.top_k == _TOP_K_ALL or 1 <= self.top_k <= INT64_MAX,
+                f"top_k must be -1 (disabled) or in [1, {INT64_MAX}], got {self.top_k}",
+            ),
+            (1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}"),
+            (
+                self.stream_interval is None or 1 <= self.stream_interval <= INT64_MAX,
+                f"stream_interval must be in [1, {INT64_MAX}], got {self.stream_interval}",
+            ),
+            (
+                self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
+                f"seed must be in [-2**63, 2**64 - 1] = [{SEED_MIN}, {SEED_MAX}], "
+                f"got {self.seed}",
             ),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        _raise_first(checks)
+
+
+def _raise_first(checks: list[tuple[bool, str]]) -> None:
+    """Raise ``ValueError`` with the message of the first check that failed."""
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)

@@ -32,7 +32,6 @@ import multiprocessing
 import os
 import pickle
 import platform
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,6 +45,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from framework.bench.environment import git_commit, machine_description
 from framework.bench.messages import SAMPLE_DESCRIPTIONS, SAMPLE_MESSAGES, build_sample
 from framework.comm.codec import Buffer, Codec
 from framework.comm.transport import PipeReceiver, PipeSender, Transport, TransportError
@@ -665,34 +665,6 @@ def render_markdown(results: BenchResults, settings: BenchSettings) -> str:
     lines += [f"| {r.codec} | {r.message} | {r.encode_us:,.1f} | {r.decode_us:,.1f} | "
               f"{r.bytes:,} |" for r in results.codec_rows]
     return "\n".join(lines) + "\n"
-
-
-def machine_description() -> str:
-    """Platform, CPU model and logical CPU count of this machine."""
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass  # not Linux: keep what platform reports
-    return f"{platform.platform()}, {model}, {os.cpu_count()} logical CPUs"
-
-
-def git_commit() -> str:
-    """The commit of the checkout this package runs from (``-dirty`` if changed), or ``unknown``."""
-    root = Path(__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, check=True).stdout.strip()
-        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
-                                  "--untracked-files=no"],
-                                 capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return f"{commit}-dirty" if changed else commit
 
 
 def write_plot(rows: Sequence[TransportRow], path: Path) -> bool:

@@ -9,9 +9,15 @@ Two levels of indirection, as in SGLang:
 
 KV slot 0 is reserved as a padding slot and never handed out, so that a
 zero-filled ``req_to_token`` row never points at a live token.
+
+``KVCachePools`` builds the three once per rank; the ``ModelRunner`` builds
+it, the scheduler allocates from it and the attention backend reads and
+writes through it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -133,6 +139,56 @@ class MHATokenToKVPool:
         """Bytes of K and V that one token takes across all layers."""
         return kv_cache_bytes_per_token(
             self.num_kv_heads, self.head_dim, self.num_layers, self.dtype
+        )
+
+
+@dataclass(frozen=True)
+class KVCachePools:
+    """The memory of one rank's KV cache, built once and handed to whoever needs it.
+
+    ``req_to_token_pool`` has one row per request slot, ``context_len`` wide;
+    ``allocator`` hands out the KV slots ``1..max_total_tokens`` of
+    ``token_to_kv_pool``, whose buffers have one more row for the padding slot 0.
+    """
+
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: MHATokenToKVPool
+    allocator: TokenToKVPoolAllocator
+
+    def __post_init__(self) -> None:
+        # The allocator's slots index the K/V buffers: sizes that differ would
+        # hand out slots past the buffers' end, or leave slots never used.
+        if self.allocator.size != self.token_to_kv_pool.size:
+            raise ValueError(
+                f"the allocator has {self.allocator.size} KV slots but the K/V buffers hold "
+                f"{self.token_to_kv_pool.size}"
+            )
+        devices = {
+            self.req_to_token_pool.device, self.token_to_kv_pool.device, self.allocator.device
+        }
+        if len(devices) != 1:
+            raise ValueError(f"the KV cache pools must share one device, got {devices}")
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        max_total_tokens: int,
+        max_requests: int,
+        context_len: int,
+        dtype: torch.dtype,
+        num_kv_heads: int,
+        head_dim: int,
+        num_layers: int,
+        device: torch.device,
+    ) -> KVCachePools:
+        """Allocate ``max_requests`` request rows and ``max_total_tokens`` KV slots."""
+        return cls(
+            req_to_token_pool=ReqToTokenPool(max_requests, context_len, device),
+            token_to_kv_pool=MHATokenToKVPool(
+                max_total_tokens, dtype, num_kv_heads, head_dim, num_layers, device
+            ),
+            allocator=TokenToKVPoolAllocator(max_total_tokens, device),
         )
 
 

@@ -138,6 +138,17 @@ class PrefixCache(ABC):
     def reset(self) -> None:
         """Forget every entry (their slots must be freed first, or be about to be)."""
 
+    def available_size(self) -> int:
+        """Slots a new allocation can get: free ones plus those eviction can free."""
+        return self.allocator.available_size() + self.evictable_size()
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """``num_tokens`` KV slots, evicting unlocked entries if the free ones are too few."""
+        shortfall = num_tokens - self.allocator.available_size()
+        if shortfall > 0:
+            self.evict(shortfall)
+        return self.allocator.alloc(num_tokens)
+
     @property
     def root(self) -> Any:
         """The handle of the empty prefix (locking it is a no-op)."""

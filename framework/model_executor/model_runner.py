@@ -1,8 +1,10 @@
 """``ModelRunner``: one model on one device, with its KV cache and attention backend.
 
-The scheduler owns the batching: it allocates request and KV slots from the
-pools held here, builds a ``ForwardBatch`` and calls ``forward`` and then
-``sample``. ``ModelRunner`` loads the model, sizes the pools, and runs steps.
+The scheduler owns the batching: it allocates request and KV slots from
+``runner.pools`` (a ``KVCachePools``), builds a ``ForwardBatch`` and calls
+``forward`` and then ``sample``. ``ModelRunner`` loads the model, sizes and
+builds the pools once, builds the attention backend once over them and binds
+it to the model's attention layers, and runs steps.
 
 Pool sizing: ``ReqToTokenPool`` has ``max_running_requests +
 EXTRA_REQ_SLOTS`` rows of ``context_len`` tokens. The KV cache holds
@@ -20,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from framework.layers.attention.base import AttentionBackend, AttentionBackendArgs
+from framework.layers.attention.radix_attention import bind_attention_backend
 from framework.mem_cache.memory_pool import (
-    MHATokenToKVPool,
-    ReqToTokenPool,
-    TokenToKVPoolAllocator,
+    KVCachePools,
     decide_max_total_tokens,
     kv_cache_bytes_per_token,
 )
@@ -39,7 +41,6 @@ from framework.registry import ATTENTION_BACKENDS
 if TYPE_CHECKING:
     from framework.config import ServerArgs
     from framework.forward_batch import ForwardBatch
-    from framework.layers.attention.base import AttentionBackend
     from framework.layers.sampler import SampleOutput, SamplingBatchInfo
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,12 @@ def resolve_device(device: str, tp_rank: int = 0) -> torch.device:
 
 
 class ModelRunner:
-    """Loads a model, owns its KV cache pools, and runs forward and sampling steps."""
+    """Loads a model, builds its KV cache pools and attention backend, and runs steps.
+
+    ``pools`` (a ``KVCachePools``) and ``max_total_num_tokens`` are what the
+    scheduler allocates from; ``attn_backend`` is bound to the model's
+    attention layers and reaches the same pools.
+    """
 
     def __init__(self, server_args: ServerArgs, model_path: str, *, tp_rank: int = 0) -> None:
         if server_args.tp_size != 1:
@@ -101,54 +107,68 @@ class ModelRunner:
             tp_rank=tp_rank,
             tp_size=self.tp_size,
         )
-        self._init_memory_pools()
-        self.attn_backend: AttentionBackend = ATTENTION_BACKENDS.get(
-            server_args.attention_backend
-        )(
-            num_heads=self.model_config.num_heads_per_rank(self.tp_size),
-            num_kv_heads=self.model_config.num_kv_heads_per_rank(self.tp_size),
-            head_dim=self.model_config.head_dim,
-            device=self.device,
-        )
+        # Sized after the weights are loaded: on CUDA the KV cache takes a
+        # fraction of the memory they leave free.
+        self.max_total_num_tokens = self._decide_kv_cache_tokens()
+        self.pools = self._build_pools()
+        self.attn_backend = self._build_attention_backend(server_args.attention_backend)
+        bound = bind_attention_backend(self.model, self.attn_backend)
         self._sampler: Any = None
         logger.info(
-            "loaded %s (%s) on %s in %s; KV cache %d tokens",
+            "loaded %s (%s) on %s in %s; KV cache %d tokens; attention backend %s on %d layers",
             model_path, self.model_config.architecture, self.device, self.dtype,
-            self.max_total_num_tokens,
+            self.max_total_num_tokens, server_args.attention_backend, bound,
         )
 
-    def _init_memory_pools(self) -> None:
+    def _decide_kv_cache_tokens(self) -> int:
         config = self.model_config
-        num_kv_heads = config.num_kv_heads_per_rank(self.tp_size)
-        self.max_total_num_tokens = decide_max_total_tokens(
+        return decide_max_total_tokens(
             max_total_tokens=self.server_args.max_total_tokens,
             mem_fraction=self.server_args.mem_fraction,
             bytes_per_token=kv_cache_bytes_per_token(
-                num_kv_heads, config.head_dim, config.num_layers, self.dtype
+                config.num_kv_heads_per_rank(self.tp_size),
+                config.head_dim,
+                config.num_layers,
+                self.dtype,
             ),
             context_len=config.context_len,
             max_running_requests=self.server_args.max_running_requests,
             device=self.device,
         )
-        self.req_to_token_pool = ReqToTokenPool(
-            self.server_args.max_running_requests + EXTRA_REQ_SLOTS, config.context_len, self.device
+
+    def _build_pools(self) -> KVCachePools:
+        config = self.model_config
+        return KVCachePools.build(
+            max_total_tokens=self.max_total_num_tokens,
+            max_requests=self.server_args.max_running_requests + EXTRA_REQ_SLOTS,
+            context_len=config.context_len,
+            dtype=self.dtype,
+            num_kv_heads=config.num_kv_heads_per_rank(self.tp_size),
+            head_dim=config.head_dim,
+            num_layers=config.num_layers,
+            device=self.device,
         )
-        self.token_to_kv_allocator = TokenToKVPoolAllocator(self.max_total_num_tokens, self.device)
-        self.token_to_kv_pool = MHATokenToKVPool(
-            self.max_total_num_tokens,
-            self.dtype,
-            num_kv_heads,
-            config.head_dim,
-            config.num_layers,
-            self.device,
+
+    def _build_attention_backend(self, name: str) -> AttentionBackend:
+        config = self.model_config
+        args = AttentionBackendArgs(
+            num_heads=config.num_heads_per_rank(self.tp_size),
+            num_kv_heads=config.num_kv_heads_per_rank(self.tp_size),
+            head_dim=config.head_dim,
+            req_to_token_pool=self.pools.req_to_token_pool,
+            token_to_kv_pool=self.pools.token_to_kv_pool,
+            # Every request of a batch holds a request slot, so no batch can
+            # be larger than the request pool.
+            max_batch_size=self.pools.req_to_token_pool.size,
+            context_len=config.context_len,
+            dtype=self.dtype,
+            device=self.device,
         )
+        return ATTENTION_BACKENDS.get(name)(args)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> LogitsOutput:
         """Run one step; the new tokens' keys and values land in the KV cache."""
-        batch.req_to_token_pool = self.req_to_token_pool
-        batch.token_to_kv_pool = self.token_to_kv_pool
-        batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(batch)
         if not self.model_config.is_embedding:
             logits = self.model(batch.input_ids, batch.positions, batch)

@@ -2,9 +2,10 @@
 
 One forward step takes the tokens of several whole sequences concatenated without padding (an
 EXTEND batch with no cached prefix). Every linear layer runs on the packed tokens; attention is
-bidirectional and stays within each sequence. An encoder keeps no KV cache, so the attention
-backend and KV pools of the batch are not used. The output is one pooled embedding per sequence,
-pooled and normalized as the checkpoint's sentence-transformers configuration says.
+bidirectional and stays within each sequence. An encoder keeps no KV cache, so it holds no
+``RadixAttention`` layer and uses neither the attention backend nor the KV pools. The output is
+one pooled embedding per sequence, pooled and normalized as the checkpoint's
+sentence-transformers configuration says.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """The Detokenizer: token ids from the Scheduler in, new text for the TokenizerManager out.
 
-Decoding is incremental, as in vLLM and SGLang. Each running request keeps
-its output ids and two offsets: ``read_offset`` ends the ids whose text has
-been accounted for, and ``prefix_offset`` starts a window of context before
-them. A step decodes the window ``ids[prefix_offset:]`` and subtracts the
-decoding of ``ids[prefix_offset:read_offset]``: decoding tokens one by one
-would lose SentencePiece's leading-space handling and split byte-level
-characters, while decoding the whole output every step would cost O(n²).
-
-Text must never end in the middle of a character. A multi-byte character
-spread over several tokens (byte-level BPE, SentencePiece byte fallback)
-decodes to U+FFFD until its last byte arrives, so a trailing run of U+FFFD is
-held back until the character completes, or until the request finishes, when
-everything left is flushed.
+Each running request has an ``IncrementalDecoder`` (see
+``framework.runtime.incremental_decoder``): text is decoded incrementally,
+never ends in the middle of a character, and never shows a part of a stop
+string that the Scheduler may still find. The Scheduler matches stop strings
+on the same text, decoded with the same function (``make_decode_fn``).
 """
 
 from __future__ import annotations
@@ -20,10 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import inspect
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from framework.comm.transport import Receiver, Sender, Transport
@@ -31,100 +22,9 @@ from framework.config import PortArgs, ServerArgs
 from framework.messages import BatchStrOutput, BatchTokenIDOutput, FinishReason, Message
 from framework.registry import create_codec
 from framework.runtime.hf_tokenizer import load_tokenizer
+from framework.runtime.incremental_decoder import DecodeFn, IncrementalDecoder, make_decode_fn
 
 logger = logging.getLogger(__name__)
-
-#: What a decoder yields for bytes that do not (yet) form a whole character.
-REPLACEMENT_CHAR = "\ufffd"
-
-DecodeFn = Callable[[Sequence[int]], str]
-
-
-class IncrementalDecoder:
-    """The text state of one request: its output ids, the two offsets, what was emitted.
-
-    ``decode`` turns a list of ids into text with the request's settings
-    (special tokens skipped or not) already bound.
-    """
-
-    def __init__(self, decode: DecodeFn, context_ids: Sequence[int] = (),
-                 stop_strs: Sequence[str] = ()) -> None:
-        self.decode = decode
-        # Context ids (the end of the prompt) sit before the output in the window but are
-        # never part of the text: the first output token then keeps its leading space.
-        self.ids: list[int] = list(context_ids)
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
-        self.stop_strs = [s for s in stop_strs if s]
-        #: The text of ``ids[:read_offset]``.
-        self.text = ""
-        #: How many characters have been emitted; may run ahead of ``text`` by a printable tail.
-        self.sent_len = 0
-
-    def step(self, new_ids: Sequence[int]) -> str:
-        """Add ids of a running request; return the new text that is safe to show."""
-        self.ids.extend(new_ids)
-        tail = self._unread_text(len(self.ids))
-        if tail and not tail.endswith(REPLACEMENT_CHAR):
-            self.text += tail
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            return self._emit(self._hold_stop_prefix(self.text))
-        # The offsets stay put: the window is decoded again once the character's
-        # remaining bytes arrive. What precedes the incomplete character is final.
-        return self._emit(self._hold_stop_prefix(self.text + tail.rstrip(REPLACEMENT_CHAR)))
-
-    def finish(
-        self,
-        new_ids: Sequence[int],
-        *,
-        stop_token: int | None = None,
-        stop_str: str | None = None,
-    ) -> str:
-        """Add the last ids of a finished request; return all the text not yet emitted.
-
-        ``stop_token`` is left out of the text when it is the last new id;
-        ``stop_str`` cuts the whole text right before its first occurrence.
-        """
-        self.ids.extend(new_ids)
-        end = len(self.ids)
-        if stop_token is not None and len(new_ids) > 0 and new_ids[-1] == stop_token:
-            end -= 1
-        full_text = self.text + self._unread_text(end)
-        if stop_str:
-            cut = full_text.find(stop_str)
-            if cut != -1:
-                full_text = full_text[:cut]
-        return self._emit(full_text)
-
-    def _hold_stop_prefix(self, text: str) -> str:
-        """``text`` without a tail that could be the start of a stop string.
-
-        The Scheduler ends a request on the token that completes a stop string
-        and ``finish`` cuts it; until then a partial match must not be shown,
-        since emitted text is never taken back.
-        """
-        hold = 0
-        for stop in self.stop_strs:
-            for k in range(min(len(stop) - 1, len(text) - self.sent_len), hold, -1):
-                if text.endswith(stop[:k]):
-                    hold = k
-                    break
-        return text[: len(text) - hold] if hold else text
-
-    def _unread_text(self, end: int) -> str:
-        """The text of ``ids[read_offset:end]``, decoded in the context of the window."""
-        if end <= self.read_offset:
-            return ""
-        prefix_text = self.decode(self.ids[self.prefix_offset : self.read_offset])
-        window_text = self.decode(self.ids[self.prefix_offset : end])
-        return window_text[len(prefix_text) :]
-
-    def _emit(self, visible_text: str) -> str:
-        """The part of ``visible_text`` not emitted yet (emitted text is never taken back)."""
-        new_text = visible_text[self.sent_len :]
-        self.sent_len += len(new_text)
-        return new_text
 
 
 class Detokenizer:
@@ -139,9 +39,8 @@ class Detokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.decoders: dict[str, IncrementalDecoder] = {}
-        self._decode_takes_spaces_flag = _accepts_keyword(
-            tokenizer, "spaces_between_special_tokens"
-        )
+        # One decode function per (skip_special_tokens, spaces_between_special_tokens).
+        self._decode_fns: dict[tuple[bool, bool], DecodeFn] = {}
         self.receiver: Receiver | None = None
         self.sender: Sender | None = None
         self._stopped = threading.Event()
@@ -196,14 +95,21 @@ class Detokenizer:
         skip_special_tokens: bool,
         spaces_between_special_tokens: bool,
     ) -> str:
-        """Decode ids with the tokenizer, passing the spacing flag only where decode takes it."""
-        if self._decode_takes_spaces_flag:
-            return self.tokenizer.decode(
-                list(ids),
+        """Decode ids with the tokenizer and a request's settings.
+
+        This is the function ``make_decode_fn`` builds, the one the Scheduler
+        matches stop strings with; a subclass that decodes otherwise must give
+        the Scheduler the same function, or stop strings may be cut elsewhere.
+        """
+        settings = (skip_special_tokens, spaces_between_special_tokens)
+        decode = self._decode_fns.get(settings)
+        if decode is None:
+            decode = self._decode_fns[settings] = make_decode_fn(
+                self.tokenizer,
                 skip_special_tokens=skip_special_tokens,
                 spaces_between_special_tokens=spaces_between_special_tokens,
             )
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return decode(ids)
 
     def new_decoder(
         self,
@@ -330,17 +236,3 @@ def _check_parallel_lists(batch: BatchTokenIDOutput) -> None:
                 f"BatchTokenIDOutput.{name} has {len(getattr(batch, name))} entries for {size} rids"
             )
 
-
-def _accepts_keyword(tokenizer: Any, name: str) -> bool:
-    """Whether the tokenizer's decode (or the ``_decode`` it delegates to) names ``name``."""
-    for method_name in ("decode", "_decode"):
-        method = getattr(tokenizer, method_name, None)
-        if method is None:
-            continue
-        try:
-            parameters = inspect.signature(method).parameters
-        except (TypeError, ValueError):  # builtins without a signature
-            continue
-        if name in parameters:
-            return True
-    return False

@@ -1,126 +1,95 @@
-"""The offline Engine: the server's runtime in one process, without HTTP.
+"""The offline Engine: the server's runtime without HTTP, driven from Python.
 
-It runs the same TokenizerManager, Scheduler and Detokenizer classes as the
-server, the Scheduler and the Detokenizer in threads, over the ``inproc``
-transport by default, so a script gets continuous batching with a plain call.
+It starts the same TokenizerManager, Scheduler and Detokenizer classes as the
+server, through the same start-up path (``framework.runtime.launch``): the
+Scheduler and the Detokenizer run in their own processes over the server's
+default transport (zmq), so a script gets continuous batching with a plain
+call. ``launch_mode="thread"`` runs them as threads of the caller's process
+instead, over the ``inproc`` transport unless another is named (for tests and
+debugging).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any
 
-from framework.config import PortArgs, ServerArgs
-from framework.registry import create_transport
+from framework.config import ServerArgs
+from framework.runtime.launch import ComponentTree, apply_scheduler_info
 from framework.runtime.tokenizer_manager import GenerateRequest, TokenizerManager
 from framework.sampling_params import SamplingParams
 
 logger = logging.getLogger("framework.engine")
 
-_START_TIMEOUT_S = 600.0
-
-
-class ComponentThread(threading.Thread):
-    """Runs one component in a daemon thread and reports readiness or failure."""
-
-    def __init__(self, name: str, build: Callable[[], Any], run: Callable[[Any], None],
-                 on_error: Callable[[str], None]) -> None:
-        super().__init__(name=name, daemon=True)
-        self._build = build
-        self._run = run
-        self._on_error = on_error
-        self.component: Any = None
-        self.error: BaseException | None = None
-        self.ready = threading.Event()
-
-    def run(self) -> None:
-        try:
-            self.component = self._build()
-        except BaseException as exc:  # reported to the caller of wait_ready
-            self.error = exc
-            self.ready.set()
-            return
-        self.ready.set()
-        try:
-            self._run(self.component)
-        except BaseException as exc:
-            self.error = exc
-            logger.exception("%s stopped with an error", self.name)
-            self._on_error(f"the {self.name} failed: {exc!r}")
-
-    def wait_ready(self, timeout: float) -> Any:
-        """The built component; re-raises the error if building it failed."""
-        if not self.ready.wait(timeout):
-            raise TimeoutError(f"{self.name} did not start within {timeout:.0f} s")
-        if self.error is not None:
-            raise self.error
-        return self.component
+_WATCHER_JOIN_S = 5.0
 
 
 class Engine:
     """Generate text or embeddings from Python: ``Engine(model_path=...).generate(prompts)``.
 
     Keyword arguments are ``ServerArgs`` fields. Use as a context manager, or
-    call ``shutdown()`` when done.
+    call ``shutdown()`` when done. The Scheduler and the Detokenizer are
+    spawned processes, so a script that makes an Engine at import time must
+    do so under ``if __name__ == "__main__":``. If one of them dies, waiting
+    and later calls raise ``RuntimeError`` naming it.
     """
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
-        kwargs.setdefault("transport", "inproc")
+        if kwargs.get("launch_mode") == "thread":
+            kwargs.setdefault("transport", "inproc")
         self.server_args = ServerArgs(model_path=model_path, **kwargs)
-        from framework.runtime.launch import component_classes
-
-        classes = component_classes(self.server_args)
-        self.transport = create_transport(
-            self.server_args.transport,
-            allow_insecure_pickle=self.server_args.allow_insecure_pickle,
-        )
-        self.port_args = PortArgs.create(self.transport)
+        # Checks the launch settings (a ValueError) before anything is made.
+        self.components = ComponentTree(self.server_args)
+        self.transport = self.components.transport
+        self.port_args = self.components.port_args
         self._loop = asyncio.new_event_loop()
-        self._threads: list[ComponentThread] = []
+        # Done (with the reason) once a component has died.
+        self._death: asyncio.Future[str] = self._loop.create_future()
+        self._watcher: threading.Thread | None = None
         self.tokenizer_manager: TokenizerManager | None = None
         try:
-            self._start(classes)
+            self._start()
         except BaseException:
             self.shutdown()
             raise
 
-    def _start(self, classes: Any) -> None:
+    def _start(self) -> None:
         from framework.runtime.hf_tokenizer import load_tokenizer
 
-        args, port_args, transport = self.server_args, self.port_args, self.transport
+        args, components = self.server_args, self.components
         tokenizer = load_tokenizer(args.resolved_tokenizer_path())
-        # The TokenizerManager binds its receivers before the others connect to them.
-        self.tokenizer_manager = classes.tokenizer_manager(args, port_args, transport, tokenizer)
-        scheduler = ComponentThread(
-            "scheduler", lambda: classes.scheduler(args, port_args, transport),
-            lambda s: s.event_loop(), self._fail_all,
-        )
-        detokenizer = ComponentThread(
-            "detokenizer",
-            lambda: classes.detokenizer.from_server_args(args, port_args, transport),
-            lambda d: asyncio.run(d.serve()), self._fail_all,
-        )
-        self._threads = [scheduler, detokenizer]
-        for thread in self._threads:
-            thread.start()
-        for thread in self._threads:
-            thread.wait_ready(_START_TIMEOUT_S)
-        self.scheduler = scheduler.component
-        self.tokenizer_manager.context_len = self.scheduler.context_len
-        self._loop.run_until_complete(self._start_manager())
+        # The TokenizerManager binds its receivers before the components connect to them.
+        manager = components.classes.tokenizer_manager(args, components.port_args,
+                                                       components.transport, tokenizer)
+        self.tokenizer_manager = manager
+        apply_scheduler_info(manager, components.start())
+        self._loop.run_until_complete(self._start_manager(manager))
+        self._watcher = threading.Thread(target=self._watch, name="engine-watcher", daemon=True)
+        self._watcher.start()
 
-    def _fail_all(self, reason: str) -> None:
-        """Wake every waiting request with the failure (called from a component's thread)."""
-        manager = self.tokenizer_manager
-        if manager is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(manager.fail_all, reason)
+    @staticmethod
+    async def _start_manager(manager: TokenizerManager) -> None:
+        manager.start()  # its receive loops need a running event loop
 
-    async def _start_manager(self) -> None:
-        assert self.tokenizer_manager is not None
-        self.tokenizer_manager.start()
+    def _watch(self) -> None:
+        """Wait for a component to die; then fail every waiting request and stop the rest."""
+        reason = self.components.wait_for_death()
+        if reason is None:
+            return  # shut down on purpose
+        logger.error("%s; the engine stops", reason)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: shutdown() is done
+            self._loop.call_soon_threadsafe(self._on_death, reason)
+        # Like the server, the runtime goes down with any of its parts: no orphans.
+        self.components.stop()
+
+    def _on_death(self, reason: str) -> None:
+        if self.tokenizer_manager is not None:
+            self.tokenizer_manager.fail_all(reason)
+        if not self._death.done():
+            self._death.set_result(reason)
 
     # ------------------------------------------------------------------ API
 
@@ -167,22 +136,14 @@ class Engine:
         return self._run(self._manager.get_scheduler_info())
 
     def shutdown(self) -> None:
-        """Stop the components and remove every channel."""
-        for thread in self._threads:
-            component = thread.component
-            if component is not None:
-                component.stop()
-        for thread in self._threads:
-            thread.join(timeout=30)
-        for thread in self._threads:
-            if thread.component is not None:
-                thread.component.close()
+        """Stop the components, close every channel and remove the channels' directory."""
+        self.components.stop()
+        if self._watcher is not None:
+            self._watcher.join(_WATCHER_JOIN_S)
         if self.tokenizer_manager is not None and not self._loop.is_closed():
             self._loop.run_until_complete(self.tokenizer_manager.close())
         if not self._loop.is_closed():
             self._loop.close()
-        self._threads = []
-        self.port_args.cleanup()
 
     def __enter__(self) -> Engine:
         return self
@@ -199,11 +160,20 @@ class Engine:
         return self.tokenizer_manager
 
     def _run(self, coro: Any) -> Any:
-        for thread in self._threads:
-            if thread.error is not None:
-                coro.close()
-                raise RuntimeError(f"the {thread.name} failed: {thread.error!r}")
-        return self._loop.run_until_complete(coro)
+        if self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("the engine is shut down")
+        return self._loop.run_until_complete(self._unless_dead(coro))
+
+    async def _unless_dead(self, coro: Any) -> Any:
+        """``coro``'s result, or a ``RuntimeError`` naming the component that died meanwhile."""
+        task = asyncio.ensure_future(coro)
+        await asyncio.wait({task, self._death}, return_when=asyncio.FIRST_COMPLETED)
+        if not self._death.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise RuntimeError(f"the runtime is down: {self._death.result()}")
 
     @staticmethod
     async def _gather(coros: list[Any]) -> list[Any]:

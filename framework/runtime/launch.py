@@ -1,10 +1,29 @@
-"""The process tree: start the Scheduler and the Detokenizer, wait for them, watch them, stop them.
+"""The one start-up path of the runtime, for ``framework serve`` and ``framework.Engine``.
 
-The main process binds its receivers first (through the TokenizerManager),
-then spawns one process per component. Each child binds its own receivers,
-connects its senders and reports ``ready`` (or the error that stopped it) on
-a pipe. A child dies with its parent (``PR_SET_PDEATHSIG`` plus a watchdog),
-and the parent learns of a dead child through its process sentinel.
+``ComponentTree`` starts the components behind the TokenizerManager (one
+Scheduler per scheduler rank, and the Detokenizer), waits until every one is
+ready, watches them and stops them:
+
+1. ``ComponentTree(server_args)`` checks the launch arguments and makes the
+   transport and the channel addresses (``PortArgs``);
+2. the caller builds its TokenizerManager on them, which binds its receivers
+   first;
+3. ``start()`` starts the components, gathers the ready message of each (the
+   first failure stops them all and raises ``ComponentError``) and returns
+   scheduler rank 0's;
+4. ``wait_for_death()`` blocks until a component ends; ``stop()`` ends them
+   all and removes the channels' directory.
+
+With ``--launch-mode process`` (the default) each component is a spawned
+process; a child dies with its parent (``PR_SET_PDEATHSIG`` plus a watchdog)
+and the parent learns of a dead child through its process sentinel. With
+``--launch-mode thread`` (for tests and debugging) they are daemon threads of
+the calling process, which the ``inproc`` transport needs.
+
+Each scheduler rank runs torch on ``--torch-threads`` threads, by default
+``max(1, (usable cores - 1) // ranks)``: one core is left to the HTTP
+process and the Detokenizer, which use one torch thread each, so that the
+processes of one machine do not oversubscribe its cores.
 """
 
 from __future__ import annotations
@@ -15,10 +34,12 @@ import ctypes
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, NoReturn
@@ -30,6 +51,8 @@ logger = logging.getLogger("framework.launch")
 
 _READY_TIMEOUT_S = 600.0
 _STOP_TIMEOUT_S = 10.0
+_JOIN_TIMEOUT_S = 5.0
+LAUNCH_MODES = ("process", "thread")
 
 
 @dataclass(frozen=True)
@@ -62,7 +85,164 @@ def component_classes(server_args: ServerArgs) -> ComponentClasses:
     )
 
 
-# --------------------------------------------------------------------------- children
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """One component to start: its kind, its rank among the components of that kind, its name."""
+
+    kind: str  # "scheduler" or "detokenizer"
+    name: str  # in messages and logs: "scheduler", "scheduler rank 1", "detokenizer"
+    rank: int
+    torch_threads: int
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity), not every core of the machine."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity on this platform
+        return os.cpu_count() or 1
+
+
+def torch_threads_per_rank(cores: int, num_ranks: int) -> int:
+    """Torch threads for each of ``num_ranks`` scheduler processes sharing ``cores`` cores.
+
+    The ranks share the cores minus one, which is left to the HTTP process and
+    the Detokenizer; each gets at least one thread.
+    """
+    if num_ranks < 1:
+        raise ValueError(f"the number of scheduler ranks must be at least 1, got {num_ranks}")
+    return max(1, (cores - 1) // num_ranks)
+
+
+def num_scheduler_ranks(server_args: ServerArgs) -> int:
+    """How many scheduler processes to start.
+
+    Tensor and pipeline parallelism will run one per TP×PP rank; until the
+    Scheduler takes a rank, one process serves the whole model.
+    """
+    return 1
+
+
+def plan_components(server_args: ServerArgs, num_ranks: int | None = None,
+                    cores: int | None = None) -> list[ComponentSpec]:
+    """The components to start: every scheduler rank, then the Detokenizer."""
+    ranks = num_scheduler_ranks(server_args) if num_ranks is None else num_ranks
+    threads = server_args.torch_threads or torch_threads_per_rank(
+        usable_cores() if cores is None else cores, ranks)
+    schedulers = [
+        ComponentSpec("scheduler", "scheduler" if ranks == 1 else f"scheduler rank {rank}",
+                      rank, threads)
+        for rank in range(ranks)
+    ]
+    # The Detokenizer does no heavy torch work: one thread keeps it off the schedulers' cores.
+    return [*schedulers, ComponentSpec("detokenizer", "detokenizer", 0, 1)]
+
+
+def check_launch_args(server_args: ServerArgs) -> None:
+    """Refuse launch settings that cannot work, with the field's name (a ``ValueError``)."""
+    if server_args.launch_mode not in LAUNCH_MODES:
+        raise ValueError(f"launch_mode must be one of {', '.join(LAUNCH_MODES)}, "
+                         f"got {server_args.launch_mode!r}")
+    if server_args.torch_threads is not None and server_args.torch_threads < 1:
+        raise ValueError(f"torch_threads must be at least 1, got {server_args.torch_threads}")
+
+
+def _check_crosses_processes(transport: Any, name: str) -> None:
+    # A transport travels to each child by pickling; one that refuses (inproc) lives in a
+    # single process.
+    try:
+        pickle.dumps(transport)
+    except Exception:
+        raise ValueError(
+            f"the {name} transport cannot cross a process boundary: use launch mode 'thread' "
+            "(--launch-mode thread, for tests) or another transport such as zmq"
+        ) from None
+
+
+def set_torch_threads(count: int, *, own_process: bool, needs_torch: bool) -> None:
+    """Run this process's (or, in a thread, this thread's) torch work on ``count`` threads.
+
+    ``own_process``: the caller owns the whole process (a child, or the
+    ``framework serve`` main process), so a torch imported later also starts
+    with ``count`` threads. Otherwise only ``torch.set_num_threads`` is called,
+    which with torch's OpenMP backend (the CPU build) sets the count of the
+    calling thread alone. Torch is imported only when ``needs_torch``.
+    """
+    if own_process:
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(count)
+    if needs_torch or "torch" in sys.modules:
+        import torch
+
+        torch.set_num_threads(count)
+
+
+def apply_scheduler_info(manager: Any, info: Mapping[str, Any]) -> None:
+    """Tell the TokenizerManager what the Scheduler found: context length and vocabulary size."""
+    manager.context_len = info["context_len"]
+    manager.vocab_size = info["vocab_size"]
+
+
+# --------------------------------------------------------------------------- components
+
+
+@dataclass
+class RunningComponent:
+    """A built component: what it reports as ready, and how to run, stop and close it."""
+
+    info: dict[str, Any]
+    run: Callable[[], None]
+    stop: Callable[[], None]  # thread-safe, and safe in a signal handler
+    close: Callable[[], None]
+
+
+def build_component(spec: ComponentSpec, server_args: ServerArgs, port_args: PortArgs,
+                    transport: Any) -> RunningComponent:
+    """Build the component of ``spec`` on its channels (in the process or thread that runs it)."""
+    classes = component_classes(server_args)
+    if spec.kind == "scheduler":
+        return _build_scheduler(classes.scheduler, spec, server_args, port_args, transport)
+    if spec.kind == "detokenizer":
+        detokenizer = classes.detokenizer.from_server_args(server_args, port_args, transport)
+        return RunningComponent({}, lambda: asyncio.run(detokenizer.serve()), detokenizer.stop,
+                                detokenizer.close)
+    raise ValueError(f"unknown component kind {spec.kind!r}")
+
+
+def _build_scheduler(cls: type, spec: ComponentSpec, server_args: ServerArgs,
+                     port_args: PortArgs, transport: Any) -> RunningComponent:
+    import torch
+
+    scheduler = cls(server_args, port_args, transport)
+    info = {
+        "context_len": scheduler.context_len,
+        "is_embedding": scheduler.model_config.is_embedding,
+        "vocab_size": scheduler.model_config.vocab_size,
+        "rank": spec.rank,
+        "pid": os.getpid(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    return RunningComponent(info, scheduler.event_loop, scheduler.stop, scheduler.close)
+
+
+def _start_failure_message(name: str, exc: Exception) -> str:
+    if isinstance(exc, ValueError):
+        return str(exc)  # a user error (bad model directory, bad flag): its message says it
+    logger.exception("the %s failed to start", name)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _use_torch_threads(spec: ComponentSpec, *, own_process: bool) -> None:
+    set_torch_threads(spec.torch_threads, own_process=own_process,
+                      needs_torch=spec.kind == "scheduler")
+    logger.info("the %s runs torch on %d thread(s) (%d usable cores)", spec.name,
+                spec.torch_threads, usable_cores())
+
+
+# --------------------------------------------------------------------------- child processes
 
 
 def die_with_parent() -> None:
@@ -91,124 +271,288 @@ def _child_setup(server_args: ServerArgs) -> None:
 
 def _report_start_failure(ready: Connection, name: str, exc: Exception) -> NoReturn:
     """Tell the parent why this child could not start, then exit."""
-    if isinstance(exc, ValueError):
-        message = str(exc)  # a user error (bad model directory, bad flag): its message says it
-    else:
-        logger.exception("the %s failed to start", name)
-        message = f"{type(exc).__name__}: {exc}"
-    ready.send(("error", message))
+    ready.send(("error", _start_failure_message(name, exc)))
     sys.exit(1)
 
 
-def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, transport: Any,
-                          ready: Connection) -> None:
-    """Body of the Scheduler process."""
+def run_component_process(spec: ComponentSpec, server_args: ServerArgs, port_args: PortArgs,
+                          transport: Any, ready: Connection) -> None:
+    """Body of one component's process: build it, report ready, run it until SIGTERM."""
     _child_setup(server_args)
+    _use_torch_threads(spec, own_process=True)
     try:
-        scheduler = component_classes(server_args).scheduler(server_args, port_args, transport)
+        component = build_component(spec, server_args, port_args, transport)
     except Exception as exc:
-        _report_start_failure(ready, "scheduler", exc)
-    signal.signal(signal.SIGTERM, lambda *_: scheduler.stop())
-    ready.send(("ready", {"context_len": scheduler.context_len,
-                          "is_embedding": scheduler.model_config.is_embedding}))
+        _report_start_failure(ready, spec.name, exc)
+    signal.signal(signal.SIGTERM, lambda *_: component.stop())
+    ready.send(("ready", component.info))
     try:
-        scheduler.event_loop()
+        component.run()
     finally:
-        scheduler.close()
+        component.close()
 
 
-def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, transport: Any,
-                            ready: Connection) -> None:
-    """Body of the Detokenizer process."""
-    _child_setup(server_args)
-    try:
-        detokenizer = component_classes(server_args).detokenizer.from_server_args(
-            server_args, port_args, transport)
-    except Exception as exc:
-        _report_start_failure(ready, "detokenizer", exc)
-    signal.signal(signal.SIGTERM, lambda *_: detokenizer.stop())
-    ready.send(("ready", {}))
-    try:
-        asyncio.run(detokenizer.serve())
-    finally:
-        detokenizer.close()
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"with code {code} (killed by {signal.Signals(-code).name})"
+    return f"with code {code}"
 
 
-# --------------------------------------------------------------------------- parent
+class _ProcessHandle:
+    """One component in a spawned process."""
+
+    def __init__(self, ctx: Any, spec: ComponentSpec, args: tuple[Any, ...]) -> None:
+        self.spec = spec
+        self.ready, self._ready_writer = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=run_component_process, name=spec.name.replace(" ", "-"),
+                                   args=(spec, *args, self._ready_writer), daemon=True)
+
+    def start(self) -> None:
+        self.process.start()
+        self._ready_writer.close()  # the child holds the other copy: EOF once it exits
+
+    @property
+    def sentinel(self) -> int:
+        return self.process.sentinel
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def exit_code(self) -> int | None:
+        # The sentinel fires as the child exits, a moment before it can be reaped: join
+        # first, or the code still reads None.
+        self.process.join(_JOIN_TIMEOUT_S)
+        return self.process.exitcode
+
+    def not_ready_reason(self) -> str:
+        # It died before its body ran (an import error, a script that makes an Engine
+        # outside ``if __name__ == "__main__":``); the child printed why.
+        return (f"the process exited {_describe_exit(self.exit_code())} before reporting "
+                "(see its output above)")
+
+    def death_message(self) -> str:
+        return (f"the {self.spec.name} process exited unexpectedly "
+                f"{_describe_exit(self.exit_code())}")
+
+    def request_stop(self) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+
+    def join(self, timeout: float) -> None:
+        if self.process.pid is not None:
+            self.process.join(timeout)
+
+    def force_stop(self) -> None:
+        self.process.kill()
+        self.process.join(_JOIN_TIMEOUT_S)
+
+
+class _ThreadHandle:
+    """One component in a daemon thread of this process (``--launch-mode thread``)."""
+
+    def __init__(self, spec: ComponentSpec, args: tuple[Any, ...]) -> None:
+        self.spec = spec
+        self._args = args
+        self.ready, self._ready_writer = mp.Pipe(duplex=False)
+        # Closed when the thread ends, so that its end can be waited on like a process's.
+        self._done_reader, self._done_writer = mp.Pipe(duplex=False)
+        self._thread = threading.Thread(target=self._body, name=spec.name, daemon=True)
+        self._lock = threading.Lock()
+        self._component: RunningComponent | None = None
+        self._stop_requested = False
+        self.error: BaseException | None = None
+
+    def _body(self) -> None:
+        try:
+            self._build_and_run()
+        finally:
+            self._ready_writer.close()
+            self._done_writer.close()
+
+    def _build_and_run(self) -> None:
+        _use_torch_threads(self.spec, own_process=False)
+        try:
+            component = build_component(self.spec, *self._args)
+        except Exception as exc:
+            self._ready_writer.send(("error", _start_failure_message(self.spec.name, exc)))
+            return
+        with self._lock:
+            if self._stop_requested:
+                component.close()
+                return
+            self._component = component
+        self._ready_writer.send(("ready", component.info))
+        try:
+            component.run()
+        except Exception as exc:
+            self.error = exc
+            logger.exception("the %s thread failed", self.spec.name)
+        finally:
+            component.close()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def sentinel(self) -> Connection:
+        return self._done_reader
+
+    @property
+    def pid(self) -> int | None:
+        return os.getpid()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def not_ready_reason(self) -> str:
+        return "the thread ended without reporting"
+
+    def death_message(self) -> str:
+        detail = f": {self.error!r}" if self.error is not None else ""
+        return f"the {self.spec.name} thread stopped unexpectedly{detail}"
+
+    def request_stop(self) -> None:
+        with self._lock:
+            self._stop_requested = True
+            component = self._component
+        if component is not None:
+            component.stop()
+
+    def join(self, timeout: float) -> None:
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+
+    def force_stop(self) -> None:
+        # A thread cannot be killed; a daemon thread ends with the process.
+        logger.warning("the %s thread did not stop in time; it ends with the process",
+                       self.spec.name)
+
+
+# --------------------------------------------------------------------------- the tree
 
 
 class ComponentError(RuntimeError):
-    """A child process failed to start or died."""
+    """A component failed to start or died."""
 
 
-class ProcessTree:
-    """The running children of one server, and the channels' directory."""
+class ComponentTree:
+    """The components of one server or Engine: every scheduler rank and the Detokenizer.
 
-    def __init__(self, server_args: ServerArgs) -> None:
+    They run as spawned processes, or as threads of this process with
+    ``launch_mode="thread"``. ``transport``, ``port_args`` and ``classes`` are
+    what the caller's TokenizerManager is built on, before ``start()``.
+    """
+
+    def __init__(self, server_args: ServerArgs, num_ranks: int | None = None) -> None:
+        check_launch_args(server_args)
         self.server_args = server_args
+        self.classes = component_classes(server_args)
         self.transport = create_transport(server_args.transport,
                                           allow_insecure_pickle=server_args.allow_insecure_pickle)
+        if server_args.launch_mode == "process":
+            _check_crosses_processes(self.transport, server_args.transport)
+        self.specs = plan_components(server_args, num_ranks)
         self.port_args = PortArgs.create(self.transport,
                                          tcp_host="127.0.0.1" if server_args.use_tcp else None)
-        self.classes = component_classes(server_args)
-        self.processes: dict[str, mp.process.BaseProcess] = {}
-        self.scheduler_info: dict[str, Any] = {}
-        self._stopping = False
+        self.handles: list[_ProcessHandle | _ThreadHandle] = []
+        self.scheduler_infos: dict[int, dict[str, Any]] = {}
+        self._wake_reader, self._wake_writer = mp.Pipe(duplex=False)
+        self._stop_lock = threading.Lock()
+        self._stopping = False  # set first, so that wait_for_death reads a stop as no death
+        self._stopped = False
 
-    def start(self) -> None:
-        """Spawn the Scheduler and the Detokenizer and wait until both are ready."""
-        ctx = mp.get_context("spawn")
-        pipes: dict[str, Connection] = {}
-        for name, target in (("scheduler", run_scheduler_process),
-                             ("detokenizer", run_detokenizer_process)):
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=target, name=name, daemon=True,
-                               args=(self.server_args, self.port_args, self.transport, writer))
-            proc.start()
-            writer.close()
-            self.processes[name] = proc
-            pipes[name] = reader
-        for name, reader in pipes.items():
-            status, payload = self._wait_ready(name, reader)
-            if status != "ready":
-                raise ComponentError(f"the {name} failed to start: {payload}")
-            if name == "scheduler":
-                self.scheduler_info = payload
+    @property
+    def scheduler_info(self) -> dict[str, Any]:
+        """Scheduler rank 0's ready message: ``context_len``, ``is_embedding``, ``vocab_size``."""
+        return self.scheduler_infos.get(0, {})
 
-    def _wait_ready(self, name: str, reader: Connection) -> tuple[str, Any]:
-        proc = self.processes[name]
+    def start(self) -> dict[str, Any]:
+        """Start every component and wait until all are ready; return rank 0's ready message.
+
+        Raises ``ComponentError`` naming the first component that failed, after
+        stopping the others.
+        """
+        args = (self.server_args, self.port_args, self.transport)
+        if self.server_args.launch_mode == "process":
+            ctx = mp.get_context("spawn")
+            self.handles = [_ProcessHandle(ctx, spec, args) for spec in self.specs]
+        else:
+            self.handles = [_ThreadHandle(spec, args) for spec in self.specs]
+        try:
+            for handle in self.handles:
+                handle.start()
+            self._gather_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self.scheduler_info
+
+    def _gather_ready(self) -> None:
         deadline = time.monotonic() + _READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if reader.poll(0.2):
-                try:
-                    return reader.recv()
-                except EOFError:
-                    break
-            if not proc.is_alive():
-                break
-        if proc.is_alive():
-            return "error", f"not ready within {_READY_TIMEOUT_S:.0f} s"
-        return "error", f"the process exited with code {proc.exitcode}"
+        pending = list(self.handles)
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                names = ", ".join(h.spec.name for h in pending)
+                raise ComponentError(f"the {names} did not start within {_READY_TIMEOUT_S:.0f} s")
+            wait([h.ready for h in pending] + [h.sentinel for h in pending], min(remaining, 1.0))
+            for handle in list(pending):
+                if self._take_ready(handle):
+                    pending.remove(handle)
 
-    def wait_for_death(self) -> str:
-        """Block until a child exits; return which one and how (for the server's log)."""
-        sentinels = {p.sentinel: name for name, p in self.processes.items()}
-        ready = wait(list(sentinels))
-        name = sentinels[ready[0]]
-        return f"the {name} process exited unexpectedly with code {self.processes[name].exitcode}"
+    def _take_ready(self, handle: _ProcessHandle | _ThreadHandle) -> bool:
+        """Whether ``handle`` reported ready; raises if it failed or ended instead."""
+        message: tuple[str, Any] | None = None
+        if handle.ready.poll():
+            with contextlib.suppress(EOFError):
+                message = handle.ready.recv()
+        elif handle.is_alive():
+            return False
+        if message is None:
+            raise ComponentError(f"the {handle.spec.name} failed to start: "
+                                 f"{handle.not_ready_reason()}")
+        status, payload = message
+        if status != "ready":
+            raise ComponentError(f"the {handle.spec.name} failed to start: {payload}")
+        if handle.spec.kind == "scheduler":
+            self.scheduler_infos[handle.spec.rank] = payload
+        return True
+
+    def wait_for_death(self) -> str | None:
+        """Block until a component ends; say which and how. ``None`` once ``stop()`` began."""
+        sentinels = {h.sentinel: h for h in self.handles}
+        ended = wait([*sentinels, self._wake_reader])
+        if self._stopping:
+            return None
+        for obj in ended:
+            if obj in sentinels:
+                return sentinels[obj].death_message()
+        return None
 
     def stop(self) -> None:
-        """Terminate every child (SIGTERM, then SIGKILL) and remove the channel directory."""
-        if self._stopping:
-            return
+        """End every component (SIGTERM, then SIGKILL) and remove the channels' directory.
+
+        Idempotent and thread-safe: the Engine's watchdog and its caller may both call it,
+        and a second caller returns only once the first is done.
+        """
         self._stopping = True
-        for proc in self.processes.values():
-            if proc.is_alive():
-                proc.terminate()
-        deadline = time.monotonic() + _STOP_TIMEOUT_S
-        for proc in self.processes.values():
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        self.port_args.cleanup()
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            self._wake_writer.close()  # wakes wait_for_death
+            for handle in self.handles:
+                handle.request_stop()
+            deadline = time.monotonic() + _STOP_TIMEOUT_S
+            for handle in self.handles:
+                handle.join(max(0.0, deadline - time.monotonic()))
+                if handle.is_alive():
+                    handle.force_stop()
+            for handle in self.handles:
+                handle.ready.close()
+            self.port_args.cleanup()

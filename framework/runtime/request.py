@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from framework.messages import FinishReason
 from framework.sampling_params import SamplingParams
@@ -14,7 +15,12 @@ class Req:
 
     The tokens whose KV is computed are ``fill_ids[:kv_len]``; ``fill_ids`` is the
     prompt followed by the output so far, so a request that was retracted (its KV
-    freed under memory pressure) is simply prefilled again from ``kv_len = 0``.
+    handed to the prefix cache under memory pressure) is simply admitted again: it
+    matches what is still cached and recomputes the rest, keeping its output.
+
+    Of the KV slots in ``req_to_token[req_pool_idx, :kv_len]``, the first
+    ``cache_protected_len`` belong to the prefix cache (locked through
+    ``last_node`` while the request holds them); the rest belong to the request.
     """
 
     rid: str
@@ -29,7 +35,13 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int | None = None
     kv_len: int = 0
+    cache_protected_len: int = 0
+    last_node: Any = None
+    #: Prompt tokens found in the prefix cache when the request was first admitted.
     cached_tokens: int = 0
+    admitted: bool = False
+    #: Finds stop strings in the decoded output; made on the first check that needs it.
+    stop_matcher: Any = None
     finished_reason: FinishReason | None = None
     #: ``output_ids[:sent_len]`` have been sent to the Detokenizer already.
     sent_len: int = 0

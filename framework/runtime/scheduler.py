@@ -1,13 +1,22 @@
 """The Scheduler: continuous batching over the ModelRunner, one step at a time.
 
 Each step it takes every request waiting on its channels (without blocking),
-picks a batch (a prefill of waiting requests, chunked to a token budget, or a
-decode step of the running ones), runs the model, samples, checks stop
-conditions and sends new token ids to the Detokenizer every
+answers RPCs, picks a batch (a prefill of waiting requests, chunked to a token
+budget, or a decode step of the running ones), runs the model, samples,
+checks stop conditions and sends new token ids to the Detokenizer every
 ``stream_interval`` tokens (and always when a request finishes).
 
-Subclass it and override ``get_next_batch_to_run`` or
-``select_prefill_requests`` to change how batches are chosen.
+The parts live next door: ``schedule_policy`` (queue order, admission,
+retraction), ``schedule_batch`` (one step's requests and tensors),
+``scheduler_output`` (messages and metrics), and the prefix cache in
+``framework.mem_cache``, which the Scheduler owns.
+
+One request's failure is contained: whatever raises while a step runs ends
+only the request that caused it (the step is retried request by request to
+find it), with an error reason its client sees; the others carry on.
+
+Subclass it and override ``get_next_batch_to_run``, ``select_prefill_requests``
+or ``check_finished`` to change how batches are chosen and when requests end.
 """
 
 from __future__ import annotations
@@ -15,21 +24,18 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from framework.comm.transport import Receiver, RpcServer, Sender, Transport
 from framework.config import PortArgs, ServerArgs
-from framework.forward_batch import ForwardBatch, ForwardMode
+from framework.forward_batch import ForwardMode
+from framework.mem_cache.prefix_cache import ChunkCache, PrefixCache
 from framework.messages import (
     AbortReq,
-    BatchEmbeddingOutput,
-    BatchTokenIDOutput,
     ErrorReply,
     FinishReason,
     FlushCacheReqInput,
@@ -37,7 +43,6 @@ from framework.messages import (
     GetInfoReqInput,
     GetInfoReqOutput,
     Message,
-    SchedulerMetrics,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     UpdateWeightsFromDiskReqInput,
@@ -45,6 +50,19 @@ from framework.messages import (
 )
 from framework.registry import create_codec
 from framework.runtime.request import Req
+from framework.runtime.schedule_batch import ScheduledBatch
+from framework.runtime.schedule_policy import (
+    Admission,
+    PrefillAdder,
+    SchedulePolicy,
+    retraction_order,
+)
+from framework.runtime.scheduler_output import (
+    SchedulerStats,
+    context_ids,
+    embedding_output,
+    token_id_output,
+)
 from framework.sampling_params import SamplingParams
 
 logger = logging.getLogger("framework.scheduler")
@@ -52,22 +70,18 @@ logger = logging.getLogger("framework.scheduler")
 _IDLE_WAIT_S = 0.05
 _METRICS_INTERVAL_S = 1.0
 _EMBEDDING_PARAMS = SamplingParams(max_new_tokens=0)
-# Prompt ids sent as decoding context with a request's first output.
-_CONTEXT_IDS = 5
 
 
 @dataclass
-class ScheduledBatch:
-    """The requests of one step and what the step does for each."""
+class StepResult:
+    """What one model step produced, before any request's state changes."""
 
-    mode: ForwardMode
-    reqs: list[Req]
-    extend_lens: list[int]  # new tokens per request (1 each for DECODE)
-
-    def completes_prefill(self, i: int) -> bool:
-        """Whether request ``i`` samples a token after this step (false for a partial chunk)."""
-        req = self.reqs[i]
-        return req.kv_len == req.seq_len
+    embeddings: torch.Tensor | None = None  # [B, hidden] for embedding batches
+    sampled: list[int] | None = None  # rows that completed their prefill (or decoded)
+    next_ids: list[int] | None = None  # one per sampled row
+    logprobs: list[float] | None = None
+    top_logprobs_val: list[list[float]] | None = None
+    top_logprobs_idx: list[list[int]] | None = None
 
 
 class Scheduler:
@@ -87,6 +101,10 @@ class Scheduler:
             model_runner = ModelRunner(server_args, server_args.resolved_model_path())
         self.model_runner = model_runner
         self.model_config = model_runner.model_config
+        self.req_to_token_pool = model_runner.pools.req_to_token_pool
+        self.allocator = model_runner.pools.allocator
+        self.tree_cache = self.build_prefix_cache()
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache)
         self.tokenizer = self._load_tokenizer()
         self.context_len = self.model_config.context_len
         self.eos_token_ids: set[int] = set(self.model_config.eos_token_ids)
@@ -103,11 +121,23 @@ class Scheduler:
 
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        #: The request being prefilled in chunks; it holds KV slots between steps.
+        self.chunked_req: Req | None = None
         self._stop = threading.Event()
-        self._last_metrics = 0.0
-        self._generated_since_metrics = 0
-        self.aborted_requests = 0
+        self.stats = SchedulerStats()
         self.steps = {mode.name.lower(): 0 for mode in ForwardMode}
+
+    def build_prefix_cache(self) -> PrefixCache:
+        """The radix cache, or the no-reuse cache when disabled or for embedding models.
+
+        Embedding models attend both ways, so a prefix's KV depends on what follows it.
+        """
+        pool, allocator = self.req_to_token_pool, self.allocator
+        if self.server_args.disable_radix_cache or self.model_config.is_embedding:
+            return ChunkCache(pool, allocator)
+        from framework.mem_cache.radix_cache import RadixCache
+
+        return RadixCache(pool, allocator)
 
     # ------------------------------------------------------------------ loop
 
@@ -161,8 +191,7 @@ class Scheduler:
             top_logprobs_num=msg.top_logprobs_num,
             stream_interval=params.stream_interval or self.server_args.stream_interval,
         )
-        capacity = min(self.context_len, self.model_runner.token_to_kv_allocator.size)
-        room = capacity - len(req.origin_input_ids)
+        room = self.capacity - len(req.origin_input_ids)
         if params.max_new_tokens > room:
             # As the OpenAI API does, generation stops at the context length (or at what the
             # KV cache can hold for a request alone).
@@ -170,17 +199,22 @@ class Scheduler:
             params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
         self.add_request(req)
 
+    @property
+    def capacity(self) -> int:
+        """The most tokens one request can hold: the context length or the whole KV pool."""
+        return min(self.context_len, self.allocator.size)
+
     def add_request(self, req: Req) -> None:
         """Queue ``req`` unless it can never run; then finish it with the reason."""
         problem = self.validate(req)
         if problem is not None:
-            self.finish(req, FinishReason("abort", message=problem))
+            req.finished_reason = FinishReason("abort", message=problem)
             self.send_outputs([req])
             return
         self.waiting.append(req)
 
     def validate(self, req: Req) -> str | None:
-        """Why ``req`` cannot run, or None."""
+        """Why ``req`` cannot run, or None (the edge checks first; this is the last line)."""
         n = len(req.origin_input_ids)
         if req.is_embedding != self.model_config.is_embedding:
             served = "embeddings" if self.model_config.is_embedding else "text generation"
@@ -192,32 +226,26 @@ class Scheduler:
                     f"{self.context_len}")
         if n > self.context_len:
             return f"the input has {n} tokens, more than the context length {self.context_len}"
-        if n + 1 > self.model_runner.token_to_kv_allocator.size:
-            return (f"the prompt has {n} tokens, more than the KV cache holds "
-                    f"({self.model_runner.token_to_kv_allocator.size})")
+        if n + 1 > self.allocator.size:
+            return (f"the prompt has {n} tokens, but the KV cache holds only "
+                    f"{self.allocator.size} (the prompt and one new token must fit)")
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in req.origin_input_ids):
             return f"token ids must be in [0, {vocab})"
         return None
 
     def abort(self, msg: AbortReq) -> None:
-        """Finish the named request (or all) with an abort reason the client sees."""
-        def matches(req: Req) -> bool:
-            return msg.abort_all or req.rid == msg.rid
-
+        """End the named request (or all) with an abort reason the client sees."""
         reason = FinishReason("abort", message=msg.reason)
-        for req in [r for r in self.waiting if matches(r)]:
-            self.waiting.remove(req)
-            self.finish(req, reason)
-            self.send_outputs([req])
-            self.aborted_requests += 1
-        aborted = [r for r in self.running if matches(r) and not r.finished]
-        for req in aborted:
-            self.finish(req, reason)
-        self.aborted_requests += len(aborted)
-        if aborted:
-            self.send_outputs(aborted)
-            self.running = [r for r in self.running if not r.finished]
+        for req in self.all_requests():
+            if msg.abort_all or req.rid == msg.rid:
+                self.stats.aborted_requests += 1
+                self.end_request(req, reason)
+
+    def all_requests(self) -> list[Req]:
+        """Every unfinished request: waiting, partly prefilled and running."""
+        chunked = [self.chunked_req] if self.chunked_req is not None else []
+        return [*self.waiting, *chunked, *self.running]
 
     # ------------------------------------------------------------------ RPC
 
@@ -243,42 +271,59 @@ class Scheduler:
         return ErrorReply(message=f"unknown RPC request {type(msg).__name__}")
 
     def flush_cache(self) -> FlushCacheReqOutput:
-        """Drop cached prefixes; refused while requests are in flight."""
-        if self.running or self.waiting:
-            return FlushCacheReqOutput(success=False,
-                                       message="requests are running; flush when idle")
-        return FlushCacheReqOutput(success=True, message="cache flushed")
+        """Drop every cached prefix; refused while requests are in flight."""
+        busy = len(self.all_requests())
+        if busy:
+            return FlushCacheReqOutput(
+                success=False,
+                message=f"{busy} requests are in flight and hold cached prefixes; "
+                        "flush when idle")
+        freed = self.tree_cache.evictable_size()
+        self.tree_cache.flush()
+        return FlushCacheReqOutput(success=True, message=f"cache flushed ({freed} tokens freed)")
 
     def update_weights_from_disk(
         self, msg: UpdateWeightsFromDiskReqInput
     ) -> UpdateWeightsFromDiskReqOutput:
-        """Swap weights between steps; running requests are aborted if asked, else kept."""
-        paused = len(self.running) + len(self.waiting)
+        """Swap weights between steps; in-flight requests are aborted if asked, else kept.
+
+        Kept requests are retracted before the swap, so that they recompute their KV
+        with the new weights (their output so far is kept), and the cache is flushed:
+        no KV computed with the old weights is ever reused.
+        """
+        paused = len(self.all_requests())
         if msg.abort_all_requests:
             self.abort(AbortReq(abort_all=True, reason="weights are being updated"))
         ok, message = self.model_runner.update_weights_from_disk(msg.model_path, msg.load_format)
         if ok:
-            self.flush_cache()
+            for req in [*self.running, *([self.chunked_req] if self.chunked_req else [])]:
+                self.retract(req)
+            self.tree_cache.flush()
         return UpdateWeightsFromDiskReqOutput(success=ok, message=message,
                                               num_paused_requests=paused)
 
     def get_info(self) -> dict[str, str | int | float | bool | None]:
         """State for ``/get_server_info`` and for KV-leak checks."""
-        allocator = self.model_runner.token_to_kv_allocator
-        req_pool = self.model_runner.req_to_token_pool
         return {
             "pid": os.getpid(),
             "scheduler_class": f"{type(self).__module__}.{type(self).__qualname__}",
-            "aborted_requests": self.aborted_requests,
+            "aborted_requests": self.stats.aborted_requests,
+            "failed_requests": self.stats.failed_requests,
+            "retracted_requests": self.stats.retracted_requests,
             "extend_steps": self.steps["extend"],
             "decode_steps": self.steps["decode"],
             "num_running_reqs": len(self.running),
             "num_waiting_reqs": len(self.waiting),
-            "max_total_tokens": allocator.size,
-            "available_kv_tokens": allocator.available_size(),
+            "max_total_tokens": self.allocator.size,
+            "available_kv_tokens": self.allocator.available_size(),
+            "evictable_kv_tokens": self.tree_cache.evictable_size(),
+            "protected_kv_tokens": self.tree_cache.protected_size(),
+            "cache_hit_rate": self.stats.cache_hit_rate,
+            "radix_cache": not isinstance(self.tree_cache, ChunkCache),
+            "schedule_policy": self.policy.policy,
             "max_running_requests": self.server_args.max_running_requests,
-            "available_req_slots": req_pool.available_size(),
-            "req_slots": req_pool.size,
+            "available_req_slots": self.req_to_token_pool.available_size(),
+            "req_slots": self.req_to_token_pool.size,
             "context_length": self.context_len,
             "kv_cache_idle_and_free": self.memory_is_free(),
             "attention_backend": self.server_args.attention_backend,
@@ -287,13 +332,13 @@ class Scheduler:
         }
 
     def memory_is_free(self) -> bool:
-        """True when idle and every KV slot and request slot is free."""
-        allocator = self.model_runner.token_to_kv_allocator
-        req_pool = self.model_runner.req_to_token_pool
+        """The idle invariant: nothing in flight, free + evictable == pool, nothing locked."""
         return (
-            not self.running and not self.waiting
-            and allocator.available_size() == allocator.size
-            and req_pool.available_size() == req_pool.size
+            not self.all_requests()
+            and self.allocator.available_size() + self.tree_cache.evictable_size()
+            == self.allocator.size
+            and self.tree_cache.protected_size() == 0
+            and self.req_to_token_pool.available_size() == self.req_to_token_pool.size
         )
 
     # ------------------------------------------------------------------ batching
@@ -306,121 +351,119 @@ class Scheduler:
         if not self.running:
             return None
         self.make_room_for_decode()
+        if not self.running:
+            return None
         return ScheduledBatch(ForwardMode.DECODE, list(self.running), [1] * len(self.running))
 
     def select_prefill_requests(self) -> ScheduledBatch | None:
-        """Take waiting requests in order while the token budget, slots and KV allow."""
-        budget = self.server_args.chunked_prefill_size
-        allocator = self.model_runner.token_to_kv_allocator
-        # Keep one KV slot per running request for its next decode step, and one for each
-        # admitted request too: a request admitted without room to decode would be retracted
-        # at once and admitted again, forever.
-        free_kv = allocator.available_size() - len(self.running)
-        reqs: list[Req] = []
-        lens: list[int] = []
-        while self.waiting and budget > 0:
-            req = self.waiting[0]
-            if req.req_pool_idx is None and (
-                len(self.running) + len(reqs) >= self.server_args.max_running_requests
-            ):
-                break
-            chunk = req.extend_remaining if req.is_embedding else min(req.extend_remaining,
-                                                                       budget)
-            if chunk + 1 > free_kv or (req.is_embedding and chunk > budget and reqs):
-                break
-            if req.req_pool_idx is None:
-                slots = self.model_runner.req_to_token_pool.alloc(1)
-                if slots is None:
-                    break
-                req.req_pool_idx = slots[0]
-            self.waiting.popleft()
-            reqs.append(req)
-            lens.append(chunk)
-            budget -= chunk
-            free_kv -= chunk + 1
-            if chunk < req.extend_remaining:
-                break  # a chunked request ends the batch; it continues next step
-        if not reqs:
+        """The partly prefilled request first, then waiting requests in the policy's order."""
+        if self.chunked_req is None and not self.waiting:
             return None
-        return ScheduledBatch(ForwardMode.EXTEND, reqs, lens)
+        self.policy.order(self.waiting)
+        adder = PrefillAdder(
+            cache=self.tree_cache, req_to_token_pool=self.req_to_token_pool,
+            token_budget=self.server_args.chunked_prefill_size, num_running=len(self.running),
+            max_running_requests=self.server_args.max_running_requests,
+        )
+        if self.chunked_req is not None and not adder.add_chunked(self.chunked_req):
+            return None  # it goes first; wait until running requests free KV
+        deferred: list[Req] = []
+        while self.waiting:
+            req = self.waiting.popleft()
+            first = not req.admitted
+            admission = adder.add(req)
+            if admission is Admission.FULL:
+                self.waiting.appendleft(req)
+                break
+            if admission is Admission.DEFERRED:
+                deferred.append(req)
+            elif first:
+                self.stats.count_admission(len(req.origin_input_ids), req.cached_tokens)
+        self.waiting.extendleft(reversed(deferred))
+        self.chunked_req = adder.chunked
+        return adder.batch()
 
     def make_room_for_decode(self) -> None:
-        """Retract the newest running requests until every other one has a KV slot."""
-        allocator = self.model_runner.token_to_kv_allocator
-        while len(self.running) > 1 and allocator.available_size() < len(self.running):
-            req = self.running.pop()
-            self.release(req)
-            req.kv_len = 0
-            self.waiting.appendleft(req)
-            logger.info("retracted %s to free KV cache", req.rid)
+        """Retract requests, least progress first, until every running one gets a KV slot.
+
+        The partly prefilled request is a candidate too: its slots count as much.
+        """
+        while self.tree_cache.available_size() < len(self.running):
+            # A lone running request always fits: its length is capped by the pool.
+            victims = [r for r in retraction_order(self.all_requests()[len(self.waiting):])
+                       if r is self.chunked_req or len(self.running) > 1]
+            if not victims:
+                for req in list(self.running):  # cannot happen by construction; never crash
+                    self.end_request(req, FinishReason(
+                        "abort", message="internal error: no KV slot left for decoding"))
+                return
+            self.retract(victims[0])
+            logger.info("retracted %s to free KV cache", victims[0].rid)
+
+    def retract(self, req: Req) -> None:
+        """Give back the KV and request slot of an unfinished request and queue it again.
+
+        Its KV goes into the prefix cache, so a readmission reuses whatever is not
+        evicted by then; its output so far is kept.
+        """
+        self._release(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        else:
+            self.running.remove(req)
+        self.waiting.appendleft(req)
+        self.stats.retracted_requests += 1
 
     # ------------------------------------------------------------------ model step
 
     def run_batch(self, batch: ScheduledBatch) -> None:
-        """Run one model step for ``batch`` and process its results."""
+        """Run one model step for ``batch``; a failure ends only the request that caused it."""
         self.steps[batch.mode.name.lower()] += 1
-        forward_batch = self.build_forward_batch(batch)
-        output = self.model_runner.forward(forward_batch)
-        for req, n in zip(batch.reqs, batch.extend_lens):
-            req.kv_len += n
-        if output.embeddings is not None:
-            self.process_embeddings(batch, output.embeddings)
+        try:
+            result = self.execute(batch)
+        except Exception as exc:
+            if len(batch.reqs) == 1:
+                self.fail_request(batch.reqs[0], exc)
+                self.send_outputs(batch.reqs)
+                return
+            logger.warning("a %s step of %d requests failed (%r); retrying them one by one",
+                           batch.mode.name.lower(), len(batch.reqs), exc)
+            for i in range(len(batch.reqs)):
+                self.run_batch(batch.subset(i))
             return
-        # Requests whose prompt is now fully in the cache sample a token; a partial chunk
-        # does not (its logits are for a token in the middle of the prompt).
-        sampled = [i for i in range(len(batch.reqs)) if batch.completes_prefill(i)]
-        if sampled:
-            self.sample_and_append(batch, output.next_token_logits, sampled)
-        self.after_step(batch, set(sampled))
+        self.process_result(batch, result)
 
-    def build_forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:
-        """Allocate KV slots for the new tokens and pack them (no padding)."""
-        runner = self.model_runner
-        device = runner.device
-        input_ids: list[int] = []
-        positions: list[int] = []
-        prefix_lens: list[int] = []
-        seq_lens: list[int] = []
-        total = sum(batch.extend_lens)
-        out_cache_loc = runner.token_to_kv_allocator.alloc(total)
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        """Allocate the step's KV slots, run the model and sample; no request changes yet.
+
+        On failure the step's slots are given back, so the step can be retried.
+        """
+        out_cache_loc = self.tree_cache.alloc(batch.num_tokens)
         if out_cache_loc is None:
-            raise RuntimeError("KV cache exhausted after admission control (a bug)")
-        offset = 0
-        for req, n in zip(batch.reqs, batch.extend_lens):
-            start = req.kv_len
-            ids = req.fill_ids[start:start + n] if batch.mode.is_extend() else req.output_ids[-1:]
-            input_ids.extend(ids)
-            positions.extend(range(start, start + n))
-            runner.req_to_token_pool.req_to_token[req.req_pool_idx, start:start + n] = (
-                out_cache_loc[offset:offset + n])
-            offset += n
-            prefix_lens.append(start)
-            seq_lens.append(start + n)
+            raise RuntimeError(f"no KV slot left for a step of {batch.num_tokens} tokens")
+        try:
+            forward_batch = batch.to_forward_batch(
+                self.req_to_token_pool.req_to_token, out_cache_loc, self.model_runner.device)
+            output = self.model_runner.forward(forward_batch)
+            if output.embeddings is not None:
+                return StepResult(embeddings=output.embeddings)
+            # Requests whose prompt is then fully in the cache sample a token; a partial
+            # chunk does not (its logits are for a token in the middle of the prompt).
+            sampled = [i for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens))
+                       if req.kv_len + n == req.seq_len]
+            result = StepResult(sampled=sampled)
+            if sampled:
+                self.sample(batch, output.next_token_logits, result)
+            return result
+        except BaseException:
+            self.allocator.free(out_cache_loc)
+            raise
 
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
-        extend = batch.mode.is_extend()
-        return ForwardBatch(
-            forward_mode=batch.mode,
-            batch_size=len(batch.reqs),
-            input_ids=tensor(input_ids),
-            positions=tensor(positions),
-            req_pool_indices=tensor([r.req_pool_idx for r in batch.reqs]),
-            seq_lens=tensor(seq_lens),
-            out_cache_loc=out_cache_loc.to(device),
-            extend_prefix_lens=tensor(prefix_lens) if extend else None,
-            extend_seq_lens=tensor(batch.extend_lens) if extend else None,
-            seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=prefix_lens if extend else None,
-            extend_seq_lens_cpu=list(batch.extend_lens) if extend else None,
-        )
-
-    def sample_and_append(self, batch: ScheduledBatch, logits: torch.Tensor,
-                          rows: list[int]) -> None:
-        """Sample the next token of each request in ``rows`` and check its stop conditions."""
+    def sample(self, batch: ScheduledBatch, logits: torch.Tensor, result: StepResult) -> None:
+        """Pick the next token of each sampled row into ``result``."""
         from framework.layers.sampler import SamplingBatchInfo
 
+        rows = result.sampled or []
         reqs = [batch.reqs[i] for i in rows]
         if len(rows) != len(batch.reqs):
             logits = logits[torch.tensor(rows, device=logits.device)]
@@ -431,154 +474,154 @@ class Scheduler:
         )
         top_n = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
         out = self.model_runner.sample(logits, info, top_n)
-        next_ids = out.next_token_ids.tolist()
-        logprobs = out.logprobs.tolist()
-        for k, req in enumerate(reqs):
-            if req.sampling_params.max_new_tokens == 0:
-                self.finish(req, FinishReason("length"))
-                continue
-            req.output_ids.append(next_ids[k])
-            if req.return_logprob:
-                req.output_logprobs.append(logprobs[k])
-                req.output_top_logprobs_val.append(out.top_logprobs_val[k])
-                req.output_top_logprobs_idx.append(out.top_logprobs_idx[k])
-            self.check_finished(req)
-        self._generated_since_metrics += len(reqs)
+        result.next_ids = out.next_token_ids.tolist()
+        result.logprobs = out.logprobs.tolist()
+        result.top_logprobs_val = out.top_logprobs_val
+        result.top_logprobs_idx = out.top_logprobs_idx
 
-    def check_finished(self, req: Req) -> None:
-        """Set the finish reason if the last token ends the request."""
+    def process_result(self, batch: ScheduledBatch, result: StepResult) -> None:
+        """Apply a successful step to its requests, then send outputs and move requests on."""
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            req.kv_len += n
+        if result.embeddings is not None:
+            self.finish_embeddings(batch, result.embeddings)
+            return
+        for k, i in enumerate(result.sampled or []):
+            req = batch.reqs[i]
+            try:
+                self.append_token(req, result, k)
+            except Exception as exc:  # e.g. a tokenizer error while matching stop strings
+                self.fail_request(req, exc)
+        due = [r for r in batch.reqs if r.output_due()]
+        if due:
+            self.send_outputs(due)
+        if batch.mode.is_extend():
+            sampled = set(result.sampled or [])
+            for i, req in enumerate(batch.reqs):
+                if req.finished:
+                    continue
+                # What the prefill computed is shared at once, before the request ends.
+                self.tree_cache.cache_unfinished_req(req)
+                if i in sampled:
+                    self.running.append(req)
+
+    def append_token(self, req: Req, result: StepResult, k: int) -> None:
+        """Add the ``k``-th sampled token to ``req`` and check whether it ends it."""
+        if req.sampling_params.max_new_tokens == 0:
+            self._finish(req, FinishReason("length"))
+            return
+        assert result.next_ids is not None and result.logprobs is not None  # set by sample()
+        req.output_ids.append(result.next_ids[k])
+        if req.return_logprob:
+            req.output_logprobs.append(result.logprobs[k])
+            req.output_top_logprobs_val.append((result.top_logprobs_val or [])[k])
+            req.output_top_logprobs_idx.append((result.top_logprobs_idx or [])[k])
+        self.stats.generated_since_report += 1
+        reason = self.check_finished(req)
+        if reason is not None:
+            self._finish(req, reason)
+
+    def check_finished(self, req: Req) -> FinishReason | None:
+        """Why the last token ends the request, or None."""
         params = req.sampling_params
         last = req.output_ids[-1]
         if (not params.ignore_eos and last in self.eos_token_ids) or (
             last in params.stop_token_ids
         ):
-            self.finish(req, FinishReason("stop", matched=last))
-        elif params.stop and (matched := self.match_stop_string(req)) is not None:
-            self.finish(req, FinishReason("stop", matched=matched))
-        elif len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.context_len:
-            self.finish(req, FinishReason("length"))
+            return FinishReason("stop", matched=last)
+        if params.stop and (matched := self.match_stop_string(req)) is not None:
+            return FinishReason("stop", matched=matched)
+        if len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.context_len:
+            return FinishReason("length")
+        return None
 
     def match_stop_string(self, req: Req) -> str | None:
-        """The first stop string that the end of the output now contains, if any."""
-        stops = req.sampling_params.stop
-        # Enough trailing tokens to hold the longest stop string, plus one for a boundary.
-        window = max(len(s) for s in stops) + 1
-        tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=True)
-        found = [(tail.find(s), s) for s in stops if s in tail]
-        return min(found)[1] if found else None
+        """The stop string the client's text now contains, if any (decoded incrementally)."""
+        from framework.runtime.incremental_decoder import StopStringMatcher, make_decode_fn
 
-    def after_step(self, batch: ScheduledBatch, sampled: set[int]) -> None:
-        """Send due outputs, free finished requests, move prefilled ones to running."""
-        due = [r for r in batch.reqs if r.output_due()]
-        if due:
-            self.send_outputs(due)
-        running_ids = {id(r) for r in self.running}
-        for i, req in enumerate(batch.reqs):
-            if req.finished:
-                continue
-            if i not in sampled:
-                self.waiting.appendleft(req)  # a chunk remains; continue next step
-            elif id(req) not in running_ids:
-                self.running.append(req)
-        self.running = [r for r in self.running if not r.finished]
+        if req.stop_matcher is None:
+            params = req.sampling_params
+            decode = make_decode_fn(
+                self.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens)
+            req.stop_matcher = StopStringMatcher(decode, params.stop, context_ids(req))
+        return req.stop_matcher.append(req.output_ids[req.stop_matcher.num_output_ids:])
 
-    def process_embeddings(self, batch: ScheduledBatch, embeddings: torch.Tensor) -> None:
+    def finish_embeddings(self, batch: ScheduledBatch, embeddings: torch.Tensor) -> None:
         """Send pooled embeddings to the TokenizerManager and free the requests."""
         vectors = embeddings.float().cpu().numpy()  # [batch, hidden]
         for req in batch.reqs:
-            self.finish(req, FinishReason("stop"))
-        self.send_to_tokenizer.send_nowait(BatchEmbeddingOutput(
-            rids=[r.rid for r in batch.reqs],
-            finished_reasons=[r.finished_reason for r in batch.reqs],
-            embeddings=vectors,
-            prompt_tokens=[len(r.origin_input_ids) for r in batch.reqs],
-        ))
+            req.finished_reason = FinishReason("stop")
+            self._release(req)
+        self.send_to_tokenizer.send_nowait(embedding_output(batch.reqs, vectors))
 
-    # ------------------------------------------------------------------ output
+    # ------------------------------------------------------------------ ending
 
-    def finish(self, req: Req, reason: FinishReason) -> None:
-        """Mark ``req`` finished and give back its KV and request slots."""
+    def fail_request(self, req: Req, exc: BaseException) -> None:
+        """Finish ``req`` because handling it raised; its last output carries the error."""
+        logger.error("request %s failed and was ended: %r", req.rid, exc,
+                     exc_info=(type(exc), exc, exc.__traceback__))
+        self.stats.failed_requests += 1
+        # Its own KV past the cached prefix may be what went wrong: do not cache it.
+        self._discard_own_kv(req)
+        self._finish(req, FinishReason(
+            "abort", message=f"internal error while serving this request: "
+                             f"{type(exc).__name__}: {exc}"))
+
+    def end_request(self, req: Req, reason: FinishReason) -> None:
+        """Finish ``req`` wherever it is and send its last output."""
+        self._finish(req, reason)
+        self.send_outputs([req])
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        """Set the finish reason, free the slots and take ``req`` out of every queue."""
         req.finished_reason = reason
-        self.release(req)
-
-    def release(self, req: Req) -> None:
-        """Free the KV slots and the request slot that ``req`` holds."""
-        if req.req_pool_idx is None:
-            return
-        runner = self.model_runner
-        if req.kv_len:
-            slots = runner.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_len]
-            runner.token_to_kv_allocator.free(slots.clone())
-        runner.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
+        self._release(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
 
     def send_outputs(self, reqs: list[Req]) -> None:
-        """Send each request's ids since its last output to the Detokenizer."""
-        embedding = [r for r in reqs if r.is_embedding]
-        if embedding:
-            self.send_to_tokenizer.send_nowait(BatchEmbeddingOutput(
-                rids=[r.rid for r in embedding],
-                finished_reasons=[r.finished_reason for r in embedding],
-                embeddings=np.zeros((len(embedding), 0), dtype=np.float32),
-                prompt_tokens=[len(r.origin_input_ids) for r in embedding],
-            ))
-            reqs = [r for r in reqs if not r.is_embedding]
-            if not reqs:
-                return
-        out = BatchTokenIDOutput(
-            rids=[], finished_reasons=[], output_ids=[], skip_special_tokens=[],
-            spaces_between_special_tokens=[], no_stop_trim=[], prompt_tokens=[],
-            completion_tokens=[], cached_tokens=[],
-        )
-        # Optional lists stay empty (not one empty list per request) when nobody needs them.
-        with_logprobs = any(r.return_logprob for r in reqs)
-        with_first = any(r.sent_len == 0 for r in reqs)
-        for req in reqs:
-            start = req.sent_len
-            params = req.sampling_params
-            out.rids.append(req.rid)
-            out.finished_reasons.append(req.finished_reason)
-            out.output_ids.append(req.output_ids[start:])
-            out.skip_special_tokens.append(params.skip_special_tokens)
-            out.spaces_between_special_tokens.append(params.spaces_between_special_tokens)
-            out.no_stop_trim.append(params.no_stop_trim)
-            out.prompt_tokens.append(len(req.origin_input_ids))
-            out.completion_tokens.append(len(req.output_ids))
-            out.cached_tokens.append(req.cached_tokens)
-            if with_logprobs:
-                out.output_token_logprobs_val.append(req.output_logprobs[start:])
-                out.output_token_logprobs_idx.append(
-                    req.output_ids[start:] if req.return_logprob else [])
-                out.output_top_logprobs_val.append(req.output_top_logprobs_val[start:])
-                out.output_top_logprobs_idx.append(req.output_top_logprobs_idx[start:])
-            if with_first:
-                first = req.sent_len == 0
-                out.stop_strs.append(list(params.stop) if first else [])
-                out.context_ids.append(
-                    req.origin_input_ids[-_CONTEXT_IDS:] if first else [])
-            req.sent_len = len(req.output_ids)
-        self.send_to_detokenizer.send_nowait(out)
+        """Send each request's new output: embeddings to the TokenizerManager, ids onward."""
+        embeddings = [r for r in reqs if r.is_embedding]
+        if embeddings:
+            self.send_to_tokenizer.send_nowait(embedding_output(embeddings))
+        generated = [r for r in reqs if not r.is_embedding]
+        if generated:
+            self.send_to_detokenizer.send_nowait(token_id_output(generated))
+
+    def _release(self, req: Req) -> None:
+        """Hand the request's KV to the prefix cache and free its request slot."""
+        if req.req_pool_idx is None:
+            return
+        self.tree_cache.cache_finished_req(req)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+
+    def _discard_own_kv(self, req: Req) -> None:
+        """Free the KV slots the request owns past its cached prefix, without caching them."""
+        if req.req_pool_idx is None or req.kv_len <= req.cache_protected_len:
+            return
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        self.allocator.free(row[req.cache_protected_len:req.kv_len].clone())
+        req.kv_len = req.cache_protected_len
+
+    # ------------------------------------------------------------------ metrics
 
     def maybe_send_metrics(self) -> None:
         """Send a ``SchedulerMetrics`` report about once a second."""
-        now = time.monotonic()
-        elapsed = now - self._last_metrics
-        if elapsed < _METRICS_INTERVAL_S:
+        if self.stats.since_last_report() < _METRICS_INTERVAL_S:
             return
-        allocator = self.model_runner.token_to_kv_allocator
-        used = allocator.size - allocator.available_size()
-        self.send_metrics.send_nowait(SchedulerMetrics(
-            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
-            num_used_tokens=used, max_total_tokens=allocator.size,
-            token_usage=used / max(allocator.size, 1),
-            gen_throughput=self._generated_since_metrics / elapsed if self._last_metrics else 0.0,
-            cache_hit_rate=0.0, timestamp=time.time(),
+        used = self.allocator.size - self.tree_cache.available_size()
+        self.send_metrics.send_nowait(self.stats.report(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            used_tokens=used, max_total_tokens=self.allocator.size,
         ))
-        self._last_metrics = now
-        self._generated_since_metrics = 0
 
     def _load_tokenizer(self) -> Any:
         from framework.runtime.hf_tokenizer import load_tokenizer
 
         return load_tokenizer(self.server_args.resolved_tokenizer_path())
-

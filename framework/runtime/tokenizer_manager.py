@@ -36,7 +36,7 @@ from framework.messages import (
     UpdateWeightsFromDiskReqInput,
 )
 from framework.registry import create_codec
-from framework.sampling_params import SamplingParams
+from framework.sampling_params import SamplingParams, check_token_ids, check_top_logprobs_num
 
 logger = logging.getLogger("framework.tokenizer_manager")
 
@@ -112,6 +112,8 @@ class TokenizerManager:
         self.server_args = server_args
         self.tokenizer = tokenizer
         self.context_len = context_len
+        # Set at start-up from the Scheduler's ready info; bounds token ids at the edge.
+        self.vocab_size: int | None = None
         codec = server_args.codec
         # Bind first: the Scheduler and the Detokenizer connect to these.
         self.recv_from_detokenizer = transport.receiver(port_args.tokenizer_input,
@@ -186,8 +188,12 @@ class TokenizerManager:
         ids = await self.tokenize(text) if text is not None else list(input_ids or [])
         if not ids:
             raise RequestError("the prompt is empty")
-        if not all(type(t) is int for t in ids):
-            raise RequestError("input_ids must be a list of integer token ids")
+        if input_ids is not None:
+            # The tokenizer's own ids need no check; the Scheduler checks them all again.
+            try:
+                check_token_ids(ids, self.vocab_size, "input_ids")
+            except ValueError as exc:
+                raise RequestError(str(exc)) from None
         if self.context_len is not None and len(ids) >= self.context_len:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens, but the model's context length is "
@@ -206,9 +212,12 @@ class TokenizerManager:
         """
         self._check_alive()
         try:
-            req.sampling_params.verify()
+            req.sampling_params.verify(self.vocab_size)
+            check_top_logprobs_num(req.top_logprobs_num)
         except ValueError as exc:
             raise RequestError(str(exc)) from None
+        if not isinstance(req.return_logprob, bool):
+            raise RequestError(f"return_logprob must be true or false, got {req.return_logprob!r}")
         if req.sampling_params.n != 1:
             # The OpenAI routes fan n out into n requests; one request is one sequence.
             raise RequestError("n > 1 is served by /v1/completions and /v1/chat/completions; "

@@ -21,7 +21,7 @@ from starlette.routing import Route
 from framework.config import ServerArgs
 from framework.messages import AbortReq
 from framework.runtime.tokenizer_manager import GenerateRequest, RequestError, TokenizerManager
-from framework.sampling_params import SamplingParams
+from framework.sampling_params import SamplingParams, check_top_logprobs_num
 from framework.server import openai as oai
 from framework.server.sse import error_body, sse_event, sse_stream
 
@@ -142,11 +142,9 @@ class Routes:
         out = []
         for text, ids in prompts:
             for choice in range(params.n):
-                p = msgspec.structs.replace(params, n=1)
-                if p.seed is not None:
-                    p.seed += choice
                 out.append(GenerateRequest(
-                    text=text, input_ids=ids, sampling_params=p, stream=stream,
+                    text=text, input_ids=ids, sampling_params=params.for_choice(choice),
+                    stream=stream,
                     return_logprob=logprobs is not None, top_logprobs_num=logprobs or 0,
                 ))
         return out
@@ -176,9 +174,9 @@ class Routes:
         self._check_model(body.model)
         self._check_generation()
         params = body.sampling_params(body.max_tokens, 16)
-        params.verify()
-        prompts = oai.split_prompts(body.prompt)
-        reqs = self._requests(prompts, params, body.stream, body.logprobs)
+        params.verify(self.tm.vocab_size)
+        prompts = oai.split_prompts(body.prompt, "prompt", self.tm.vocab_size)
+        reqs = self._requests(prompts, params, body.stream, body.top_logprobs_num())
         prefix = [p[0] or "" for p in prompts] if body.echo else None
         if body.stream:
             return self._stream_completions(body, reqs, prefix, params.n)
@@ -248,9 +246,8 @@ class Routes:
         prompt = self._chat_prompt(body.messages)
         params = body.sampling_params(body.max_completion_tokens or body.max_tokens,
                                       self.state.context_len)
-        params.verify()
-        top = body.top_logprobs or 0 if body.logprobs else None
-        reqs = self._requests([(None, prompt)], params, body.stream, top)
+        params.verify(self.tm.vocab_size)
+        reqs = self._requests([(None, prompt)], params, body.stream, body.top_logprobs_num())
         if body.stream:
             return self._stream_chat(body, reqs, params.n)
         outputs = await self._first_outputs(reqs)
@@ -349,14 +346,23 @@ class Routes:
         body = await parse_body(request, oai.GenerateRequestBody)
         self._check_generation()
         params = SamplingParams.from_dict(body.sampling_params)
-        params.verify()
+        params.verify(self.tm.vocab_size)
+        # Checked even when return_logprob is off: a bad value is refused, never ignored.
+        check_top_logprobs_num(body.top_logprobs_num)
+        if params.n != 1:
+            # Refused here, not in the TokenizerManager, so that a stream still gets a 400.
+            raise RequestError("n must be 1 on /generate (the OpenAI routes serve n > 1); "
+                               "send n requests with different seeds instead")
         if body.text is not None and body.input_ids is not None:
             raise RequestError("give either text or input_ids, not both")
         if body.text is None and body.input_ids is None:
             raise RequestError("give text or input_ids")
         batched = isinstance(body.text, list) or (
             bool(body.input_ids) and isinstance(body.input_ids[0], list))
-        prompts = oai.split_prompts(body.text if body.text is not None else body.input_ids)
+        if body.text is not None:
+            prompts = oai.split_prompts(body.text, "text")
+        else:
+            prompts = oai.split_prompts(body.input_ids or [], "input_ids", self.tm.vocab_size)
         reqs = [GenerateRequest(text=t, input_ids=ids, sampling_params=params,
                                 stream=body.stream, return_logprob=body.return_logprob,
                                 top_logprobs_num=body.top_logprobs_num,

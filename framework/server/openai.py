@@ -13,7 +13,7 @@ from typing import Any, Union
 
 import msgspec
 
-from framework.sampling_params import SamplingParams
+from framework.sampling_params import SamplingParams, check_token_ids, check_top_logprobs_num
 
 # A string, a list of strings, token ids or lists of token ids; msgspec unions allow one list
 # type, so the list's items are checked by ``split_prompts``.
@@ -75,6 +75,12 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     best_of: int | None = None
     suffix: str | None = None
 
+    def top_logprobs_num(self) -> int | None:
+        """How many top logprobs each token carries, or None when ``logprobs`` is off."""
+        if self.logprobs is not None:
+            check_top_logprobs_num(self.logprobs, "logprobs")
+        return self.logprobs
+
 
 class ChatMessage(msgspec.Struct):
     """One chat message; content may be a string or a list of text parts."""
@@ -97,6 +103,18 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+    def top_logprobs_num(self) -> int | None:
+        """How many top logprobs each token carries, or None when ``logprobs`` is off.
+
+        As in OpenAI's API, ``top_logprobs`` needs ``logprobs: true``.
+        """
+        if self.top_logprobs is None:
+            return 0 if self.logprobs else None
+        if not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        check_top_logprobs_num(self.top_logprobs, "top_logprobs")
+        return self.top_logprobs
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
@@ -135,19 +153,32 @@ class AbortBody(msgspec.Struct, kw_only=True):
     abort_all: bool = False
 
 
-def split_prompts(prompt: Prompt) -> list[tuple[str | None, list[int] | None]]:
-    """A prompt field as a list of (text, input_ids) pairs, one per prompt."""
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def split_prompts(prompt: Prompt, field: str = "prompt",
+                  vocab_size: int | None = None) -> list[tuple[str | None, list[int] | None]]:
+    """A prompt field as a list of (text, input_ids) pairs, one per prompt.
+
+    Token ids are checked against ``[0, vocab_size)`` here, before any request is sent,
+    so that a bad id in a streaming request is a 400 rather than an error event.
+    """
     if isinstance(prompt, str):
         return [(prompt, None)]
     if not prompt:
-        raise ValueError("the prompt is empty")
-    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-        return [(None, list(prompt))]  # type: ignore[arg-type]
-    if all(isinstance(p, str) for p in prompt):
-        return [(p, None) for p in prompt]  # type: ignore[misc]
-    if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
-        return [(None, list(p)) for p in prompt]  # type: ignore[arg-type]
-    raise ValueError("prompt must be a string, a list of strings, or token ids")
+        raise ValueError(f"{field} is empty")
+    if all(_is_token_id(p) for p in prompt):
+        pairs: list[tuple[str | None, list[int] | None]] = [(None, list(prompt))]
+    elif all(isinstance(p, str) for p in prompt):
+        return [(p, None) for p in prompt]
+    elif all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in prompt):
+        pairs = [(None, list(p)) for p in prompt]
+    else:
+        raise ValueError(f"{field} must be a string, a list of strings, or token ids")
+    for _, ids in pairs:
+        check_token_ids(ids or [], vocab_size, field)
+    return pairs
 
 
 # --------------------------------------------------------------------------- responses

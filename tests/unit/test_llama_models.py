@@ -1,7 +1,7 @@
 """Llama-family models on ModelRunner against transformers, plus loading and TP slicing.
 
-The key check drives ModelRunner and its pools directly, as the scheduler
-will: one EXTEND batch packing eight prompts of different lengths, then
+The key check drives ModelRunner and its pools (``runner.pools``) directly,
+as the scheduler will: one EXTEND batch packing eight prompts of different lengths, then
 DECODE steps for all eight, greedy. transformers' full-sequence logits over
 the generated text are the reference: at every step the chosen token must be
 transformers' argmax and its log-probability must agree within 1e-4.
@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -22,6 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from framework.config import ServerArgs
 from framework.forward_batch import ForwardBatch, ForwardMode
+from framework.layers.attention import AttentionBackendArgs, RadixAttention
+from framework.layers.attention.torch_native import TorchNativeAttnBackend
 from framework.layers.embedding import VocabParallelEmbedding
 from framework.layers.linear import (
     ColumnParallelLinear,
@@ -30,9 +32,11 @@ from framework.layers.linear import (
     RowParallelLinear,
 )
 from framework.layers.rotary import RopeConfig
+from framework.model_executor import model_runner as model_runner_module
 from framework.model_executor.model_config import resolve_dtype
-from framework.model_executor.model_runner import ModelRunner
+from framework.model_executor.model_runner import EXTRA_REQ_SLOTS, ModelRunner
 from framework.models import resolve_architecture, supported_architectures
+from framework.registry import Registry
 from tests.model_fixtures import (
     make_tiny_checkpoint,
     make_tiny_tokenizer,
@@ -102,8 +106,8 @@ class Driver:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.req_pool = runner.req_to_token_pool
-        self.allocator = runner.token_to_kv_allocator
+        self.req_pool = runner.pools.req_to_token_pool
+        self.allocator = runner.pools.allocator
 
     def start(self, count: int) -> list[Request]:
         rows = self.req_pool.alloc(count)
@@ -208,8 +212,8 @@ def load_hf(path: Path, dtype: torch.dtype = torch.float32) -> Any:
 
 
 def assert_all_slots_free(runner: ModelRunner) -> None:
-    assert runner.token_to_kv_allocator.available_size() == runner.max_total_num_tokens
-    assert runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size
+    assert runner.pools.allocator.available_size() == runner.max_total_num_tokens
+    assert runner.pools.req_to_token_pool.available_size() == runner.pools.req_to_token_pool.size
 
 
 @pytest.mark.parametrize(("arch", "overrides"), MODEL_CASES)
@@ -336,7 +340,7 @@ def test_bfloat16_checkpoint_runs_in_bfloat16_under_auto_dtype(tmp_path: Path) -
     runner = make_runner(path)
     assert runner.dtype == torch.bfloat16
     assert all(p.dtype == torch.bfloat16 for p in runner.model.parameters())
-    assert runner.token_to_kv_pool.get_kv_buffer(0)[0].dtype == torch.bfloat16
+    assert runner.pools.token_to_kv_pool.get_kv_buffer(0)[0].dtype == torch.bfloat16
     prompt = prompt_ids()[3]
     ours = first_step_logits(runner, prompt).log_softmax(-1)
     with torch.no_grad():
@@ -375,9 +379,62 @@ def test_pools_default_to_the_cpu_size_rule(tmp_path: Path) -> None:
     runner = make_runner(path, max_total_tokens=None, max_running_requests=3)
     context_len = runner.model_config.context_len
     assert runner.max_total_num_tokens == min(context_len * 3, 2**16)
-    assert runner.req_to_token_pool.req_to_token.shape[1] == context_len
-    assert runner.req_to_token_pool.size >= 3
+    assert runner.pools.req_to_token_pool.req_to_token.shape[1] == context_len
+    assert runner.pools.req_to_token_pool.size >= 3
+    assert runner.pools.allocator.size == runner.pools.token_to_kv_pool.size
+    assert runner.pools.allocator.size == runner.max_total_num_tokens
     assert runner.model_config.eos_token_ids == {2}
+
+
+class RecordingBackend(TorchNativeAttnBackend):
+    """The torch backend, recording what it is built with and how often it prepares a batch."""
+
+    built: ClassVar[list[AttentionBackendArgs]] = []
+
+    def __init__(self, args: AttentionBackendArgs) -> None:
+        super().__init__(args)
+        RecordingBackend.built.append(args)
+        self.prepared = 0
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        self.prepared += 1
+        super().init_forward_metadata(forward_batch)
+
+
+def test_attention_backend_is_built_once_with_the_pools_and_bounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    prompt = prompt_ids()[2]
+    reference = first_step_logits(make_runner(path), prompt)
+    # A registry of its own, so that the test name does not outlive the test.
+    registry: Registry[Any] = Registry("attention backend", "framework.attention_backends")
+    registry.register("test-recording", RecordingBackend, source="tests")
+    monkeypatch.setattr(model_runner_module, "ATTENTION_BACKENDS", registry)
+    monkeypatch.setattr(RecordingBackend, "built", [])
+
+    runner = make_runner(path, attention_backend="test-recording", max_running_requests=5)
+    assert len(RecordingBackend.built) == 1
+    args = RecordingBackend.built[0]
+    backend = runner.attn_backend
+    assert isinstance(backend, RecordingBackend) and backend.args is args
+    assert args.req_to_token_pool is runner.pools.req_to_token_pool
+    assert args.token_to_kv_pool is runner.pools.token_to_kv_pool
+    assert args.max_batch_size == runner.pools.req_to_token_pool.size == 5 + EXTRA_REQ_SLOTS
+    assert args.context_len == runner.model_config.context_len
+    assert (args.dtype, args.device) == (runner.dtype, runner.device)
+    config = runner.model_config
+    assert (args.num_heads, args.num_kv_heads, args.head_dim) == (
+        config.num_heads_per_rank(1), config.num_kv_heads_per_rank(1), config.head_dim
+    )
+    layers = [m for m in runner.model.modules() if isinstance(m, RadixAttention)]
+    assert len(layers) == config.num_layers
+    assert all(layer.attn_backend is backend for layer in layers)
+
+    ours = first_step_logits(runner, prompt)
+    assert backend.prepared == 1, "init_forward_metadata runs once per step, not per layer"
+    assert len(RecordingBackend.built) == 1, "the backend is built once, not per step"
+    torch.testing.assert_close(ours, reference, atol=0.0, rtol=0.0)
 
 
 def test_mistral_context_is_capped_at_its_sliding_window(tmp_path: Path) -> None:

@@ -1,14 +1,19 @@
-"""The KV cache pools: request slots, KV-slot accounting, per-layer K/V buffers, sizing."""
+"""The KV cache pools: request slots, KV-slot accounting, per-layer K/V buffers, sizing,
+and the three built together as ``KVCachePools``."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from framework.mem_cache import KVCachePools as ExportedKVCachePools
 from framework.mem_cache.memory_pool import (
     CPU_DEFAULT_MAX_TOTAL_TOKENS,
+    KVCachePools,
     MHATokenToKVPool,
     ReqToTokenPool,
     TokenToKVPoolAllocator,
@@ -132,4 +137,35 @@ def test_sizing_prefers_explicit_tokens_and_caps_the_cpu_default() -> None:
     with pytest.raises(ValueError, match="max-total-tokens"):
         decide_max_total_tokens(
             max_total_tokens=0, context_len=100, max_running_requests=2, **common
+        )
+
+
+def test_kv_cache_pools_build_consistent_shapes() -> None:
+    pools = KVCachePools.build(
+        max_total_tokens=40, max_requests=5, context_len=24, dtype=torch.bfloat16,
+        num_kv_heads=2, head_dim=4, num_layers=3, device=CPU,
+    )
+    assert KVCachePools is ExportedKVCachePools
+    assert pools.req_to_token_pool.req_to_token.shape == (5, 24)
+    assert pools.req_to_token_pool.available_size() == 5
+    assert pools.allocator.size == pools.token_to_kv_pool.size == 40
+    assert pools.allocator.available_size() == 40
+    assert len(pools.token_to_kv_pool.k_buffers) == len(pools.token_to_kv_pool.v_buffers) == 3
+    for layer in range(3):
+        k_buffer, v_buffer = pools.token_to_kv_pool.get_kv_buffer(layer)
+        # One row per KV slot the allocator can hand out, plus the padding slot 0.
+        assert k_buffer.shape == v_buffer.shape == (41, 2, 4)
+        assert k_buffer.dtype == v_buffer.dtype == torch.bfloat16
+    slots = pools.allocator.alloc(40)
+    assert slots is not None and int(slots.max()) < pools.token_to_kv_pool.k_buffers[0].shape[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pools.allocator = TokenToKVPoolAllocator(40, CPU)  # type: ignore[misc]
+
+
+def test_kv_cache_pools_refuse_an_allocator_that_does_not_match_the_buffers() -> None:
+    with pytest.raises(ValueError, match="KV slots"):
+        KVCachePools(
+            req_to_token_pool=ReqToTokenPool(2, 8, CPU),
+            token_to_kv_pool=MHATokenToKVPool(16, torch.float32, 1, 4, 1, CPU),
+            allocator=TokenToKVPoolAllocator(17, CPU),
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from framework.layers.attention.base import AttentionBackend
-from framework.layers.attention.radix_attention import RadixAttention
+from framework.layers.attention.base import AttentionBackend, AttentionBackendArgs
+from framework.layers.attention.radix_attention import RadixAttention, bind_attention_backend
 
-__all__ = ["AttentionBackend", "RadixAttention"]
+__all__ = ["AttentionBackend", "AttentionBackendArgs", "RadixAttention", "bind_attention_backend"]

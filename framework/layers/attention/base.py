@@ -1,8 +1,16 @@
-"""The attention-backend interface: paged KV cache in, attention output out."""
+"""The attention-backend interface: paged KV cache in, attention output out.
+
+A backend is built once per rank, by ``ModelRunner``, from an
+``AttentionBackendArgs``: the layers' head shape, the KV cache pools it reads
+and writes, and the bounds a kernel backend sizes its buffers by (the largest
+batch, the context length). Per batch, ``init_forward_metadata`` runs once
+before the first layer; then every ``RadixAttention`` layer calls ``forward``.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -10,6 +18,57 @@ import torch
 if TYPE_CHECKING:
     from framework.forward_batch import ForwardBatch
     from framework.layers.attention.radix_attention import RadixAttention
+    from framework.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+
+@dataclass(frozen=True)
+class AttentionBackendArgs:
+    """Everything an attention backend is built with, once per rank.
+
+    Head counts are this rank's (after tensor-parallel slicing). The pools are
+    the ones the scheduler allocates from, so ``req_to_token_pool.req_to_token``
+    and ``out_cache_loc`` index ``token_to_kv_pool``'s buffers. ``max_batch_size``
+    bounds the requests of any one batch and ``context_len`` the tokens of any
+    one request; ``dtype`` is the activations' and the KV cache's dtype.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: MHATokenToKVPool
+    max_batch_size: int
+    context_len: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        if min(self.num_heads, self.num_kv_heads, self.head_dim) <= 0:
+            raise ValueError(
+                f"num_heads, num_kv_heads and head_dim must be > 0, got {self.num_heads}, "
+                f"{self.num_kv_heads}, {self.head_dim}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.max_batch_size <= 0 or self.context_len <= 0:
+            raise ValueError(
+                f"max_batch_size and context_len must be > 0, got {self.max_batch_size}, "
+                f"{self.context_len}"
+            )
+        if self.context_len > self.req_to_token_pool.max_context_len:
+            raise ValueError(
+                f"context_len ({self.context_len}) is wider than the req_to_token rows "
+                f"({self.req_to_token_pool.max_context_len})"
+            )
+        kv_shape = (self.token_to_kv_pool.num_kv_heads, self.token_to_kv_pool.head_dim)
+        if kv_shape != (self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"the KV pool holds (kv_heads, head_dim) = {kv_shape}, but the backend is "
+                f"asked for {(self.num_kv_heads, self.head_dim)}"
+            )
 
 
 class AttentionBackend(ABC):
@@ -21,25 +80,35 @@ class AttentionBackend(ABC):
     backend writes the new keys and values at ``forward_batch.out_cache_loc``
     (when ``save_kv_cache``) and reads each request's keys and values through
     ``req_to_token[req_pool_idx, :seq_len]``.
+
+    Subclasses take the same single ``args`` argument (the registry builds
+    every backend as ``ATTENTION_BACKENDS.get(name)(args)``), call
+    ``super().__init__(args)`` and allocate their buffers there, once.
     """
 
-    def __init__(
-        self, *, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
-    ) -> None:
-        if num_heads % num_kv_heads:
-            raise ValueError(
-                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-            )
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.device = device
+    def __init__(self, args: AttentionBackendArgs) -> None:
+        self.args = args
+        self.num_heads = args.num_heads
+        self.num_kv_heads = args.num_kv_heads
+        self.head_dim = args.head_dim
+        self.req_to_token_pool = args.req_to_token_pool
+        self.token_to_kv_pool = args.token_to_kv_pool
+        self.max_batch_size = args.max_batch_size
+        self.context_len = args.context_len
+        self.dtype = args.dtype
+        self.device = args.device
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Prepare whatever the backend needs once per batch, before the first layer runs.
 
-        The default fills the batch's host copies of its lengths.
+        The default checks the batch against ``max_batch_size`` (buffers sized by
+        it must not overflow) and fills the batch's host copies of its lengths.
         """
+        if forward_batch.batch_size > self.max_batch_size:
+            raise ValueError(
+                f"a batch of {forward_batch.batch_size} requests exceeds the attention "
+                f"backend's max_batch_size ({self.max_batch_size})"
+            )
         forward_batch.fill_cpu_lengths()
 
     def forward(

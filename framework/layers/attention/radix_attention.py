@@ -1,4 +1,4 @@
-"""The attention layer a model holds: its shape, plus a call into the batch's backend."""
+"""The attention layer a model holds: its shape, plus a call into the bound backend."""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ from torch import nn
 
 if TYPE_CHECKING:
     from framework.forward_batch import ForwardBatch
+    from framework.layers.attention.base import AttentionBackend
 
 
 class RadixAttention(nn.Module):
     """One layer's attention over the paged KV cache.
 
-    Holds no weights; the computation is done by ``forward_batch.attn_backend``,
-    which ``ModelRunner`` sets per batch, so that models are independent of the
-    kernels.
+    Holds no weights; the computation is done by the attention backend bound
+    to the layer once, after the model is built (``bind_attention_backend``),
+    so that models are independent of the kernels and batches carry no
+    backend.
     """
 
     def __init__(
@@ -33,6 +35,7 @@ class RadixAttention(nn.Module):
         self.scaling = scaling
         self.num_kv_heads = num_kv_heads
         self.layer_id = layer_id
+        self.attn_backend: AttentionBackend | None = None
 
     def forward(
         self,
@@ -43,14 +46,45 @@ class RadixAttention(nn.Module):
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
         """``[n, heads * dim]`` attention output for the batch's new tokens."""
-        if forward_batch.attn_backend is None:
+        if self.attn_backend is None:
             raise RuntimeError(
-                "forward_batch.attn_backend is not set; run the model via ModelRunner"
+                f"attention layer {self.layer_id} has no attention backend bound; run the "
+                "model through ModelRunner, or call bind_attention_backend(model, backend)"
             )
-        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv_cache)
+        return self.attn_backend.forward(q, k, v, self, forward_batch, save_kv_cache)
 
     def extra_repr(self) -> str:
         return (
             f"layer_id={self.layer_id}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, scaling={self.scaling:g}"
+        )
+
+
+def bind_attention_backend(model: nn.Module, backend: AttentionBackend) -> int:
+    """Make every ``RadixAttention`` in ``model`` compute with ``backend``; returns how many.
+
+    Each layer's shape is checked against the backend's, so that a backend
+    built for other heads or another KV pool fails here rather than computing
+    wrong attention. An encoder without ``RadixAttention`` layers binds none.
+    """
+    layers = [module for module in model.modules() if isinstance(module, RadixAttention)]
+    for layer in layers:
+        _check_layer_fits(layer, backend)
+    for layer in layers:
+        layer.attn_backend = backend
+    return len(layers)
+
+
+def _check_layer_fits(layer: RadixAttention, backend: AttentionBackend) -> None:
+    layer_shape = (layer.num_heads, layer.num_kv_heads, layer.head_dim)
+    backend_shape = (backend.num_heads, backend.num_kv_heads, backend.head_dim)
+    if layer_shape != backend_shape:
+        raise ValueError(
+            f"attention layer {layer.layer_id} has (heads, kv_heads, head_dim) = {layer_shape}, "
+            f"the backend {backend_shape}"
+        )
+    num_layers = backend.token_to_kv_pool.num_layers
+    if not 0 <= layer.layer_id < num_layers:
+        raise ValueError(
+            f"attention layer id {layer.layer_id} is outside the KV pool's {num_layers} layers"
         )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from framework.layers.attention.base import AttentionBackend
+from framework.layers.attention.base import AttentionBackend, AttentionBackendArgs
 
 if TYPE_CHECKING:
     from framework.forward_batch import ForwardBatch
@@ -36,12 +36,8 @@ class _RequestSpan:
 class TorchNativeAttnBackend(AttentionBackend):
     """Causal attention over the paged KV cache with ``torch.nn.functional`` SDPA."""
 
-    def __init__(
-        self, *, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
-    ) -> None:
-        super().__init__(
-            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, device=device
-        )
+    def __init__(self, args: AttentionBackendArgs) -> None:
+        super().__init__(args)
         self._spans: list[_RequestSpan] = []
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -109,10 +105,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         save_kv_cache: bool,
     ) -> torch.Tensor:
-        pool = forward_batch.token_to_kv_pool
-        req_to_token = forward_batch.req_to_token_pool
-        if pool is None or req_to_token is None:
-            raise RuntimeError("forward_batch has no KV pools; run the model via ModelRunner")
+        pool = self.token_to_kv_pool
+        req_to_token = self.req_to_token_pool.req_to_token
         if save_kv_cache:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buffer, v_buffer = pool.get_kv_buffer(layer.layer_id)
@@ -120,7 +114,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         output = torch.empty_like(queries)
         group = layer.num_heads // layer.num_kv_heads
         for i, span in enumerate(self._spans):
-            slots = req_to_token.req_to_token[forward_batch.req_pool_indices[i], : span.seq_len]
+            slots = req_to_token[forward_batch.req_pool_indices[i], : span.seq_len]
             rows = slice(span.token_start, span.token_start + span.num_new)
             output[rows] = self._attend(
                 queries[rows], k_buffer[slots], v_buffer[slots], span.mask, layer.scaling, group

@@ -1,0 +1,36 @@
+"""Where a benchmark ran: the machine and the commit, written next to every result."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+
+def machine_description() -> str:
+    """Platform, CPU model and logical CPU count of this machine."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass  # not Linux: keep what platform reports
+    return f"{platform.platform()}, {model}, {os.cpu_count()} logical CPUs"
+
+
+def git_commit() -> str:
+    """The commit of the checkout this package runs from (``-dirty`` if changed), or ``unknown``."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                  "--untracked-files=no"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return f"{commit}-dirty" if changed else commit

@@ -1,0 +1,69 @@
+"""One scheduled step: which requests run, how many new tokens each, and its packed tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from framework.forward_batch import ForwardBatch, ForwardMode
+from framework.runtime.request import Req
+
+
+@dataclass
+class ScheduledBatch:
+    """The requests of one step and what the step does for each."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    extend_lens: list[int]  # new tokens per request (1 each for DECODE)
+
+    def subset(self, index: int) -> ScheduledBatch:
+        """The same step for request ``index`` alone."""
+        return ScheduledBatch(self.mode, [self.reqs[index]], [self.extend_lens[index]])
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens of the whole step."""
+        return sum(self.extend_lens)
+
+    def to_forward_batch(
+        self, req_to_token: torch.Tensor, out_cache_loc: torch.Tensor, device: torch.device
+    ) -> ForwardBatch:
+        """Pack the new tokens (no padding) and point each request's row at its new slots.
+
+        ``out_cache_loc`` holds one freshly allocated KV slot per new token, request
+        after request; they are written into ``req_to_token[req, kv_len:kv_len + n]``.
+        """
+        input_ids: list[int] = []
+        positions: list[int] = []
+        prefix_lens: list[int] = []
+        seq_lens: list[int] = []
+        offset = 0
+        extend = self.mode.is_extend()
+        for req, n in zip(self.reqs, self.extend_lens):
+            start = req.kv_len
+            input_ids.extend(req.fill_ids[start:start + n] if extend else req.output_ids[-1:])
+            positions.extend(range(start, start + n))
+            req_to_token[req.req_pool_idx, start:start + n] = out_cache_loc[offset:offset + n]
+            offset += n
+            prefix_lens.append(start)
+            seq_lens.append(start + n)
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return ForwardBatch(
+            forward_mode=self.mode,
+            batch_size=len(self.reqs),
+            input_ids=tensor(input_ids),
+            positions=tensor(positions),
+            req_pool_indices=tensor([r.req_pool_idx for r in self.reqs]),
+            seq_lens=tensor(seq_lens),
+            out_cache_loc=out_cache_loc.to(device),
+            extend_prefix_lens=tensor(prefix_lens) if extend else None,
+            extend_seq_lens=tensor(self.extend_lens) if extend else None,
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=prefix_lens if extend else None,
+            extend_seq_lens_cpu=list(self.extend_lens) if extend else None,
+        )

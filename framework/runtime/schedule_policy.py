@@ -1,0 +1,185 @@
+"""Scheduling policy: the order of the waiting queue, admission into a prefill, retraction.
+
+Admission is correct by construction: a request joins a prefill only when the
+KV slots it needs now (its chunk, plus one for its first decode step) fit in
+what is free or evictable after every earlier commitment of the step (one slot
+per running request for its next decode, and the chunks already admitted).
+A request's cached prefix is locked as it is admitted, so the slots counted
+as evictable never include its own prefix.
+
+These parts are handed the cache and the pools they need; they know nothing
+of the Scheduler.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterable
+
+from framework.forward_batch import ForwardMode
+from framework.mem_cache.memory_pool import ReqToTokenPool
+from framework.mem_cache.prefix_cache import PrefixCache
+from framework.runtime.request import Req
+from framework.runtime.schedule_batch import ScheduledBatch
+
+POLICIES = ("fcfs", "lpm")
+# Matching every waiting request costs time; past this queue length lpm falls back to fcfs.
+LPM_QUEUE_LIMIT = 128
+# A request sharing at least this many uncached prefix tokens with one admitted in the same
+# step waits one step: the prefix is cached after that step, and it reuses it then.
+IN_BATCH_SHARE_THRESHOLD = 32
+
+
+class Admission(enum.Enum):
+    """What ``PrefillAdder.add`` did with a request."""
+
+    ADDED = enum.auto()
+    DEFERRED = enum.auto()  # it shares an uncached prefix with this step; next step
+    FULL = enum.auto()  # nothing more fits this step
+
+
+class SchedulePolicy:
+    """Orders the waiting queue before each prefill selection.
+
+    ``fcfs``: arrival order (a retracted request goes back to the front).
+    ``lpm``: longest cached prefix first, so that requests sharing a prefix run
+    while it is still cached; ties keep arrival order.
+    """
+
+    def __init__(self, policy: str, cache: PrefixCache) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"schedule policy must be one of {', '.join(POLICIES)}; got "
+                             f"{policy!r}")
+        self.policy = policy
+        self.cache = cache
+
+    def order(self, waiting: deque[Req]) -> None:
+        """Reorder ``waiting`` in place."""
+        if self.policy == "fcfs" or len(waiting) > LPM_QUEUE_LIMIT:
+            return
+        matched = {id(r): self.cache.match_prefix(admission_key(r)).length for r in waiting}
+        ordered = sorted(waiting, key=lambda r: -matched[id(r)])
+        waiting.clear()
+        waiting.extend(ordered)
+
+
+def admission_key(req: Req) -> list[int]:
+    """The tokens whose cached prefix a request may reuse: all but the last.
+
+    The last token is always computed, since its logits give the next token.
+    """
+    return req.fill_ids[: req.seq_len - 1]
+
+
+class PrefillAdder:
+    """Builds one prefill batch: admits requests while slots, the token budget and KV allow.
+
+    ``reserved`` counts the KV slots already promised in this step: one per
+    running request (its next decode token) and, per admitted request, its
+    chunk plus one for its first decode.
+    """
+
+    def __init__(
+        self,
+        *,
+        cache: PrefixCache,
+        req_to_token_pool: ReqToTokenPool,
+        token_budget: int,
+        num_running: int,
+        max_running_requests: int,
+    ) -> None:
+        self.cache = cache
+        self.req_to_token_pool = req_to_token_pool
+        self.token_budget = token_budget
+        self.num_running = num_running
+        self.max_running_requests = max_running_requests
+        self.reserved = num_running
+        self.reqs: list[Req] = []
+        self.extend_lens: list[int] = []
+        #: The request admitted with only part of what it has to prefill.
+        self.chunked: Req | None = None
+
+    def room(self) -> int:
+        """KV slots still available for this step's prefills."""
+        return self.cache.available_size() - self.reserved
+
+    def add_chunked(self, req: Req) -> bool:
+        """Continue a partly prefilled request (it holds its slots); False if no room now.
+
+        Its next chunk may be smaller than the token budget when KV is short: it
+        must not wait for a larger chunk while holding memory.
+        """
+        chunk = min(req.extend_remaining, self.token_budget, self.room() - 1)
+        if chunk <= 0:
+            return False
+        self._take(req, chunk)
+        return True
+
+    def add(self, req: Req) -> Admission:
+        """Admit a waiting request if it fits, defer it, or say that nothing more fits."""
+        if self.token_budget <= 0 or self.chunked is not None:
+            return Admission.FULL
+        holders = self.num_running + len(self.reqs)
+        if holders >= self.max_running_requests or self.req_to_token_pool.available_size() == 0:
+            return Admission.FULL
+        key = admission_key(req)
+        match = self.cache.match_prefix(key)
+        if self._shares_with_batch(key) - match.length >= IN_BATCH_SHARE_THRESHOLD:
+            return Admission.DEFERRED
+        self.cache.inc_lock_ref(match.last_node)  # before counting what is evictable
+        extend = req.seq_len - match.length
+        chunk = extend if req.is_embedding else min(extend, self.token_budget)
+        embedding_too_big = req.is_embedding and chunk > self.token_budget and self.reqs
+        slots = None if chunk + 1 > self.room() or embedding_too_big else (
+            self.req_to_token_pool.alloc(1))
+        if slots is None:
+            self.cache.dec_lock_ref(match.last_node)
+            return Admission.FULL
+        req.req_pool_idx = slots[0]
+        prefix_len = match.length
+        self.req_to_token_pool.req_to_token[req.req_pool_idx, :prefix_len] = match.indices
+        req.last_node = match.last_node
+        req.kv_len = req.cache_protected_len = prefix_len
+        if not req.admitted:
+            req.admitted = True
+            req.cached_tokens = prefix_len
+        self._take(req, chunk)
+        return Admission.ADDED
+
+    def _shares_with_batch(self, key: list[int]) -> int:
+        """The longest prefix ``key`` shares with a request already in this step."""
+        return max((common_prefix_len(key, admission_key(other)) for other in self.reqs),
+                   default=0)
+
+    def _take(self, req: Req, chunk: int) -> None:
+        self.reqs.append(req)
+        self.extend_lens.append(chunk)
+        self.token_budget -= chunk
+        self.reserved += chunk + 1
+        if chunk < req.extend_remaining:
+            self.chunked = req
+
+    def batch(self) -> ScheduledBatch | None:
+        """The prefill batch, or None when nothing was admitted."""
+        if not self.reqs:
+            return None
+        return ScheduledBatch(ForwardMode.EXTEND, self.reqs, self.extend_lens)
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` have in common."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def retraction_order(reqs: Iterable[Req]) -> list[Req]:
+    """Requests in the order to retract them: least progress first.
+
+    Fewest output tokens first (least work is redone), and among those the
+    longest sequence first (it frees the most slots).
+    """
+    return sorted(reqs, key=lambda r: (len(r.output_ids), -r.seq_len))

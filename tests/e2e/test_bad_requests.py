@@ -1,0 +1,215 @@
+"""Bad sampling values are refused where a request enters, and never reach the Scheduler.
+
+One real server (and one Engine) on a tiny model: every bad value is a 400 (or a
+``ValueError``) whose message names the field, the Scheduler's counters do not move, and
+the server still answers normal requests afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from framework import Engine
+from tests.model_fixtures import TINY_VOCAB_SIZE, make_tiny_checkpoint
+from tests.server_harness import ServerProcess, start_server
+
+VOCAB = TINY_VOCAB_SIZE
+CHAT = [{"role": "user", "content": "hello"}]
+# Scheduler counters that move once a request reaches it (admitted, refused or failed).
+TOUCHED = ("extend_steps", "decode_steps", "aborted_requests", "failed_requests")
+
+# (route, body, words the error message must hold)
+BAD_JSON: list[tuple[str, dict[str, Any], str]] = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs must be an integer in [0, 20]"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": -1, "stream": True}, "logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs must be an integer in [0, 20]"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": -1},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs needs logprobs"),
+    ("/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": -1},
+     "top_logprobs_num must be an integer in [0, 20]"),
+    ("/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": 21,
+                   "stream": True}, "top_logprobs_num"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed must be in [-2**63, 2**64 - 1]"),
+    ("/v1/completions", {"prompt": "hi", "seed": -(2**63) - 1}, "seed must be in"),
+    ("/generate", {"text": "hi", "sampling_params": {"seed": 2**64}}, "seed"),
+    ("/generate", {"input_ids": [1, VOCAB]},
+     f"input_ids must hold integer token ids in [0, {VOCAB})"),
+    ("/generate", {"input_ids": [1, -1]}, "input_ids must hold integer token ids"),
+    ("/generate", {"input_ids": [[1, 2], [VOCAB + 7]], "stream": True}, "input_ids"),
+    ("/v1/completions", {"prompt": [1, VOCAB]},
+     f"prompt must hold integer token ids in [0, {VOCAB})"),
+    ("/v1/completions", {"prompt": [[3, -5]]}, "prompt must hold integer token ids"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [VOCAB]},
+     f"stop_token_ids must hold integer token ids in [0, {VOCAB})"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [-1]}}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n must be in [1, 128]"),
+    ("/v1/completions", {"prompt": "hi", "n": 129}, "n must be in [1, 128]"),
+    ("/generate", {"text": "hi", "stream": True, "sampling_params": {"n": 2}}, "n must be 1"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 0}, "top_k must be -1 (disabled) or in [1, "),
+    ("/generate", {"text": "hi", "sampling_params": {"top_k": -2}}, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p must be in (0, 1]"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p must be in (0, 1]"),
+    ("/v1/chat/completions", {"messages": CHAT, "min_p": 1.5}, "min_p must be in [0, 1]"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature must be in [0, 100]"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 1e300}, "temperature must be in [0, 100]"),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": -0.5}}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 3}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_new_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2**64}, "max_new_tokens"),
+]
+
+# Bodies that JSON encoders write but strict JSON has no number for.
+BAD_RAW: list[tuple[str, bytes, str]] = [
+    # 1e400 overflows a double: refused while decoding, at the field's path.
+    ("/v1/completions", b'{"prompt": "hi", "temperature": 1e400}', "temperature"),
+    ("/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "hi"}], "top_p": -1e400}', "top_p"),
+    # NaN and Infinity are not JSON numbers: the body is refused as malformed.
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', "JSON"),
+    ("/generate", b'{"text": "hi", "sampling_params": {"top_p": Infinity}}', "JSON"),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with its tokenizer (and chat template)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One server for the whole module; msgpack, the codec with the narrowest integers."""
+    proc = start_server(checkpoint, tmp_path_factory.mktemp("logs"), "--transport", "zmq",
+                        "--codec", "msgpack")
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        yield c
+
+
+def _counters(client: httpx.Client) -> dict[str, Any]:
+    scheduler = client.get("/get_server_info").json()["scheduler"]
+    return {key: scheduler[key] for key in TOUCHED}
+
+
+def _assert_refused(client: httpx.Client, response: httpx.Response, words: str,
+                    before: dict[str, Any]) -> None:
+    """A 400 with OpenAI's error body naming ``words``, and a Scheduler that saw nothing."""
+    assert response.status_code == 400, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert words in error["message"], error
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] == 400
+    assert _counters(client) == before
+
+
+@pytest.mark.parametrize(("path", "body", "words"), BAD_JSON,
+                         ids=[f"{p} {json.dumps(b)}" for p, b, _ in BAD_JSON])
+def test_bad_value_is_a_400_naming_the_field(client: httpx.Client, path: str,
+                                             body: dict[str, Any], words: str) -> None:
+    before = _counters(client)
+    _assert_refused(client, client.post(path, json=body), words, before)
+
+
+@pytest.mark.parametrize(("path", "body", "words"), BAD_RAW,
+                         ids=[b.decode() for _, b, _ in BAD_RAW])
+def test_numbers_json_cannot_hold_are_a_400(client: httpx.Client, path: str, body: bytes,
+                                           words: str) -> None:
+    before = _counters(client)
+    response = client.post(path, content=body, headers={"content-type": "application/json"})
+    _assert_refused(client, response, words, before)
+
+
+def test_openai_client_gets_bad_request_errors(server: ServerProcess,
+                                               client: httpx.Client) -> None:
+    oa = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+    model = oa.models.list().data[0].id
+    before = _counters(client)
+    with pytest.raises(openai.BadRequestError, match=r"logprobs must be an integer in \[0, 20\]"):
+        oa.completions.create(model=model, prompt="hello", max_tokens=4, logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        oa.chat.completions.create(model=model, messages=CHAT, max_tokens=4, logprobs=True,
+                                   top_logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="seed"):
+        oa.completions.create(model=model, prompt="hello", max_tokens=4, seed=2**64,
+                              stream=True)
+    assert _counters(client) == before
+
+
+def test_server_still_serves_after_the_refusals(server: ServerProcess,
+                                                client: httpx.Client) -> None:
+    """Liveness after every refusal above, with the range ends that are accepted."""
+    assert server.proc.poll() is None, server.log()
+    body = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True, "logprobs": 20,
+            "seed": 2**64 - 1, "n": 2, "temperature": 1e-30, "top_k": VOCAB + 10}
+    reply = client.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    choices = reply.json()["choices"]
+    assert len(choices) == 2
+    assert all(c["text"] for c in choices)
+    assert len(choices[0]["logprobs"]["token_logprobs"]) == 4
+    sampled = client.post("/generate", json={
+        "input_ids": [1, VOCAB - 1], "return_logprob": True, "top_logprobs_num": 20,
+        "sampling_params": {"max_new_tokens": 3, "ignore_eos": True, "seed": -(2**63),
+                            "temperature": 100, "stop_token_ids": [0, VOCAB - 1]}})
+    assert sampled.status_code == 200, sampled.text
+    meta = sampled.json()["meta_info"]
+    assert meta["completion_tokens"] >= 1
+    # The legacy completions object keys top logprobs by text, which may repeat; these may not.
+    assert all(len(row) == 20 for row in meta["output_top_logprobs"])
+    info = client.get("/get_server_info")
+    assert info.status_code == 200
+    scheduler = info.json()["scheduler"]
+    assert scheduler["failed_requests"] == 0
+    assert scheduler["kv_cache_idle_and_free"] is True
+    assert server.proc.poll() is None, server.log()
+
+
+# --------------------------------------------------------------------------- Engine
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint: Path) -> Iterator[Engine]:
+    with Engine(model_path=str(checkpoint)) as eng:
+        yield eng
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"prompt": "hi", "sampling_params": {"top_k": 0}}, "top_k"),
+        ({"prompt": "hi", "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
+        ({"prompt": "hi", "return_logprob": True, "top_logprobs_num": 21}, "[0, 20]"),
+        ({"prompt": "hi", "sampling_params": {"temperature": float("nan")}}, "temperature"),
+        ({"prompt": "hi", "sampling_params": {"seed": 2**64}}, "seed"),
+        ({"input_ids": [1, -2]}, "input_ids"),
+        ({"input_ids": [1, VOCAB]}, f"[0, {VOCAB})"),
+        ({"prompt": "hi", "sampling_params": {"stop_token_ids": [VOCAB]}}, "stop_token_ids"),
+    ],
+)
+def test_engine_refuses_with_a_value_error(engine: Engine, kwargs: dict[str, Any],
+                                           words: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(words)):
+        engine.generate(**kwargs)
+
+
+def test_engine_still_generates_after_the_refusals(engine: Engine) -> None:
+    out = engine.generate("hi", {"max_new_tokens": 3, "ignore_eos": True, "temperature": 1e-30})
+    assert out["meta_info"]["completion_tokens"] == 3
+    assert engine.get_server_info()["kv_cache_idle_and_free"] is True

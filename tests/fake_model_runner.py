@@ -1,0 +1,213 @@
+"""A deterministic stand-in for ``ModelRunner``, and a harness that drives a real Scheduler with it.
+
+The fake model reads each request's tokens back from a fake KV cache (one
+token id per KV slot, written at ``out_cache_loc`` and read through
+``req_to_token``), so a wrong slot anywhere (a bad prefix match, a freed slot
+reused too early, a row not rewritten) changes the next token. The next token
+is a hash of the whole sequence; it is EOS now and then, so that requests can
+end early. With one-hot logits, greedy and sampled choices agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from framework.comm.inproc import InprocTransport
+from framework.config import PortArgs, ServerArgs
+from framework.forward_batch import ForwardBatch
+from framework.layers.sampler import Sampler
+from framework.mem_cache.memory_pool import KVCachePools
+from framework.messages import BatchEmbeddingOutput, BatchTokenIDOutput, TokenizedGenerateReqInput
+from framework.model_executor.model_runner import LogitsOutput
+from framework.runtime.scheduler import Scheduler
+from framework.sampling_params import SamplingParams
+from tests.model_fixtures import EOS_TOKEN_ID, TINY_VOCAB_SIZE, make_tiny_tokenizer
+
+CPU = torch.device("cpu")
+
+
+def next_token(tokens: list[int], vocab: int = TINY_VOCAB_SIZE) -> int:
+    """The fake model's choice after ``tokens``: EOS about one time in 16."""
+    digest = hashlib.blake2b(str(tokens).encode(), digest_size=4).digest()
+    value = int.from_bytes(digest, "little")
+    return EOS_TOKEN_ID if value % 16 == 0 else 3 + value % (vocab - 3)
+
+
+@dataclass
+class ForwardCall:
+    """What one forward step was given."""
+
+    mode: str
+    prefix_lens: list[int]
+    extend_lens: list[int]
+
+
+class FakeModelRunner:
+    """Implements what the Scheduler uses of ``ModelRunner`` on a fake KV cache.
+
+    ``fail_if(tokens)`` returning True for a request's sequence makes any step
+    that holds it raise.
+    """
+
+    def __init__(self, *, max_total_tokens: int = 512, max_requests: int = 8,
+                 context_len: int = 256, fail_if: Callable[[list[int]], bool] | None = None
+                 ) -> None:
+        self.model_config = SimpleNamespace(
+            context_len=context_len, vocab_size=TINY_VOCAB_SIZE, eos_token_ids=[EOS_TOKEN_ID],
+            is_embedding=False)
+        self.device = CPU
+        self.dtype = torch.float32
+        self.pools = KVCachePools.build(
+            max_total_tokens=max_total_tokens, max_requests=max_requests,
+            context_len=context_len, dtype=torch.float32, num_kv_heads=1, head_dim=1,
+            num_layers=1, device=CPU)
+        self.slot_tokens = torch.full((max_total_tokens + 1,), -1, dtype=torch.int64)
+        self.fail_if = fail_if
+        self.calls: list[ForwardCall] = []
+        self.sampler = Sampler()
+
+    def forward(self, batch: ForwardBatch) -> LogitsOutput:
+        batch.fill_cpu_lengths()
+        req_to_token = self.pools.req_to_token_pool.req_to_token
+        self.slot_tokens[batch.out_cache_loc] = batch.input_ids
+        extend = batch.forward_mode.is_extend()
+        new_lens = batch.extend_seq_lens_cpu if extend else [1] * batch.batch_size
+        prefix_lens = batch.extend_prefix_lens_cpu if extend else [
+            n - 1 for n in batch.seq_lens_cpu or []]
+        self.calls.append(ForwardCall(batch.forward_mode.name.lower(), list(prefix_lens or []),
+                                      list(new_lens or [])))
+        logits = torch.full((batch.batch_size, TINY_VOCAB_SIZE), -30.0)
+        for i, seq_len in enumerate(batch.seq_lens_cpu or []):
+            row = int(batch.req_pool_indices[i])
+            tokens = self.slot_tokens[req_to_token[row, :seq_len]].tolist()
+            if self.fail_if is not None and self.fail_if(tokens):
+                raise RuntimeError("the fake model failed on this request")
+            logits[i, next_token(tokens)] = 30.0
+        return LogitsOutput(next_token_logits=logits)
+
+    def sample(self, logits: torch.Tensor, info: Any, top_logprobs_nums: Any = None) -> Any:
+        return self.sampler(logits, info, top_logprobs_nums)
+
+    def update_weights_from_disk(self, model_path: str, load_format: str = "auto"
+                                 ) -> tuple[bool, str]:
+        return True, "fake weights updated"
+
+
+@dataclass
+class Outcome:
+    """Everything one request produced, as the Detokenizer would have received it."""
+
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    finished_reason: Any = None
+    cached_tokens: int = 0
+    messages: int = 0
+
+
+class SchedulerHarness:
+    """A real Scheduler on a fake runner, over the inproc transport, stepped by hand."""
+
+    def __init__(self, runner: FakeModelRunner | None = None, scheduler_class: type = Scheduler,
+                 **server_args: Any) -> None:
+        self.runner = runner or FakeModelRunner()
+        self.transport = InprocTransport()
+        self.port_args = PortArgs.create(self.transport)
+        server_args.setdefault("transport", "inproc")
+        self.server_args = ServerArgs(**server_args)
+        self.scheduler = _with_tiny_tokenizer(scheduler_class)(
+            self.server_args, self.port_args, self.transport, model_runner=self.runner)
+        codec = self.scheduler.recv_from_tokenizer.codec
+        self.to_scheduler = self.transport.sender(self.port_args.scheduler_input, codec)
+        self.from_scheduler = self.transport.receiver(self.port_args.detokenizer_input, codec)
+        self.embeddings = self.transport.receiver(self.port_args.embedding_output, codec)
+        self.outcomes: dict[str, Outcome] = {}
+
+    def submit(self, rid: str, input_ids: list[int], **params: Any) -> None:
+        """Send one generation request (it is taken in at the next step)."""
+        return_logprob = params.pop("return_logprob", False)
+        top_logprobs_num = params.pop("top_logprobs_num", 0)
+        self.outcomes[rid] = Outcome()
+        self.to_scheduler.send_nowait(TokenizedGenerateReqInput(
+            rid=rid, input_text="", input_ids=input_ids,
+            sampling_params=SamplingParams(**params), return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num))
+
+    def send(self, msg: Any) -> None:
+        """Send any message to the Scheduler's request channel."""
+        self.to_scheduler.send_nowait(msg)
+
+    def step(self) -> None:
+        """One Scheduler step, then collect what it sent."""
+        self.scheduler.step()
+        self.collect()
+
+    def collect(self) -> None:
+        """Apply every output the Scheduler has sent so far."""
+        for msg in self.from_scheduler.drain():
+            assert isinstance(msg, BatchTokenIDOutput)
+            for i, rid in enumerate(msg.rids):
+                outcome = self.outcomes.setdefault(rid, Outcome())
+                assert outcome.finished_reason is None, f"{rid} got output after it finished"
+                outcome.output_ids.extend(msg.output_ids[i])
+                if msg.output_token_logprobs_val:
+                    outcome.logprobs.extend(msg.output_token_logprobs_val[i])
+                    outcome.top_logprobs.extend(msg.output_top_logprobs_val[i])
+                outcome.finished_reason = msg.finished_reasons[i]
+                outcome.cached_tokens = msg.cached_tokens[i]
+                outcome.messages += 1
+        for msg in self.embeddings.drain():
+            assert isinstance(msg, BatchEmbeddingOutput)
+
+    def run(self, max_steps: int = 10_000) -> dict[str, Outcome]:
+        """Step until every submitted request has finished (a bounded loop, never a hang)."""
+        for _ in range(max_steps):
+            self.step()
+            if all(o.finished_reason is not None for o in self.outcomes.values()):
+                return self.outcomes
+        unfinished = [r for r, o in self.outcomes.items() if o.finished_reason is None]
+        raise AssertionError(f"requests still unfinished after {max_steps} steps: {unfinished}")
+
+    def assert_idle_invariant(self) -> None:
+        """Nothing in flight, free + evictable == pool, nothing locked, every row free."""
+        scheduler = self.scheduler
+        allocator, cache = scheduler.allocator, scheduler.tree_cache
+        assert not scheduler.all_requests()
+        assert cache.protected_size() == 0
+        assert allocator.available_size() + cache.evictable_size() == allocator.size
+        pool = scheduler.req_to_token_pool
+        assert pool.available_size() == pool.size
+        assert scheduler.memory_is_free()
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.port_args.cleanup()
+
+
+def _with_tiny_tokenizer(scheduler_class: type) -> type:
+    """``scheduler_class`` with the tiny test tokenizer instead of one read from disk."""
+
+    class TinyTokenizerScheduler(scheduler_class):  # type: ignore[misc, valid-type]
+        def _load_tokenizer(self) -> Any:
+            return make_tiny_tokenizer()
+
+    return TinyTokenizerScheduler
+
+
+def reference_output(prompt: list[int], max_new_tokens: int, ignore_eos: bool = False
+                     ) -> list[int]:
+    """The fake model's greedy output computed directly, without the runtime."""
+    tokens, out = list(prompt), []
+    while len(out) < max_new_tokens:
+        token = next_token(tokens)
+        out.append(token)
+        tokens.append(token)
+        if token == EOS_TOKEN_ID and not ignore_eos:
+            break
+    return out

@@ -1,0 +1,444 @@
+"""The Scheduler on a fake model runner: admission, chunking, retraction, aborts, stops, failures.
+
+Every output is compared with the fake model's own greedy continuation
+(``reference_output``), which the Scheduler can only reproduce if every KV slot
+it hands the model holds the right token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from framework.messages import (
+    AbortReq,
+    FlushCacheReqInput,
+    GetInfoReqInput,
+    UpdateWeightsFromDiskReqInput,
+)
+from framework.runtime.scheduler import Scheduler
+from tests.fake_model_runner import (
+    FakeModelRunner,
+    SchedulerHarness,
+    reference_output,
+)
+from tests.model_fixtures import EOS_TOKEN_ID, make_tiny_tokenizer
+
+GREEDY = {"temperature": 0.0}
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    """A deterministic prompt of ``length`` ids in [3, 500)."""
+    return [3 + (seed * 131 + i * 17) % 497 for i in range(length)]
+
+
+@pytest.fixture
+def harness_factory() -> Iterator[type[SchedulerHarness]]:
+    made: list[SchedulerHarness] = []
+
+    def make(*args: object, **kwargs: object) -> SchedulerHarness:
+        harness = SchedulerHarness(*args, **kwargs)  # type: ignore[arg-type]
+        made.append(harness)
+        return harness
+
+    yield make  # type: ignore[misc]
+    for harness in made:
+        harness.close()
+
+
+def test_batched_requests_match_the_reference(harness_factory) -> None:
+    h = harness_factory()
+    prompts = {f"r{i}": prompt(i, 5 + 7 * i) for i in range(6)}
+    for rid, ids in prompts.items():
+        h.submit(rid, ids, max_new_tokens=12, **GREEDY)
+    outcomes = h.run()
+    for rid, ids in prompts.items():
+        assert outcomes[rid].output_ids == reference_output(ids, 12), rid
+    h.assert_idle_invariant()
+
+
+def test_admission_respects_max_running_requests(harness_factory) -> None:
+    h = harness_factory(max_running_requests=2)
+    for i in range(5):
+        h.submit(f"r{i}", prompt(i, 6), max_new_tokens=8, ignore_eos=True, **GREEDY)
+    peak = 0
+    while any(o.finished_reason is None for o in h.outcomes.values()):
+        h.step()
+        in_flight = len(h.scheduler.running) + (h.scheduler.chunked_req is not None)
+        peak = max(peak, in_flight)
+    assert peak == 2
+    for i in range(5):
+        assert h.outcomes[f"r{i}"].output_ids == reference_output(prompt(i, 6), 8, True)
+    h.assert_idle_invariant()
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_resumes_it(harness_factory) -> None:
+    h = harness_factory(chunked_prefill_size=4, disable_radix_cache=True)
+    ids = prompt(1, 10)
+    h.submit("long", ids, max_new_tokens=3, ignore_eos=True, **GREEDY)
+    h.run()
+    extends = [c for c in h.runner.calls if c.mode == "extend"]
+    assert [c.extend_lens for c in extends] == [[4], [4], [2]]
+    assert [c.prefix_lens for c in extends] == [[0], [4], [8]]
+    assert h.outcomes["long"].output_ids == reference_output(ids, 3, True)
+    h.assert_idle_invariant()
+
+
+def test_kv_pressure_that_used_to_crash_finishes_every_request(harness_factory) -> None:
+    # The report: a 64-token pool, 8-token chunks, prompts of 2 and 41 tokens.
+    runner = FakeModelRunner(max_total_tokens=64)
+    h = harness_factory(runner, chunked_prefill_size=8)
+    h.submit("short", prompt(1, 2), max_new_tokens=40, ignore_eos=True, **GREEDY)
+    h.submit("long", prompt(2, 41), max_new_tokens=20, ignore_eos=True, **GREEDY)
+    outcomes = h.run()
+    assert outcomes["short"].output_ids == reference_output(prompt(1, 2), 40, True)
+    assert outcomes["long"].output_ids == reference_output(prompt(2, 41), 20, True)
+    h.assert_idle_invariant()
+
+
+def test_decode_short_of_kv_retracts_and_the_retracted_request_continues(harness_factory) -> None:
+    runner = FakeModelRunner(max_total_tokens=48)
+    h = harness_factory(runner)
+    prompts = {f"r{i}": prompt(i, 8) for i in range(3)}
+    for rid, ids in prompts.items():
+        h.submit(rid, ids, max_new_tokens=14, ignore_eos=True, **GREEDY)
+    h.run()
+    assert h.scheduler.stats.retracted_requests > 0, "the pool was meant to run short"
+    for rid, ids in prompts.items():
+        assert h.outcomes[rid].output_ids == reference_output(ids, 14, True), rid
+    h.assert_idle_invariant()
+
+
+def test_a_prompt_that_can_never_fit_is_refused_with_a_reason(harness_factory) -> None:
+    h = harness_factory(FakeModelRunner(max_total_tokens=16))
+    h.submit("huge", prompt(1, 16), max_new_tokens=4, **GREEDY)
+    h.submit("fits", prompt(2, 5), max_new_tokens=4, ignore_eos=True, **GREEDY)
+    h.run()
+    reason = h.outcomes["huge"].finished_reason
+    assert reason.type == "abort" and "KV cache holds only 16" in reason.message
+    assert h.outcomes["fits"].output_ids == reference_output(prompt(2, 5), 4, True)
+    h.assert_idle_invariant()
+
+
+def test_abort_at_every_stage_frees_everything(harness_factory) -> None:
+    h = harness_factory(chunked_prefill_size=4, max_running_requests=2)
+    h.submit("running", prompt(1, 3), max_new_tokens=50, ignore_eos=True, **GREEDY)
+    h.step()
+    h.step()
+    assert [r.rid for r in h.scheduler.running] == ["running"]
+    h.submit("chunked", prompt(2, 30), max_new_tokens=5, **GREEDY)
+    h.submit("waiting", prompt(3, 4), max_new_tokens=5, **GREEDY)
+    h.step()
+    assert h.scheduler.chunked_req is not None and h.scheduler.chunked_req.rid == "chunked"
+    assert [r.rid for r in h.scheduler.waiting] == ["waiting"]
+    for rid in ("waiting", "chunked", "running"):
+        h.send(AbortReq(rid=rid, reason=f"stop {rid}"))
+    h.step()
+    for rid in ("waiting", "chunked", "running"):
+        reason = h.outcomes[rid].finished_reason
+        assert reason is not None and reason.type == "abort" and reason.message == f"stop {rid}"
+    assert h.scheduler.stats.aborted_requests == 3
+    h.assert_idle_invariant()
+
+
+def test_abort_all_ends_every_request(harness_factory) -> None:
+    h = harness_factory()
+    for i in range(3):
+        h.submit(f"r{i}", prompt(i, 6), max_new_tokens=40, ignore_eos=True, **GREEDY)
+    h.step()
+    h.send(AbortReq(abort_all=True))
+    h.step()
+    assert all(o.finished_reason.type == "abort" for o in h.outcomes.values())
+    h.assert_idle_invariant()
+
+
+def test_finish_by_length_and_by_eos(harness_factory) -> None:
+    # Find a prompt whose continuation reaches EOS within 40 tokens.
+    seed = next(s for s in range(500)
+                if EOS_TOKEN_ID in reference_output(prompt(s, 6), 40)[:-1] or
+                reference_output(prompt(s, 6), 40)[-1] == EOS_TOKEN_ID)
+    ids = prompt(seed, 6)
+    expected = reference_output(ids, 40)
+    h = harness_factory()
+    h.submit("eos", ids, max_new_tokens=40, **GREEDY)
+    h.submit("length", ids, max_new_tokens=40, ignore_eos=True, **GREEDY)
+    h.run()
+    assert h.outcomes["eos"].output_ids == expected
+    assert h.outcomes["eos"].finished_reason.type == "stop"
+    assert h.outcomes["eos"].finished_reason.matched == EOS_TOKEN_ID
+    assert len(h.outcomes["length"].output_ids) == 40
+    assert h.outcomes["length"].finished_reason.type == "length"
+
+
+def test_finish_by_stop_token_id(harness_factory) -> None:
+    ids = prompt(4, 6)
+    expected = reference_output(ids, 20, True)
+    stop_at = expected[5]
+    first = expected.index(stop_at)
+    h = harness_factory()
+    h.submit("r", ids, max_new_tokens=20, ignore_eos=True, stop_token_ids=[stop_at], **GREEDY)
+    h.run()
+    assert h.outcomes["r"].output_ids == expected[:first + 1]
+    assert h.outcomes["r"].finished_reason.matched == stop_at
+
+
+def test_finish_by_stop_string_on_the_decoded_text(harness_factory) -> None:
+    tokenizer = make_tiny_tokenizer()
+    ids = prompt(5, 6)
+    expected = reference_output(ids, 30, True)
+    text = tokenizer.decode(expected, skip_special_tokens=True)
+    # A stop string that only appears once several tokens are decoded together.
+    cut = len(tokenizer.decode(expected[:12], skip_special_tokens=True))
+    stop = text[cut - 3:cut + 2]
+    assert len(stop) == 5 and stop.strip(), "pick a stop string made of real characters"
+    h = harness_factory()
+    h.submit("r", ids, max_new_tokens=30, ignore_eos=True, stop=[stop], **GREEDY)
+    h.run()
+    out = h.outcomes["r"]
+    assert out.finished_reason.type == "stop" and out.finished_reason.matched == stop
+    produced = tokenizer.decode(out.output_ids, skip_special_tokens=True)
+    assert stop in produced
+    assert stop not in tokenizer.decode(out.output_ids[:-1], skip_special_tokens=True)
+
+
+def test_a_failing_request_ends_alone_and_the_others_are_unchanged(harness_factory) -> None:
+    marker = 499
+
+    def fails(tokens: list[int]) -> bool:
+        return len(tokens) > 8 and tokens[0] == marker  # fails in decode, after some output
+
+    prompts = {f"r{i}": prompt(i, 6) for i in range(4)}
+    bad = [marker, 4, 5, 6, 7]
+    h = harness_factory(FakeModelRunner(fail_if=fails))
+    for rid, ids in prompts.items():
+        h.submit(rid, ids, max_new_tokens=10, ignore_eos=True, **GREEDY)
+    h.submit("bad", bad, max_new_tokens=10, ignore_eos=True, **GREEDY)
+    h.run()
+    reason = h.outcomes["bad"].finished_reason
+    assert reason.type == "abort" and "internal error" in reason.message
+    assert "the fake model failed" in reason.message
+    for rid, ids in prompts.items():
+        assert h.outcomes[rid].output_ids == reference_output(ids, 10, True), rid
+    assert h.scheduler.stats.failed_requests == 1
+    h.assert_idle_invariant()
+    # The Scheduler keeps serving.
+    h.submit("after", prompt(9, 5), max_new_tokens=4, ignore_eos=True, **GREEDY)
+    h.run()
+    assert h.outcomes["after"].output_ids == reference_output(prompt(9, 5), 4, True)
+
+
+def test_a_bad_value_that_slipped_past_the_edge_fails_only_its_request(harness_factory) -> None:
+    h = harness_factory()
+    h.submit("good", prompt(1, 6), max_new_tokens=6, ignore_eos=True, **GREEDY)
+    h.submit("bad", prompt(2, 6), max_new_tokens=6, return_logprob=True, top_logprobs_num=-1,
+             **GREEDY)
+    h.run()
+    assert h.outcomes["bad"].finished_reason.type == "abort"
+    assert h.outcomes["good"].output_ids == reference_output(prompt(1, 6), 6, True)
+    h.assert_idle_invariant()
+
+
+def test_a_shared_prefix_is_reused_and_reported(harness_factory) -> None:
+    h = harness_factory()
+    shared = prompt(7, 40)
+    h.submit("first", [*shared, 11, 12], max_new_tokens=4, ignore_eos=True, **GREEDY)
+    h.run()
+    calls_before = len(h.runner.calls)
+    second = [*shared, 21, 22, 23]
+    h.submit("second", second, max_new_tokens=4, ignore_eos=True, **GREEDY)
+    h.run()
+    cached = h.outcomes["second"].cached_tokens
+    assert cached >= len(second) // 2
+    extend = next(c for c in h.runner.calls[calls_before:] if c.mode == "extend")
+    assert extend.prefix_lens == [cached]
+    assert extend.extend_lens == [len(second) - cached]
+    assert h.outcomes["second"].output_ids == reference_output(second, 4, True)
+    info = h.scheduler.get_info()
+    assert info["cache_hit_rate"] > 0 and info["evictable_kv_tokens"] > 0
+    h.assert_idle_invariant()
+
+    assert h.scheduler.handle_rpc_request(FlushCacheReqInput()).success
+    assert h.scheduler.tree_cache.evictable_size() == 0
+    h.submit("third", second, max_new_tokens=4, ignore_eos=True, **GREEDY)
+    h.run()
+    assert h.outcomes["third"].cached_tokens == 0
+
+
+def test_requests_sent_together_share_their_prefix(harness_factory) -> None:
+    h = harness_factory()
+    shared = prompt(8, 48)
+    for i in range(3):
+        h.submit(f"r{i}", [*shared, 100 + i], max_new_tokens=3, ignore_eos=True, **GREEDY)
+    h.submit("other", prompt(9, 12), max_new_tokens=3, ignore_eos=True, **GREEDY)
+    h.step()
+    # The first one computes the prefix; the others wait one step and reuse it.
+    assert [r.rid for r in h.scheduler.running] == ["r0", "other"]
+    h.run()
+    assert h.outcomes["r0"].cached_tokens == 0
+    assert h.outcomes["r1"].cached_tokens == h.outcomes["r2"].cached_tokens == len(shared)
+    for i in range(3):
+        assert h.outcomes[f"r{i}"].output_ids == reference_output([*shared, 100 + i], 3, True)
+    h.assert_idle_invariant()
+
+
+def test_a_running_request_shares_its_prompt_before_it_ends(harness_factory) -> None:
+    h = harness_factory()
+    ids = prompt(10, 40)
+    h.submit("long", ids, max_new_tokens=30, ignore_eos=True, **GREEDY)
+    h.step()
+    h.submit("later", [*ids, 7], max_new_tokens=2, ignore_eos=True, **GREEDY)
+    h.step()
+    assert h.outcomes["later"].finished_reason is None
+    assert any(r.rid == "later" for r in h.scheduler.running)
+    h.run()
+    assert h.outcomes["later"].cached_tokens == len(ids)
+    h.assert_idle_invariant()
+
+
+def test_flush_is_refused_while_requests_run(harness_factory) -> None:
+    h = harness_factory()
+    h.submit("r", prompt(1, 6), max_new_tokens=30, ignore_eos=True, **GREEDY)
+    h.step()
+    reply = h.scheduler.handle_rpc_request(FlushCacheReqInput())
+    assert not reply.success and "in flight" in reply.message
+    h.run()
+    assert h.scheduler.handle_rpc_request(FlushCacheReqInput()).success
+    h.assert_idle_invariant()
+
+
+def test_radix_cache_on_and_off_give_the_same_outputs(harness_factory) -> None:
+    prompts = {f"r{i}": [*prompt(0, 20), *prompt(i + 1, 3 + i)] for i in range(6)}
+    results = []
+    for disable in (False, True):
+        h = harness_factory(FakeModelRunner(max_total_tokens=96), disable_radix_cache=disable,
+                            chunked_prefill_size=16)
+        for rid, ids in prompts.items():
+            h.submit(rid, ids, max_new_tokens=10, ignore_eos=True, **GREEDY)
+        h.run()
+        results.append({rid: o.output_ids for rid, o in h.outcomes.items()})
+        h.assert_idle_invariant()
+    assert results[0] == results[1]
+    assert results[0] == {rid: reference_output(ids, 10, True) for rid, ids in prompts.items()}
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_lpm_admits_the_longest_cached_prefix_first(harness_factory, policy: str) -> None:
+    h = harness_factory(schedule_policy=policy, max_running_requests=1)
+    shared = prompt(3, 30)
+    h.submit("warm", [*shared, 5], max_new_tokens=1, **GREEDY)
+    h.run()
+    h.submit("cold", prompt(8, 12), max_new_tokens=2, ignore_eos=True, **GREEDY)
+    h.submit("warm2", [*shared, 9, 9], max_new_tokens=2, ignore_eos=True, **GREEDY)
+    h.step()
+    first = h.scheduler.running[0].rid
+    assert first == ("warm2" if policy == "lpm" else "cold")
+    h.run()
+    h.assert_idle_invariant()
+
+
+def test_weight_update_recomputes_running_requests_and_flushes(harness_factory) -> None:
+    h = harness_factory()
+    ids = prompt(6, 10)
+    h.submit("r", ids, max_new_tokens=12, ignore_eos=True, **GREEDY)
+    for _ in range(4):
+        h.step()
+    reply = h.scheduler.handle_rpc_request(UpdateWeightsFromDiskReqInput(model_path="x"))
+    assert reply.success and reply.num_paused_requests == 1
+    assert h.scheduler.tree_cache.evictable_size() == 0  # no KV from the old weights is kept
+    h.run()
+    assert h.outcomes["r"].output_ids == reference_output(ids, 12, True)
+    h.assert_idle_invariant()
+
+
+def test_get_info_reports_the_idle_invariant(harness_factory) -> None:
+    h = harness_factory()
+    h.submit("r", prompt(1, 6), max_new_tokens=30, ignore_eos=True, **GREEDY)
+    h.step()
+    assert h.scheduler.handle_rpc_request(GetInfoReqInput()).info[
+        "kv_cache_idle_and_free"] is False
+    h.run()
+    assert h.scheduler.handle_rpc_request(GetInfoReqInput()).info[
+        "kv_cache_idle_and_free"] is True
+
+
+def test_subclass_hooks_still_choose_batches(harness_factory) -> None:
+    class ShortestFirst(Scheduler):
+        def select_prefill_requests(self):  # type: ignore[no-untyped-def]
+            ordered = sorted(self.waiting, key=lambda r: len(r.origin_input_ids))
+            self.waiting.clear()
+            self.waiting.extend(ordered)
+            return super().select_prefill_requests()
+
+    h = harness_factory(scheduler_class=ShortestFirst, max_running_requests=1)
+    h.submit("long", prompt(1, 20), max_new_tokens=2, ignore_eos=True, **GREEDY)
+    h.submit("short", prompt(2, 3), max_new_tokens=2, ignore_eos=True, **GREEDY)
+    h.step()
+    assert h.scheduler.running[0].rid == "short"
+    h.run()
+
+
+# --------------------------------------------------------------------------- randomised
+
+
+request_strategy = st.fixed_dictionaries({
+    "length": st.integers(1, 40),
+    "shared": st.integers(0, 2),  # which of three prefixes it starts with
+    "max_new": st.integers(0, 16),
+    "ignore_eos": st.booleans(),
+    "arrive": st.integers(0, 6),  # the step at which it is submitted
+    "abort_at": st.one_of(st.none(), st.integers(0, 20)),
+    "sampled": st.booleans(),
+})
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    requests=st.lists(request_strategy, min_size=1, max_size=8),
+    pool=st.integers(42, 300),
+    chunk=st.integers(1, 64),
+    max_running=st.integers(1, 6),
+    radix=st.booleans(),
+    policy=st.sampled_from(["fcfs", "lpm"]),
+)
+def test_random_traffic_never_crashes_leaks_or_changes_greedy_outputs(
+    requests: list[dict], pool: int, chunk: int, max_running: int, radix: bool, policy: str
+) -> None:
+    prefixes = [prompt(100, 24), prompt(101, 10), []]
+    h = SchedulerHarness(FakeModelRunner(max_total_tokens=pool, context_len=128),
+                         chunked_prefill_size=chunk, max_running_requests=max_running,
+                         disable_radix_cache=not radix, schedule_policy=policy)
+    try:
+        prompts = {}
+        for i, spec in enumerate(requests):
+            prompts[f"r{i}"] = (prefixes[spec["shared"]] + prompt(i, spec["length"]))[:41]
+        for step in range(10_000):
+            for i, spec in enumerate(requests):
+                rid = f"r{i}"
+                if spec["arrive"] == step:
+                    params = {"temperature": 0.8, "seed": i} if spec["sampled"] else GREEDY
+                    h.submit(rid, prompts[rid], max_new_tokens=spec["max_new"],
+                             ignore_eos=spec["ignore_eos"], **params)
+                if spec["abort_at"] is not None and spec["arrive"] + spec["abort_at"] == step:
+                    h.send(AbortReq(rid=rid))
+            h.step()
+            if step > 6 and all(o.finished_reason is not None for o in h.outcomes.values()):
+                break
+        else:
+            raise AssertionError("requests did not finish")
+        h.scheduler.step()  # take in aborts that arrived for finished requests
+        for i, spec in enumerate(requests):
+            out = h.outcomes[f"r{i}"]
+            assert out.finished_reason is not None
+            if out.finished_reason.type == "abort":
+                continue
+            # Generation stops where the pool could not hold the request alone.
+            max_new = min(spec["max_new"], pool - len(prompts[f"r{i}"]))
+            expected = reference_output(prompts[f"r{i}"], max_new, spec["ignore_eos"])
+            assert out.output_ids == expected, (f"r{i}", spec)
+        h.assert_idle_invariant()
+    finally:
+        h.close()
+
