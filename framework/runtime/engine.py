@@ -155,7 +155,7 @@ class Engine:
 
     @property
     def _manager(self) -> TokenizerManager:
-        if self.tokenizer_manager is None:
+        if self.tokenizer_manager is None or self._loop.is_closed():
             raise RuntimeError("the engine is shut down")
         return self.tokenizer_manager
 

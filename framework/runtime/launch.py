@@ -130,8 +130,9 @@ def plan_components(server_args: ServerArgs, num_ranks: int | None = None,
                     cores: int | None = None) -> list[ComponentSpec]:
     """The components to start: every scheduler rank, then the Detokenizer."""
     ranks = num_scheduler_ranks(server_args) if num_ranks is None else num_ranks
-    threads = server_args.torch_threads or torch_threads_per_rank(
-        usable_cores() if cores is None else cores, ranks)
+    threads = server_args.torch_threads
+    if threads is None:
+        threads = torch_threads_per_rank(usable_cores() if cores is None else cores, ranks)
     schedulers = [
         ComponentSpec("scheduler", "scheduler" if ranks == 1 else f"scheduler rank {rank}",
                       rank, threads)
@@ -351,6 +352,10 @@ class _ProcessHandle:
         self.process.kill()
         self.process.join(_JOIN_TIMEOUT_S)
 
+    def close(self) -> None:
+        self.ready.close()
+        self._ready_writer.close()  # still open if the process never started
+
 
 class _ThreadHandle:
     """One component in a daemon thread of this process (``--launch-mode thread``)."""
@@ -431,6 +436,9 @@ class _ThreadHandle:
         # A thread cannot be killed; a daemon thread ends with the process.
         logger.warning("the %s thread did not stop in time; it ends with the process",
                        self.spec.name)
+
+    def close(self) -> None:
+        self.ready.close()  # the thread closes its own ends when it returns
 
 
 # --------------------------------------------------------------------------- the tree
@@ -554,5 +562,5 @@ class ComponentTree:
                 if handle.is_alive():
                     handle.force_stop()
             for handle in self.handles:
-                handle.ready.close()
+                handle.close()
             self.port_args.cleanup()
