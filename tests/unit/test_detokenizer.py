@@ -24,6 +24,7 @@ from framework.messages import BatchStrOutput, BatchTokenIDOutput, FinishReason,
 from framework.runtime.detokenizer import Detokenizer
 from framework.runtime.hf_tokenizer import load_tokenizer
 from framework.runtime.incremental_decoder import REPLACEMENT_CHAR, IncrementalDecoder
+from tests.chunks import split
 
 FRAGMENTS = [
     "Hello world",
@@ -48,17 +49,6 @@ texts = st.lists(st.sampled_from(FRAGMENTS), min_size=1, max_size=4).map("".join
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def split(ids: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
-    """Cut ``ids`` into chunks whose lengths cycle through ``sizes``."""
-    chunks: list[list[int]] = []
-    start = 0
-    while start < len(ids):
-        size = sizes[len(chunks) % len(sizes)]
-        chunks.append(list(ids[start : start + size]))
-        start += size
-    return chunks or [[]]
 
 
 def token_batch(

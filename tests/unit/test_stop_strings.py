@@ -27,6 +27,7 @@ from framework.runtime.incremental_decoder import (
     StopStringMatcher,
     make_decode_fn,
 )
+from tests.chunks import split
 
 #: How many prompt ids the Scheduler sends as context with a request's first output.
 CONTEXT_LEN = 5
@@ -154,17 +155,6 @@ def stream(detokenizer: Detokenizer, built: Built, chunks: list[list[int]]) -> l
     ]
 
 
-def cut(ids: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
-    """Cut ``ids`` into chunks whose lengths cycle through ``sizes``."""
-    chunks: list[list[int]] = []
-    start = 0
-    while start < len(ids):
-        size = sizes[len(chunks) % len(sizes)]
-        chunks.append(list(ids[start : start + size]))
-        start += size
-    return chunks
-
-
 def check_never_shows_the_stop(outputs: list[str], expected: str) -> None:
     """Every prefix of the stream stays within the text before the stop string."""
     shown = ""
@@ -218,7 +208,7 @@ def test_any_chunking_agrees(
     name, case = which
     built = build(gpt2 if name == "gpt2" else llama, case)
     ids = built.output[: built.completing_token()]
-    chunks = cut(ids, sizes)
+    chunks = split(ids, sizes)
     matcher = built.matcher()
     reports = [matcher.append(chunk) for chunk in chunks]
     assert reports == [None] * (len(chunks) - 1) + [built.stop]
@@ -252,7 +242,7 @@ def test_any_stop_string_cut_from_the_text(
     matcher = built.matcher()
     reports = [matcher.append([token]) for token in output[:end]]
     assert reports == [None] * (end - 1) + [built.stop]
-    chunks = cut(output[:end], sizes)
+    chunks = split(output[:end], sizes)
     outputs = stream(Detokenizer(tokenizer), built, chunks)
     check_never_shows_the_stop(outputs, built.text_before_stop())
 
