@@ -134,3 +134,24 @@ def test_random_traffic_on_a_real_model(model_dir: Path, seed: int) -> None:
             # Generation stops where the pool could not hold the request alone.
             max_new = min(req["params"]["max_new_tokens"], pool - len(req["input_ids"]))
             assert_same_greedy(outcome, ref[rid], max_new, f"{rid} with {settings}")
+
+
+def test_retraction_on_a_real_model_keeps_greedy_outputs(model_dir: Path) -> None:
+    rng = random.Random(99)
+    traffic = [{"rid": f"r{i}", "input_ids": [rng.randrange(3, 500) for _ in range(10)],
+                "params": {"max_new_tokens": 20, "ignore_eos": True, "temperature": 0.0},
+                "greedy": True, "arrive": 0, "abort_at": None} for i in range(4)]
+    reference = real_harness(model_dir, max_total_tokens=4096, disable_radix_cache=True)
+    try:
+        ref = drive(reference, traffic, with_aborts=False)
+    finally:
+        reference.close()
+    harness = real_harness(model_dir, max_total_tokens=48, chunked_prefill_size=8)
+    try:
+        got = drive(harness, traffic, with_aborts=False)
+        assert harness.scheduler.stats.retracted_requests > 0, "the pool was meant to run short"
+        harness.assert_idle_invariant()
+    finally:
+        harness.close()
+    for req in traffic:
+        assert_same_greedy(got[req["rid"]], ref[req["rid"]], 20, req["rid"])
