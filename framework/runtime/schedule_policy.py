@@ -125,7 +125,7 @@ class PrefillAdder:
             return Admission.FULL
         key = admission_key(req)
         match = self.cache.match_prefix(key)
-        if self._shares_with_batch(key) - match.length >= IN_BATCH_SHARE_THRESHOLD:
+        if self._shares_uncached_prefix(key, match.length):
             return Admission.DEFERRED
         self.cache.inc_lock_ref(match.last_node)  # before counting what is evictable
         extend = req.seq_len - match.length
@@ -147,10 +147,13 @@ class PrefillAdder:
         self._take(req, chunk)
         return Admission.ADDED
 
-    def _shares_with_batch(self, key: list[int]) -> int:
-        """The longest prefix ``key`` shares with a request already in this step."""
-        return max((common_prefix_len(key, admission_key(other)) for other in self.reqs),
-                   default=0)
+    def _shares_uncached_prefix(self, key: list[int], cached: int) -> bool:
+        """Whether a request of this step shares ``key``'s prefix well past what is cached."""
+        end = cached + IN_BATCH_SHARE_THRESHOLD
+        if len(key) < end:
+            return False
+        head = key[:end]  # one slice comparison per request, in C
+        return any(other.fill_ids[:end] == head for other in self.reqs)
 
     def _take(self, req: Req, chunk: int) -> None:
         self.reqs.append(req)
@@ -165,15 +168,6 @@ class PrefillAdder:
         if not self.reqs:
             return None
         return ScheduledBatch(ForwardMode.EXTEND, self.reqs, self.extend_lens)
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` have in common."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def retraction_order(reqs: Iterable[Req]) -> list[Req]:
