@@ -127,6 +127,7 @@ class SchedulerHarness:
         self.to_scheduler = self.transport.sender(self.port_args.scheduler_input, codec)
         self.from_scheduler = self.transport.receiver(self.port_args.detokenizer_input, codec)
         self.embeddings = self.transport.receiver(self.port_args.embedding_output, codec)
+        self.metrics = self.transport.receiver(self.port_args.metrics, codec)
         self.outcomes: dict[str, Outcome] = {}
 
     def submit(self, rid: str, input_ids: list[int], **params: Any) -> None:

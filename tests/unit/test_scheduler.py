@@ -247,6 +247,9 @@ def test_a_shared_prefix_is_reused_and_reported(harness_factory) -> None:
     h.submit("first", [*shared, 11, 12], max_new_tokens=4, ignore_eos=True, **GREEDY)
     h.run()
     calls_before = len(h.runner.calls)
+    h.scheduler.stats.last_report = -1e9  # a report now starts a new window...
+    h.scheduler.maybe_send_metrics()
+    h.scheduler.stats.last_report = float("inf")  # ...and no other report is due until asked
     second = [*shared, 21, 22, 23]
     h.submit("second", second, max_new_tokens=4, ignore_eos=True, **GREEDY)
     h.run()
@@ -258,6 +261,11 @@ def test_a_shared_prefix_is_reused_and_reported(harness_factory) -> None:
     assert h.outcomes["second"].output_ids == reference_output(second, 4, True)
     info = h.scheduler.get_info()
     assert info["cache_hit_rate"] > 0 and info["evictable_kv_tokens"] > 0
+    h.scheduler.stats.last_report = -1e9
+    h.scheduler.maybe_send_metrics()
+    metrics = h.metrics.drain()[-1]
+    # Cached over admitted prompt tokens of the window: the second request alone.
+    assert metrics.cache_hit_rate == pytest.approx(cached / len(second))
     h.assert_idle_invariant()
 
     assert h.scheduler.handle_rpc_request(FlushCacheReqInput()).success
