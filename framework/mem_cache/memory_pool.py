@@ -63,39 +63,48 @@ class ReqToTokenPool:
 
 
 class TokenToKVPoolAllocator:
-    """Free list of KV slots ``1..size`` (slot 0 is the reserved padding slot)."""
+    """Free list of KV slots ``1..size`` (slot 0 is the reserved padding slot).
+
+    Freed slots are kept as a list of tensors and joined to the free list only
+    when an allocation needs them, so freeing costs time in proportion to what
+    is freed, not to the size of the free list.
+    """
 
     def __init__(self, size: int, device: torch.device) -> None:
         if size <= 0:
             raise ValueError(f"the KV cache needs at least one slot, got size={size}")
         self.size = size
         self.device = device
-        self._free_slots = self._all_slots()
-
-    def _all_slots(self) -> torch.Tensor:
-        return torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+        self.clear()
 
     def alloc(self, need: int) -> torch.Tensor | None:
         """``need`` free KV slots (int64, on the pool's device), or ``None`` if fewer are free."""
-        if need > self._free_slots.numel():
+        if need > self._available:
             return None
+        if need > self._free_slots.numel():
+            self._free_slots = torch.cat((self._free_slots, *self._freed))
+            self._freed = []
         taken = self._free_slots[:need]
         self._free_slots = self._free_slots[need:]
+        self._available -= need
         return taken
 
     def free(self, indices: torch.Tensor) -> None:
         """Return KV slots to the free list."""
         if indices.numel() == 0:
             return
-        self._free_slots = torch.cat((self._free_slots, indices.to(self.device, torch.int64)))
+        self._freed.append(indices.to(self.device, torch.int64, copy=True))  # callers keep theirs
+        self._available += int(indices.numel())
 
     def available_size(self) -> int:
         """Exact number of free KV slots."""
-        return int(self._free_slots.numel())
+        return self._available
 
     def clear(self) -> None:
         """Mark every KV slot free."""
-        self._free_slots = self._all_slots()
+        self._free_slots = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+        self._freed: list[torch.Tensor] = []
+        self._available = self.size
 
 
 class MHATokenToKVPool:

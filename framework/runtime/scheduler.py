@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ import torch
 
 from framework.comm.transport import Receiver, RpcServer, Sender, Transport
 from framework.config import PortArgs, ServerArgs
-from framework.forward_batch import ForwardMode
+from framework.forward_batch import ForwardBatch, ForwardMode
 from framework.mem_cache.prefix_cache import ChunkCache, PrefixCache
 from framework.messages import (
     AbortReq,
@@ -153,12 +154,14 @@ class Scheduler:
 
     def step(self) -> bool:
         """One scheduling step; returns whether there was any work."""
+        started = time.perf_counter()
         for msg in self.recv_from_tokenizer.drain():
             self.handle_request(msg)
         self.handle_rpc()
         batch = self.get_next_batch_to_run()
         if batch is not None:
             self.run_batch(batch)
+            self.stats.step_seconds += time.perf_counter() - started
         self.maybe_send_metrics()
         return batch is not None or bool(self.waiting)
 
@@ -312,6 +315,11 @@ class Scheduler:
             "retracted_requests": self.stats.retracted_requests,
             "extend_steps": self.steps["extend"],
             "decode_steps": self.steps["decode"],
+            # Wall time of the steps that ran a batch, and of their model forwards; the
+            # rest (scheduling, sampling, outputs) is the runtime's own overhead.
+            "step_seconds": self.stats.step_seconds,
+            "forward_seconds": self.stats.forward_seconds,
+            "non_model_fraction": self.stats.non_model_fraction,
             "num_running_reqs": len(self.running),
             "num_waiting_reqs": len(self.waiting),
             "max_total_tokens": self.allocator.size,
@@ -444,7 +452,7 @@ class Scheduler:
         try:
             forward_batch = batch.to_forward_batch(
                 self.req_to_token_pool.req_to_token, out_cache_loc, self.model_runner.device)
-            output = self.model_runner.forward(forward_batch)
+            output = self.timed_forward(forward_batch)
             if output.embeddings is not None:
                 return StepResult(embeddings=output.embeddings)
             # Requests whose prompt is then fully in the cache sample a token; a partial
@@ -458,6 +466,15 @@ class Scheduler:
         except BaseException:
             self.allocator.free(out_cache_loc)
             raise
+
+    def timed_forward(self, forward_batch: ForwardBatch) -> Any:
+        """``model_runner.forward``, its wall time added to the stats (device work included)."""
+        started = time.perf_counter()
+        output = self.model_runner.forward(forward_batch)
+        if self.model_runner.device.type == "cuda":
+            torch.cuda.synchronize(self.model_runner.device)  # the sampler would wait anyway
+        self.stats.forward_seconds += time.perf_counter() - started
+        return output
 
     def sample(self, batch: ScheduledBatch, logits: torch.Tensor, result: StepResult) -> None:
         """Pick the next token of each sampled row into ``result``."""

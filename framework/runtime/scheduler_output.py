@@ -90,6 +90,15 @@ class SchedulerStats:
     aborted_requests: int = 0
     failed_requests: int = 0
     retracted_requests: int = 0
+    step_seconds: float = 0.0  # steps that ran a batch, from intake to outputs sent
+    forward_seconds: float = 0.0  # their model forwards
+
+    @property
+    def non_model_fraction(self) -> float:
+        """The share of step time spent outside the model forward."""
+        if self.step_seconds <= 0:
+            return 0.0
+        return max(0.0, 1.0 - self.forward_seconds / self.step_seconds)
 
     def count_admission(self, prompt_tokens: int, cached_tokens: int) -> None:
         """A request's first admission: its prompt and how much of it was cached."""

@@ -579,3 +579,36 @@ def test_vocab_parallel_embedding_pads_the_last_rank() -> None:
     assert not parts[1][2:].any(), "padding rows must be zero"
     with pytest.raises(NotImplementedError):
         VocabParallelEmbedding(5, 4, tp_rank=0, tp_size=2)(torch.tensor([0]))
+
+
+def test_the_model_forward_makes_no_host_sync(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``item``, ``tolist`` and the scalar conversions raising, a prefill and a decode run.
+
+    On CUDA either call waits for the device; the forward must not need one.
+    """
+    runner = make_runner(make_tiny_checkpoint(tmp_path, "llama", seed=3))
+    driver = Driver(runner)
+    requests = driver.start(2)
+    driver.extend(requests, [[5, 6, 7], [8, 9]])
+
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("a host sync in the model forward")
+
+    for conversion in ("item", "tolist", "__int__", "__index__", "__bool__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, conversion, refuse)
+    prefix_lens = [len(r.cached) for r in requests]
+    chunks = [[10, 11, 12, 13], [14]]
+    slots = [driver.place(r, chunk) for r, chunk in zip(requests, chunks, strict=True)]
+    seq_lens = [len(r.cached) for r in requests]
+    extend = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND, batch_size=2,
+        input_ids=torch.tensor([t for chunk in chunks for t in chunk]),
+        positions=torch.tensor([3, 4, 5, 6, 2]),
+        req_pool_indices=torch.tensor([r.row for r in requests]),
+        seq_lens=torch.tensor(seq_lens), out_cache_loc=torch.cat(slots),
+        extend_prefix_lens=torch.tensor(prefix_lens), extend_seq_lens=torch.tensor([4, 1]),
+        seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=prefix_lens, extend_seq_lens_cpu=[4, 1],
+    )
+    assert runner.forward(extend).next_token_logits is not None
+    assert driver.decode(requests, [15, 16]) is not None

@@ -361,6 +361,16 @@ def test_weight_update_recomputes_running_requests_and_flushes(harness_factory) 
     h.assert_idle_invariant()
 
 
+def test_get_info_splits_step_time_into_model_and_the_rest(harness_factory) -> None:
+    h = harness_factory()
+    h.submit("r", prompt(1, 6), max_new_tokens=5, ignore_eos=True, **GREEDY)
+    h.run()
+    info = h.scheduler.get_info()
+    assert 0 < info["forward_seconds"] < info["step_seconds"]
+    assert info["non_model_fraction"] == pytest.approx(
+        1 - info["forward_seconds"] / info["step_seconds"])
+
+
 def test_get_info_reports_the_idle_invariant(harness_factory) -> None:
     h = harness_factory()
     h.submit("r", prompt(1, 6), max_new_tokens=30, ignore_eos=True, **GREEDY)

@@ -1,0 +1,520 @@
+"""`framework bench offline`: the Engine against transformers ``generate``, and a ceiling.
+
+Three sides produce the same greedy output tokens from the same checkpoint,
+on the same number of torch threads:
+
+* **engine**: ``framework.Engine`` with every prompt in one ``generate`` call
+  (continuous batching), ``temperature=0``, ``ignore_eos=True``;
+* **transformers**: ``generate`` in batches of ``hf_batch_size`` prompts,
+  left-padded, ``do_sample=False``, ``min_new_tokens == max_new_tokens``;
+* **ceiling**: the model's linear layers, norms and LM head alone (no
+  attention, no sampling, no prefill) on ``num_prompts`` rows of one token,
+  ``output_len`` times: the decode steps' matrix work, which no runtime on
+  these threads can beat by much.
+
+The model is a Llama of the configured shape with random weights from a
+fixed seed, written once as a real Hugging Face checkpoint (safetensors plus
+the embedded model's tokenizer) that both sides load from disk. The prompts
+are random words from a fixed seed, tokenized once by that tokenizer; both
+sides get the same token ids.
+
+The runs alternate (engine, transformers, ceiling, engine, ...) after one
+warm-up call per side, and each side keeps its best run: another job on the
+machine can slow a single run badly, never speed one up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import json
+import platform
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from framework.bench.environment import git_commit, machine_description
+
+DEFAULT_OUTPUT = "benchmarks/results/offline"
+SIDES = ("engine", "transformers", "ceiling")
+CSV_COLUMNS = ("side", "output_tokens_per_s", "best_seconds")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+# Plain words for the prompts; what they say does not matter, only that a real
+# tokenizer turns them into a realistic spread of token counts.
+_WORDS = (
+    "the of and to in is was for on that with as by at from his an were are which this be "
+    "has had one not but have it they or first new after their two who its also time she "
+    "been other when there all during into school year city only over more most world "
+    "would where later up such used many can state about national out known university "
+    "united then made team american under game season three him through both well between "
+    "called part series name early film album river number music served along family "
+    "because population company before several including second people since work following "
+    "north south water light model token cache batch request memory stream answer question"
+).split()
+
+
+@dataclass(frozen=True)
+class OfflineBenchSettings:
+    """The model shape, the workload and how often each side runs."""
+
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    context: int = 1024
+    num_prompts: int = 64
+    min_words: int = 8
+    max_words: int = 120
+    output_len: int = 48
+    hf_batch_size: int = 16
+    repeats: int = 3
+    torch_threads: int | None = None  # None: the runtime's rule for its Scheduler
+    seed: int = 0
+
+    @classmethod
+    def quick(cls) -> OfflineBenchSettings:
+        """A tiny model and workload that finish in seconds (a first look, and the tests)."""
+        return cls(layers=2, hidden=64, heads=2, context=1024, num_prompts=8, min_words=8,
+                   max_words=32, output_len=8, hf_batch_size=4, repeats=2)
+
+    def check(self) -> None:
+        """Refuse settings that cannot run, naming the field (a ``ValueError``)."""
+        for name in ("layers", "hidden", "heads", "num_prompts", "min_words", "output_len",
+                     "hf_batch_size", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be at least 1, got {self.torch_threads}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if self.max_words < self.min_words:
+            raise ValueError(f"max_words ({self.max_words}) is below min_words "
+                             f"({self.min_words})")
+
+    def resolved_threads(self) -> int:
+        """The torch thread count of every side: the one set, or the Scheduler's default."""
+        if self.torch_threads is not None:
+            return self.torch_threads
+        from framework.runtime.launch import torch_threads_per_rank, usable_cores
+
+        return torch_threads_per_rank(usable_cores(), 1)
+
+
+@dataclass(frozen=True)
+class OfflineBenchRow:
+    """One side's result: its best run and every run's time."""
+
+    side: str  # "engine", "transformers" or "ceiling"
+    output_tokens_per_s: float  # num_prompts × output_len / best_seconds
+    best_seconds: float
+    run_seconds: tuple[float, ...]
+
+    def csv_row(self) -> list[Any]:
+        """The values under ``csv_header``."""
+        return [self.side, self.output_tokens_per_s, self.best_seconds, *self.run_seconds]
+
+
+def csv_header(repeats: int) -> list[str]:
+    """``offline.csv``'s columns: ``CSV_COLUMNS``, then ``run_1_seconds`` .. ``run_N_seconds``."""
+    return [*CSV_COLUMNS, *(f"run_{i}_seconds" for i in range(1, repeats + 1))]
+
+
+@dataclass
+class OfflineBenchResult:
+    """What a run measured and produced: rows, files, and each side's greedy tokens."""
+
+    settings: OfflineBenchSettings
+    threads: int
+    rows: list[OfflineBenchRow]
+    prompts: list[list[int]]
+    engine_outputs: list[list[int]]
+    transformers_outputs: list[list[int]]
+    paths: list[Path] = field(default_factory=list)
+
+    def identical_outputs(self) -> int:
+        """How many prompts got the very same tokens from the Engine and transformers."""
+        return sum(e == t for e, t in zip(self.engine_outputs, self.transformers_outputs,
+                                          strict=True))
+
+    def row(self, side: str) -> OfflineBenchRow:
+        """The row of ``side``."""
+        return next(r for r in self.rows if r.side == side)
+
+
+# --------------------------------------------------------------------------- model and prompts
+
+
+def write_model_dir(settings: OfflineBenchSettings, directory: Path) -> Path:
+    """A Llama checkpoint of the benchmark's shape, random weights from the seed, and tokenizer.
+
+    transformers builds and saves it (``save_pretrained``, safetensors), so
+    both sides read the very same weights from disk.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from framework.default_model import default_model_path
+
+    source = Path(default_model_path())
+    for name in _TOKENIZER_FILES:
+        shutil.copy(source / name, directory / name)
+    reference = json.loads((source / "config.json").read_text())
+    config = LlamaConfig(
+        vocab_size=reference["vocab_size"], hidden_size=settings.hidden,
+        intermediate_size=settings.hidden * 3, num_hidden_layers=settings.layers,
+        num_attention_heads=settings.heads, num_key_value_heads=settings.heads,
+        max_position_embeddings=settings.context, rms_norm_eps=1e-5,
+        bos_token_id=reference["bos_token_id"], eos_token_id=reference["eos_token_id"],
+        pad_token_id=reference.get("pad_token_id", reference["eos_token_id"]),
+        tie_word_embeddings=False,
+        # Wider than the default 0.02: peaked next-token distributions, so that a
+        # greedy choice is never a near-tie that float rounding could flip.
+        initializer_range=0.1,
+    )
+    torch.manual_seed(settings.seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def make_prompts(settings: OfflineBenchSettings, model_dir: Path) -> list[list[int]]:
+    """``num_prompts`` prompts of ``min_words``..``max_words`` random words, as token ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(settings.seed)
+    texts = [" ".join(rng.choice(_WORDS)
+                      for _ in range(rng.randint(settings.min_words, settings.max_words)))
+             for _ in range(settings.num_prompts)]
+    return [list(tokenizer(text)["input_ids"]) for text in texts]
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run this thread's torch work on ``count`` threads, restoring the old count after."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+# --------------------------------------------------------------------------- the three sides
+
+
+class EngineSide:
+    """``framework.Engine`` on the checkpoint: all prompts in one ``generate`` call."""
+
+    name = "engine"
+
+    def __init__(self, model_dir: Path, settings: OfflineBenchSettings, threads: int,
+                 engine_args: dict[str, Any]) -> None:
+        from framework import Engine
+
+        self.settings = settings
+        self.params = {"max_new_tokens": settings.output_len, "temperature": 0.0,
+                       "ignore_eos": True}
+        # Every prompt runs in one batch, as the ceiling's rows do.
+        args = {"max_running_requests": settings.num_prompts, **engine_args}
+        self.engine = Engine(model_path=str(model_dir), dtype="float32",
+                             torch_threads=threads, log_level="warning", **args)
+        self.outputs: list[list[int]] = []
+
+    def generate(self, prompts: list[list[int]]) -> float:
+        """Seconds to generate for ``prompts``, from an empty prefix cache."""
+        # Without the flush, every run after the first would find its prompts cached
+        # and skip the prefill that transformers has to do every time.
+        flushed = self.engine.flush_cache()
+        if not getattr(flushed, "success", True):
+            raise RuntimeError(f"the prefix cache could not be flushed: {flushed.message}")
+        start = time.perf_counter()
+        outs = self.engine.generate(input_ids=prompts, sampling_params=self.params)
+        elapsed = time.perf_counter() - start
+        self.outputs = [list(o["output_ids"]) for o in outs]
+        return elapsed
+
+    def warm_up(self, prompts: list[list[int]]) -> None:
+        """One call on the first transformers batch of prompts."""
+        self.generate(prompts[: self.settings.hf_batch_size])
+
+    def close(self) -> None:
+        """Stop the Engine."""
+        self.engine.shutdown()
+
+
+class TransformersSide:
+    """transformers ``generate`` in left-padded batches of ``hf_batch_size``."""
+
+    name = "transformers"
+
+    def __init__(self, model_dir: Path, settings: OfflineBenchSettings) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.settings = settings
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.pad_id = self.model.config.pad_token_id
+        self.outputs: list[list[int]] = []
+
+    def _generate_batch(self, prompts: Sequence[list[int]]) -> list[list[int]]:
+        import torch
+
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        n = self.settings.output_len
+        # No EOS: like the Engine's ignore_eos, every step takes the plain argmax (with an
+        # EOS, min_new_tokens would mask it out and change the greedy choice).
+        out = self.model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
+                                  max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
+                                  pad_token_id=self.pad_id)
+        return out[:, width:].tolist()
+
+    def generate(self, prompts: list[list[int]]) -> float:
+        """Seconds to generate for ``prompts``, batch after batch."""
+        size = self.settings.hf_batch_size
+        start = time.perf_counter()
+        outputs: list[list[int]] = []
+        for first in range(0, len(prompts), size):
+            outputs += self._generate_batch(prompts[first:first + size])
+        elapsed = time.perf_counter() - start
+        self.outputs = outputs
+        return elapsed
+
+    def warm_up(self, prompts: list[list[int]]) -> None:
+        """One batch."""
+        self._generate_batch(prompts[: self.settings.hf_batch_size])
+
+
+class CeilingSide:
+    """The model's linear layers, norms and LM head on a decode step's shapes, nothing else.
+
+    Per layer: input norm, q/k/v projections, the output projection (of q, in
+    place of attention's result), the residual, the post-attention norm and
+    the gated MLP; then the final norm and the LM head. No embedding lookup,
+    no attention, no sampling, no prefill: the least time any runtime needs
+    for ``output_len`` decode steps of ``num_prompts`` requests.
+    """
+
+    name = "ceiling"
+
+    def __init__(self, hf_model: Any, settings: OfflineBenchSettings) -> None:
+        import torch
+
+        self.settings = settings
+        self.layers = list(hf_model.model.layers)
+        self.norm = hf_model.model.norm
+        self.lm_head = hf_model.lm_head
+        generator = torch.Generator().manual_seed(settings.seed)
+        self.hidden = torch.randn(settings.num_prompts, hf_model.config.hidden_size,
+                                  generator=generator)
+
+    def _step(self, x: Any) -> Any:
+        import torch.nn.functional as F
+
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            h = layer.input_layernorm(x)
+            q, _, _ = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            x = x + attn.o_proj(q)
+            h = layer.post_attention_layernorm(x)
+            x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        return self.lm_head(self.norm(x))
+
+    def _steps(self, count: int) -> None:
+        import torch
+
+        with torch.inference_mode():
+            for _ in range(count):
+                self._step(self.hidden)
+
+    def generate(self, prompts: list[list[int]]) -> float:
+        """Seconds for ``output_len`` steps (the prompts only set the batch size)."""
+        start = time.perf_counter()
+        self._steps(self.settings.output_len)
+        return time.perf_counter() - start
+
+    def warm_up(self, prompts: list[list[int]]) -> None:
+        """One step."""
+        self._steps(1)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run_benchmark(settings: OfflineBenchSettings, output_dir: str | Path,
+                  engine_args: dict[str, Any] | None = None,
+                  model_dir: Path | None = None) -> OfflineBenchResult:
+    """Measure the three sides and write ``offline.csv`` and ``offline.md``.
+
+    ``engine_args``: extra ``Engine`` keywords (``launch_mode``, ``transport``,
+    ...). ``model_dir``: an empty directory to write the checkpoint to and
+    keep (default: a temporary one, removed at the end).
+    """
+    settings.check()
+    if model_dir is None:
+        with tempfile.TemporaryDirectory(prefix="framework-bench-") as tmp:
+            return run_benchmark(settings, output_dir, engine_args, Path(tmp))
+    write_model_dir(settings, model_dir)
+    prompts = make_prompts(settings, model_dir)
+    threads = settings.resolved_threads()
+    print(f"{settings.num_prompts} prompts of {min(map(len, prompts))}-"
+          f"{max(map(len, prompts))} tokens, {settings.output_len} output tokens each, "
+          f"{threads} torch thread(s)", flush=True)
+    with torch_threads(threads):
+        result = _measure(settings, model_dir, prompts, threads, engine_args or {})
+    identical = result.identical_outputs()
+    print(f"greedy outputs identical on {identical} of {len(prompts)} prompts", flush=True)
+    result.paths = write_results(result, Path(output_dir))
+    return result
+
+
+def _measure(settings: OfflineBenchSettings, model_dir: Path, prompts: list[list[int]],
+             threads: int, engine_args: dict[str, Any]) -> OfflineBenchResult:
+    """Warm every side up, then run them in turn ``repeats`` times."""
+    transformers_side = TransformersSide(model_dir, settings)
+    ceiling = CeilingSide(transformers_side.model, settings)
+    engine = EngineSide(model_dir, settings, threads, engine_args)
+    try:
+        sides: list[Any] = [engine, transformers_side, ceiling]
+        for side in sides:
+            side.warm_up(prompts)
+        times: dict[str, list[float]] = {side.name: [] for side in sides}
+        for repeat in range(settings.repeats):
+            for side in sides:
+                seconds = side.generate(prompts)
+                times[side.name].append(seconds)
+                print(f"run {repeat + 1}/{settings.repeats} {side.name:<12} "
+                      f"{seconds:8.3f} s", flush=True)
+    finally:
+        engine.close()
+    tokens = settings.num_prompts * settings.output_len
+    rows = [OfflineBenchRow(name, tokens / min(runs), min(runs), tuple(runs))
+            for name, runs in times.items()]
+    for row in rows:
+        print(_format_row(row), flush=True)
+    return OfflineBenchResult(settings, threads, rows, prompts, engine.outputs,
+                              transformers_side.outputs)
+
+
+def _format_row(row: OfflineBenchRow) -> str:
+    return (f"{row.side:<12} {row.output_tokens_per_s:12,.1f} output tok/s   "
+            f"best {row.best_seconds:8.3f} s")
+
+
+def ratios(rows: list[OfflineBenchRow]) -> dict[str, float]:
+    """Engine over transformers, and the Engine's fraction of the ceiling (output tokens/s)."""
+    rate = {r.side: r.output_tokens_per_s for r in rows}
+    out = {}
+    if "engine" in rate and "transformers" in rate:
+        out["engine_vs_transformers"] = rate["engine"] / rate["transformers"]
+    if "engine" in rate and "ceiling" in rate:
+        out["engine_of_ceiling"] = rate["engine"] / rate["ceiling"]
+    return out
+
+
+def write_results(result: OfflineBenchResult, output_dir: Path) -> list[Path]:
+    """``offline.csv`` and ``offline.md`` (with the machine and the commit)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = output_dir / "offline.csv"
+    with csv_path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(csv_header(result.settings.repeats))
+        writer.writerows([row.csv_row() for row in result.rows])
+    md_path = output_dir / "offline.md"
+    md_path.write_text(render_markdown(result))
+    return [csv_path, md_path]
+
+
+def render_markdown(result: OfflineBenchResult) -> str:
+    """The results as a Markdown table headed by the machine, the commit and the settings."""
+    s = result.settings
+    lengths = [len(p) for p in result.prompts]
+    gains = ratios(result.rows)
+    lines = [
+        "# Offline throughput: Engine vs transformers",
+        "",
+        f"- Machine: {machine_description()}",
+        f"- Python {platform.python_version()}, commit {git_commit()}",
+        f"- Run: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- Model: Llama, {s.layers} layers, hidden {s.hidden}, {s.heads} heads, "
+        f"intermediate {3 * s.hidden}, random weights (seed {s.seed}) saved as safetensors, "
+        "float32, CPU",
+        f"- Workload: {s.num_prompts} prompts of {s.min_words}-{s.max_words} random words "
+        f"({min(lengths)}-{max(lengths)} tokens, {sum(lengths):,} in all), {s.output_len} "
+        "greedy output tokens each",
+        f"- {result.threads} torch thread(s) on every side; best of {s.repeats} alternating "
+        "runs after one warm-up call each",
+        f"- engine: one `Engine.generate` call with every prompt; transformers: `generate` in "
+        f"left-padded batches of {s.hf_batch_size}; ceiling: linear layers, norms and LM head "
+        f"only, {s.output_len} steps of {s.num_prompts} rows",
+        "",
+        "| side | output tokens/s | best seconds | runs (s) |",
+        "|---|---:|---:|---|",
+    ]
+    lines += [f"| {r.side} | {r.output_tokens_per_s:,.1f} | {r.best_seconds:.3f} | "
+              f"{', '.join(f'{t:.3f}' for t in r.run_seconds)} |" for r in result.rows]
+    lines.append("")
+    if "engine_vs_transformers" in gains:
+        lines.append(f"The Engine is {gains['engine_vs_transformers']:.2f}× transformers.")
+    if "engine_of_ceiling" in gains:
+        lines.append(f"The Engine reaches {gains['engine_of_ceiling']:.1%} of the ceiling.")
+    lines.append(f"Greedy outputs identical on {result.identical_outputs()} of "
+                 f"{len(result.prompts)} prompts.")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- command line
+
+# flag name -> (settings field, type, help)
+_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
+    "--layers": ("layers", int, "decoder layers"),
+    "--hidden": ("hidden", int, "hidden size (intermediate: 3×)"),
+    "--num-prompts": ("num_prompts", int, "prompts, all generated for at once"),
+    "--output-len": ("output_len", int, "greedy output tokens per prompt"),
+    "--hf-batch-size": ("hf_batch_size", int, "prompts per transformers generate call"),
+    "--repeats": ("repeats", int, "alternating runs of each side; the best is kept"),
+    "--torch-threads": ("torch_threads", int, "torch threads of every side (default: the "
+                        "runtime's rule for its Scheduler)"),
+}
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """``framework bench offline`` flags."""
+    default = OfflineBenchSettings()
+    for flag, (name, kind, text) in _FLAGS.items():
+        value = getattr(default, name)
+        shown = "" if value is None else f" (default: {value})"
+        parser.add_argument(flag, type=kind, default=None, metavar="N", help=text + shown)
+    parser.add_argument("--quick", action="store_true",
+                        help="a tiny model and workload: seconds, rough numbers (flags given "
+                             "explicitly still apply)")
+    parser.add_argument("--output", default=DEFAULT_OUTPUT, metavar="DIR",
+                        help=f"where the result files go (default: {DEFAULT_OUTPUT})")
+
+
+def settings_from_args(args: argparse.Namespace) -> OfflineBenchSettings:
+    """The defaults (or the quick ones), with every flag given on the command line."""
+    base = OfflineBenchSettings.quick() if args.quick else OfflineBenchSettings()
+    given = {name: getattr(args, name) for name, _, _ in _FLAGS.values()
+             if getattr(args, name) is not None}
+    return dataclasses.replace(base, **given)
+
+
+def run_from_cli(args: argparse.Namespace) -> int:
+    """Entry point of ``framework bench offline``."""
+    result = run_benchmark(settings_from_args(args), args.output)
+    for path in result.paths:
+        print(f"wrote {path}")
+    return 0
