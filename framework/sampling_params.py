@@ -108,6 +108,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"invalid sampling_params: {exc}") from None
 
     @property
+    def has_penalties(self) -> bool:
+        """True when a repetition, frequency or presence penalty is switched on."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    @property
     def is_greedy(self) -> bool:
         """True when sampling reduces to argmax (a temperature below 1e-5, or top_k == 1)."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1

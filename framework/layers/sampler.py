@@ -67,18 +67,6 @@ def _rows_and_tokens(
     )
 
 
-def _token_counts(
-    token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device, what: str
-) -> torch.Tensor:
-    """``[B, vocab]`` float32: how often each token occurs in each row's list."""
-    counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.float32, device=device)
-    rows, tokens = _rows_and_tokens(token_lists, vocab_size, device, what)
-    if tokens.numel():
-        ones = torch.ones(tokens.numel(), dtype=torch.float32, device=device)
-        counts.index_put_((rows, tokens), ones, accumulate=True)
-    return counts
-
-
 def _token_mask(
     token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device, what: str
 ) -> torch.Tensor:
@@ -117,6 +105,58 @@ def _min_new_tokens_bans(
             ending |= eos_token_ids
         bans.append(sorted(t for t in ending if 0 <= t < vocab_size))
     return bans
+
+
+class PenaltyHistory:
+    """One request's tokens as its penalties see them, kept up to date token by token.
+
+    ``seen`` (``[vocab]`` bool, prompt and output tokens) feeds the repetition
+    penalty, ``counts`` (``[vocab]`` float32, output tokens) the frequency and
+    presence penalties; each is ``None`` when its penalty is off. Kept on the
+    request across steps, so that a step stacks rows instead of rebuilding them
+    from every token of every prompt.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int,
+                 device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.seen: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+        #: How many output tokens have been added.
+        self.num_outputs = 0
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self._mark_seen(prompt_ids, "prompt_ids")
+        if params.frequency_penalty or params.presence_penalty:
+            self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+
+    @property
+    def active(self) -> bool:
+        """Whether any penalty needs this history."""
+        return self.seen is not None or self.counts is not None
+
+    def add_outputs(self, token_ids: Sequence[int]) -> None:
+        """Count newly generated tokens."""
+        self.num_outputs += len(token_ids)
+        if not token_ids:
+            return
+        self._mark_seen(token_ids, "output_ids")
+        if self.counts is not None:
+            _check_token_ids(token_ids, self.vocab_size, "output_ids")
+            tokens = torch.tensor(token_ids, dtype=torch.int64, device=self.counts.device)
+            self.counts.index_put_((tokens,), torch.ones_like(tokens, dtype=torch.float32),
+                                   accumulate=True)
+
+    def _mark_seen(self, token_ids: Sequence[int], what: str) -> None:
+        if self.seen is not None and token_ids:
+            _check_token_ids(token_ids, self.vocab_size, what)
+            self.seen[torch.tensor(token_ids, dtype=torch.int64, device=self.seen.device)] = True
+
+
+def _stacked(rows: Sequence[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
+    """``[B, vocab]``: the given rows, zeros where a row has none."""
+    zeros = torch.zeros_like(like)
+    return torch.stack([zeros if row is None else row for row in rows])
 
 
 @dataclass
@@ -168,12 +208,15 @@ class SamplingBatchInfo:
         vocab_size: int,
         device: torch.device,
         default_seed: int = 0,
+        histories: Sequence[PenaltyHistory | None] | None = None,
     ) -> SamplingBatchInfo:
         """Gather the per-row parameters and token histories of a batch into tensors.
 
         ``output_ids[i]`` are the tokens row ``i`` generated so far and ``prompt_ids[i]`` its
         prompt; both feed the penalties, and ``len(output_ids[i])`` also decides the
         ``min_new_tokens`` ban and the position in a seeded row's random stream.
+        ``histories``, when given, are the rows' penalty histories kept across steps
+        (already holding those tokens); otherwise they are built from the lists.
         """
         batch_size = len(params)
         if len(output_ids) != batch_size or len(prompt_ids) != batch_size:
@@ -211,39 +254,42 @@ class SamplingBatchInfo:
             need_top_p=any(r.top_p < 1.0 for r in params),
             need_min_p=any(r.min_p > 0.0 for r in params),
         )
-        info._add_penalties(params, output_ids, prompt_ids)
+        if histories is None:
+            histories = [_history_from_lists(r, prompt, output, vocab_size, device)
+                         for r, prompt, output in zip(params, prompt_ids, output_ids, strict=True)]
+        info._add_penalties(params, histories)
         bans = _min_new_tokens_bans(params, output_ids, eos_token_ids, vocab_size)
         if any(bans):
             info.banned_mask = _token_mask(bans, vocab_size, device, "banned tokens")
         return info
 
     def _add_penalties(
-        self,
-        params: Sequence[SamplingParams],
-        output_ids: Sequence[Sequence[int]],
-        prompt_ids: Sequence[Sequence[int]],
+        self, params: Sequence[SamplingParams], histories: Sequence[PenaltyHistory | None]
     ) -> None:
-        """Build the penalty state, only for the rows (and penalties) that are switched on."""
-        repetition = [request.repetition_penalty for request in params]
-        if any(value != 1.0 for value in repetition):
-            seen = [
-                [*prompt, *output] if value != 1.0 else []
-                for value, prompt, output in zip(repetition, prompt_ids, output_ids, strict=True)
-            ]
-            self.repetition_penalties = _column(repetition, self.device)
-            self.repetition_mask = _token_mask(
-                seen, self.vocab_size, self.device, "prompt_ids/output_ids"
-            )
-        frequency = [request.frequency_penalty for request in params]
-        presence = [request.presence_penalty for request in params]
-        if any(frequency) or any(presence):
-            counted = [
-                output if (freq or pres) else []
-                for freq, pres, output in zip(frequency, presence, output_ids, strict=True)
-            ]
-            self.frequency_penalties = _column(frequency, self.device)
-            self.presence_penalties = _column(presence, self.device)
-            self.output_counts = _token_counts(counted, self.vocab_size, self.device, "output_ids")
+        """Stack the penalty state of the rows that need it (nothing when no row does)."""
+        seen = [h.seen if h is not None else None for h in histories]
+        counts = [h.counts if h is not None else None for h in histories]
+        first_seen = next((row for row in seen if row is not None), None)
+        if first_seen is not None:
+            self.repetition_penalties = _column([r.repetition_penalty for r in params],
+                                                self.device)
+            self.repetition_mask = _stacked(seen, first_seen)
+        first_counts = next((row for row in counts if row is not None), None)
+        if first_counts is not None:
+            self.frequency_penalties = _column([r.frequency_penalty for r in params], self.device)
+            self.presence_penalties = _column([r.presence_penalty for r in params], self.device)
+            self.output_counts = _stacked(counts, first_counts)
+
+
+def _history_from_lists(params: SamplingParams, prompt_ids: Sequence[int],
+                        output_ids: Sequence[int], vocab_size: int, device: torch.device
+                        ) -> PenaltyHistory | None:
+    """A one-off penalty history of a row, or None when its penalties are off."""
+    history = PenaltyHistory(params, prompt_ids, vocab_size, device)
+    if not history.active:
+        return None
+    history.add_outputs(output_ids)
+    return history
 
 
 @dataclass

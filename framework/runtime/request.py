@@ -42,6 +42,8 @@ class Req:
     admitted: bool = False
     #: Finds stop strings in the decoded output; made on the first check that needs it.
     stop_matcher: Any = None
+    #: The penalties' view of the tokens, updated as tokens come (``PenaltyHistory``).
+    penalty_history: Any = None
     finished_reason: FinishReason | None = None
     #: ``output_ids[:sent_len]`` have been sent to the Detokenizer already.
     sent_len: int = 0

@@ -488,6 +488,7 @@ class Scheduler:
             [r.sampling_params for r in reqs], [r.output_ids for r in reqs],
             [r.origin_input_ids for r in reqs], self.eos_token_ids,
             self.model_config.vocab_size, logits.device, self.server_args.random_seed,
+            histories=[self.penalty_history(r, logits.device) for r in reqs],
         )
         top_n = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
         out = self.model_runner.sample(logits, info, top_n)
@@ -495,6 +496,20 @@ class Scheduler:
         result.logprobs = out.logprobs.tolist()
         result.top_logprobs_val = out.top_logprobs_val
         result.top_logprobs_idx = out.top_logprobs_idx
+
+    def penalty_history(self, req: Req, device: torch.device) -> Any:
+        """The request's ``PenaltyHistory`` brought up to date, or None without penalties."""
+        from framework.layers.sampler import PenaltyHistory
+
+        params = req.sampling_params
+        if not params.has_penalties:
+            return None
+        if req.penalty_history is None:
+            req.penalty_history = PenaltyHistory(params, req.origin_input_ids,
+                                                 self.model_config.vocab_size, device)
+        history = req.penalty_history
+        history.add_outputs(req.output_ids[history.num_outputs:])
+        return history
 
     def process_result(self, batch: ScheduledBatch, result: StepResult) -> None:
         """Apply a successful step to its requests, then send outputs and move requests on."""

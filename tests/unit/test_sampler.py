@@ -370,3 +370,28 @@ def test_bad_inputs_raise_value_errors() -> None:
         make_info(params, output_ids=[[]])
     with pytest.raises(ValueError, match="outside"):
         make_info([SamplingParams(repetition_penalty=1.1)], prompt_ids=[[6]], vocab_size=6)
+
+
+def test_penalty_histories_kept_across_steps_equal_ones_built_from_the_lists() -> None:
+    from framework.layers.sampler import PenaltyHistory
+
+    params = [SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5),
+              SamplingParams(),
+              SamplingParams(presence_penalty=-1.0)]
+    prompts = [[0, 1, 1], [2], [3, 4]]
+    outputs = [[5, 5, 2, 0], [1, 1], [4, 4, 4]]
+    histories = [PenaltyHistory(p, prompt, 6, CPU) if p.has_penalties else None
+                 for p, prompt in zip(params, prompts)]
+    for step in range(1, 5):  # one token at a time, as the Scheduler adds them
+        for history, output in zip(histories, outputs):
+            if history is not None:
+                history.add_outputs(output[history.num_outputs:step])
+    kept = SamplingBatchInfo.from_requests(params, outputs, prompts, set(), 6, CPU,
+                                           histories=histories)
+    rebuilt = make_info(params, outputs, prompts)
+    for name in ("repetition_mask", "output_counts", "repetition_penalties",
+                 "frequency_penalties", "presence_penalties"):
+        assert torch.equal(getattr(kept, name), getattr(rebuilt, name)), name
+    assert kept.output_counts[0, 5] == 2 and kept.output_counts[2, 4] == 3
+    assert kept.repetition_mask[0].tolist() == [True, True, True, False, False, True]
+    assert not kept.repetition_mask[1].any() and not kept.output_counts[1].any()
