@@ -130,9 +130,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             self.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         batch, num_queries = layout.kv_slots.shape[0], layout.num_queries
-        # [B, L, kv_heads, dim] -> [B, kv_heads, L, dim]
-        keys = k_buffer[layout.kv_slots].transpose(1, 2)
-        values = v_buffer[layout.kv_slots].transpose(1, 2)
+        keys, values = _gather(k_buffer, layout.kv_slots), _gather(v_buffer, layout.kv_slots)
         queries = q.reshape(-1, layer.num_heads, layer.head_dim).to(keys.dtype)
         if layout.token_rows is not None:
             padded = queries.new_zeros(batch * num_queries, layer.num_heads, layer.head_dim)
@@ -147,6 +145,15 @@ class TorchNativeAttnBackend(AttentionBackend):
         if layout.token_rows is not None:
             out = out[layout.token_rows]
         return out.to(q.dtype)
+
+
+def _gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``[B, kv_heads, L, dim]`` rows of ``buffer`` at ``slots`` ``[B, L]``.
+
+    ``index_select`` on the flat slots is several times faster than advanced indexing.
+    """
+    rows = buffer.index_select(0, slots.flatten())
+    return rows.view(*slots.shape, *buffer.shape[1:]).transpose(1, 2)
 
 
 def _ranks_within(lengths: list[int], device: torch.device) -> torch.Tensor:
