@@ -41,6 +41,18 @@ def _cmd_bench_prefix_cache(args: argparse.Namespace) -> int:
     return run_from_cli(args)
 
 
+def _cmd_bench_offline(args: argparse.Namespace) -> int:
+    from framework.bench.offline import run_from_cli
+
+    return run_from_cli(args)
+
+
+def _cmd_bench_serving(args: argparse.Namespace) -> int:
+    from framework.bench.serving import run_from_cli
+
+    return run_from_cli(args)
+
+
 def _formatter(prog: str) -> argparse.HelpFormatter:
     # A fixed width keeps --help (and the generated reference) the same on every terminal.
     return argparse.HelpFormatter(prog, width=100, max_help_position=32)
@@ -85,6 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_prefix_cache_args(prefix_cache)
     prefix_cache.set_defaults(handler=_cmd_bench_prefix_cache)
+    offline = bench_sub.add_parser(
+        "offline", help="output tokens/s: the Engine vs transformers generate, and a ceiling")
+    from framework.bench.offline import add_cli_args as add_offline_args
+
+    add_offline_args(offline)
+    offline.set_defaults(handler=_cmd_bench_offline)
+    serving = bench_sub.add_parser(
+        "serving", help="load an OpenAI-compatible server with streaming requests")
+    from framework.bench.serving import add_cli_args as add_serving_args
+
+    add_serving_args(serving)
+    serving.set_defaults(handler=_cmd_bench_serving)
     return parser
 
 

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from framework.bench.environment import git_commit, machine_description
 
@@ -50,16 +50,17 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 # Plain words for the prompts; what they say does not matter, only that a real
 # tokenizer turns them into a realistic spread of token counts.
-_WORDS = (
-    "the of and to in is was for on that with as by at from his an were are which this be "
-    "has had one not but have it they or first new after their two who its also time she "
-    "been other when there all during into school year city only over more most world "
-    "would where later up such used many can state about national out known university "
-    "united then made team american under game season three him through both well between "
-    "called part series name early film album river number music served along family "
-    "because population company before several including second people since work following "
-    "north south water light model token cache batch request memory stream answer question"
-).split()
+_WORD_TEXT = """
+the of and to in is was for on that with as by at from his an were are which this be
+has had one not but have it they or first new after their two who its also time she
+been other when there all during into school year city only over more most world
+would where later up such used many can state about national out known university
+united then made team american under game season three him through both well between
+called part series name early film album river number music served along family
+because population company before several including second people since work following
+north south water light model token cache batch request memory stream answer question
+"""
+_WORDS = tuple(_WORD_TEXT.split())
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,8 @@ class OfflineBenchSettings:
     @classmethod
     def quick(cls) -> OfflineBenchSettings:
         """A tiny model and workload that finish in seconds (a first look, and the tests)."""
-        return cls(layers=2, hidden=64, heads=2, context=1024, num_prompts=8, min_words=8,
-                   max_words=32, output_len=8, hf_batch_size=4, repeats=2)
+        return cls(layers=2, hidden=64, heads=2, context=1024, num_prompts=16, min_words=8,
+                   max_words=32, output_len=16, hf_batch_size=8, repeats=2)
 
     def check(self) -> None:
         """Refuse settings that cannot run, naming the field (a ``ValueError``)."""
@@ -137,7 +138,17 @@ class OfflineBenchResult:
     prompts: list[list[int]]
     engine_outputs: list[list[int]]
     transformers_outputs: list[list[int]]
+    #: The Engine's best run: its Scheduler's step seconds and model forward seconds.
+    engine_step_seconds: float = 0.0
+    engine_forward_seconds: float = 0.0
     paths: list[Path] = field(default_factory=list)
+
+    @property
+    def non_model_fraction(self) -> float:
+        """Share of the Engine's step time spent outside the model forward (best run)."""
+        if self.engine_step_seconds <= 0:
+            return 0.0
+        return 1.0 - self.engine_forward_seconds / self.engine_step_seconds
 
     def identical_outputs(self) -> int:
         """How many prompts got the very same tokens from the Engine and transformers."""
@@ -198,7 +209,21 @@ def make_prompts(settings: OfflineBenchSettings, model_dir: Path) -> list[list[i
 
 
 @contextmanager
-def torch_threads(count: int) -> Iterator[None]:
+def _quiet_transformers() -> Iterator[None]:
+    """No transformers progress bars (saving and loading a one-file checkpoint) in the output."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
+@contextmanager
+def _using_torch_threads(count: int) -> Iterator[None]:
     """Run this thread's torch work on ``count`` threads, restoring the old count after."""
     import torch
 
@@ -213,6 +238,26 @@ def torch_threads(count: int) -> Iterator[None]:
 # --------------------------------------------------------------------------- the three sides
 
 
+class BenchSide(Protocol):
+    """One side of the comparison: warmed up once, then timed on the whole workload."""
+
+    name: str
+
+    def warm_up(self, prompts: list[list[int]]) -> None:
+        """Run once on part of the work, untimed, so that first-call costs stay out."""
+
+    def generate(self, prompts: list[list[int]]) -> float:
+        """Seconds to produce ``output_len`` tokens for every prompt."""
+
+
+def _check_lengths(side: str, outputs: list[list[int]], expected: int) -> None:
+    # The rates count num_prompts × output_len tokens: a side that made fewer is wrong.
+    short = [i for i, tokens in enumerate(outputs) if len(tokens) != expected]
+    if short:
+        raise RuntimeError(f"{side}: {len(short)} outputs are not {expected} tokens long "
+                           f"(prompt {short[0]}: {len(outputs[short[0]])})")
+
+
 class EngineSide:
     """``framework.Engine`` on the checkpoint: all prompts in one ``generate`` call."""
 
@@ -225,11 +270,18 @@ class EngineSide:
         self.settings = settings
         self.params = {"max_new_tokens": settings.output_len, "temperature": 0.0,
                        "ignore_eos": True}
-        # Every prompt runs in one batch, as the ceiling's rows do.
-        args = {"max_running_requests": settings.num_prompts, **engine_args}
+        # Every prompt runs in one batch, as the ceiling's rows do; on the CPU, where
+        # transformers runs, even on a machine with a GPU.
+        args = {"max_running_requests": settings.num_prompts, "device": "cpu", **engine_args}
         self.engine = Engine(model_path=str(model_dir), dtype="float32",
                              torch_threads=threads, log_level="warning", **args)
         self.outputs: list[list[int]] = []
+        #: Per run: the Scheduler's (step seconds, model forward seconds) during it.
+        self.step_split: list[tuple[float, float]] = []
+
+    def _scheduler_seconds(self) -> tuple[float, float]:
+        info = self.engine.get_server_info()
+        return info["step_seconds"], info["forward_seconds"]
 
     def generate(self, prompts: list[list[int]]) -> float:
         """Seconds to generate for ``prompts``, from an empty prefix cache."""
@@ -238,10 +290,14 @@ class EngineSide:
         flushed = self.engine.flush_cache()
         if not getattr(flushed, "success", True):
             raise RuntimeError(f"the prefix cache could not be flushed: {flushed.message}")
+        step_before, forward_before = self._scheduler_seconds()
         start = time.perf_counter()
         outs = self.engine.generate(input_ids=prompts, sampling_params=self.params)
         elapsed = time.perf_counter() - start
+        step_after, forward_after = self._scheduler_seconds()
+        self.step_split.append((step_after - step_before, forward_after - forward_before))
         self.outputs = [list(o["output_ids"]) for o in outs]
+        _check_lengths(self.name, self.outputs, self.settings.output_len)
         return elapsed
 
     def warm_up(self, prompts: list[list[int]]) -> None:
@@ -290,6 +346,7 @@ class TransformersSide:
             outputs += self._generate_batch(prompts[first:first + size])
         elapsed = time.perf_counter() - start
         self.outputs = outputs
+        _check_lengths(self.name, outputs, self.settings.output_len)
         return elapsed
 
     def warm_up(self, prompts: list[list[int]]) -> None:
@@ -366,13 +423,13 @@ def run_benchmark(settings: OfflineBenchSettings, output_dir: str | Path,
     if model_dir is None:
         with tempfile.TemporaryDirectory(prefix="framework-bench-") as tmp:
             return run_benchmark(settings, output_dir, engine_args, Path(tmp))
-    write_model_dir(settings, model_dir)
-    prompts = make_prompts(settings, model_dir)
     threads = settings.resolved_threads()
-    print(f"{settings.num_prompts} prompts of {min(map(len, prompts))}-"
-          f"{max(map(len, prompts))} tokens, {settings.output_len} output tokens each, "
-          f"{threads} torch thread(s)", flush=True)
-    with torch_threads(threads):
+    with _quiet_transformers(), _using_torch_threads(threads):
+        write_model_dir(settings, model_dir)
+        prompts = make_prompts(settings, model_dir)
+        print(f"{settings.num_prompts} prompts of {min(map(len, prompts))}-"
+              f"{max(map(len, prompts))} tokens, {settings.output_len} output tokens each, "
+              f"{threads} torch thread(s)", flush=True)
         result = _measure(settings, model_dir, prompts, threads, engine_args or {})
     identical = result.identical_outputs()
     print(f"greedy outputs identical on {identical} of {len(prompts)} prompts", flush=True)
@@ -387,7 +444,7 @@ def _measure(settings: OfflineBenchSettings, model_dir: Path, prompts: list[list
     ceiling = CeilingSide(transformers_side.model, settings)
     engine = EngineSide(model_dir, settings, threads, engine_args)
     try:
-        sides: list[Any] = [engine, transformers_side, ceiling]
+        sides: list[BenchSide] = [engine, transformers_side, ceiling]
         for side in sides:
             side.warm_up(prompts)
         times: dict[str, list[float]] = {side.name: [] for side in sides}
@@ -404,8 +461,12 @@ def _measure(settings: OfflineBenchSettings, model_dir: Path, prompts: list[list
             for name, runs in times.items()]
     for row in rows:
         print(_format_row(row), flush=True)
+    engine_runs = times[engine.name]
+    best_step, best_forward = engine.step_split[1:][engine_runs.index(min(engine_runs))]
+    print(f"engine: non-model time {1 - best_forward / best_step:.1%} of step time "
+          f"({best_step:.3f} s of steps, {best_forward:.3f} s in the model)", flush=True)
     return OfflineBenchResult(settings, threads, rows, prompts, engine.outputs,
-                              transformers_side.outputs)
+                              transformers_side.outputs, best_step, best_forward)
 
 
 def _format_row(row: OfflineBenchRow) -> str:
@@ -416,7 +477,7 @@ def _format_row(row: OfflineBenchRow) -> str:
 def ratios(rows: list[OfflineBenchRow]) -> dict[str, float]:
     """Engine over transformers, and the Engine's fraction of the ceiling (output tokens/s)."""
     rate = {r.side: r.output_tokens_per_s for r in rows}
-    out = {}
+    out: dict[str, float] = {}
     if "engine" in rate and "transformers" in rate:
         out["engine_vs_transformers"] = rate["engine"] / rate["transformers"]
     if "engine" in rate and "ceiling" in rate:
@@ -472,6 +533,9 @@ def render_markdown(result: OfflineBenchResult) -> str:
         lines.append(f"The Engine reaches {gains['engine_of_ceiling']:.1%} of the ceiling.")
     lines.append(f"Greedy outputs identical on {result.identical_outputs()} of "
                  f"{len(result.prompts)} prompts.")
+    lines.append(f"Engine, best run: {result.engine_step_seconds:.3f} s of Scheduler steps, "
+                 f"{result.engine_forward_seconds:.3f} s of them in the model forward; "
+                 f"non-model time {result.non_model_fraction:.1%} of step time.")
     return "\n".join(lines) + "\n"
 
 
@@ -479,8 +543,8 @@ def render_markdown(result: OfflineBenchResult) -> str:
 
 # flag name -> (settings field, type, help)
 _FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
-    "--layers": ("layers", int, "decoder layers"),
-    "--hidden": ("hidden", int, "hidden size (intermediate: 3×)"),
+    "--layers": ("layers", int, "decoder layers of the random Llama"),
+    "--hidden": ("hidden", int, "hidden size (the MLP is 3× as wide)"),
     "--num-prompts": ("num_prompts", int, "prompts, all generated for at once"),
     "--output-len": ("output_len", int, "greedy output tokens per prompt"),
     "--hf-batch-size": ("hf_batch_size", int, "prompts per transformers generate call"),

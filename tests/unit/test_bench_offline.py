@@ -1,0 +1,104 @@
+"""`framework bench offline`: a quick run writes its results, and both sides compute the same."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework.bench.offline import (
+    CSV_COLUMNS,
+    SIDES,
+    OfflineBenchResult,
+    OfflineBenchSettings,
+    run_benchmark,
+    settings_from_args,
+)
+from framework.cli import build_parser
+
+NEAR_TIE = 1e-3  # the project's rule for comparing greedy outputs (docs: DESIGN)
+
+
+def agreed_length(hf_model: object, prompt: list[int], tokens: list[int]) -> int:
+    """How many of transformers' ``tokens`` come before the first near-tie of its logits."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+    top2 = logits.topk(2, dim=-1).values
+    close = ((top2[:, 0] - top2[:, 1]) < NEAR_TIE).nonzero()
+    return int(close[0]) if len(close) else len(tokens)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[OfflineBenchResult, Path]:
+    """One quick run (Engine in threads over inproc), its output and model directories."""
+    root = tmp_path_factory.mktemp("offline")
+    model_dir, output_dir = root / "model", root / "results"
+    model_dir.mkdir()
+    result = run_benchmark(OfflineBenchSettings.quick(), output_dir,
+                           engine_args={"launch_mode": "thread", "transport": "inproc"},
+                           model_dir=model_dir)
+    return result, model_dir
+
+
+def test_quick_run_writes_every_side_with_a_positive_rate(
+        quick_run: tuple[OfflineBenchResult, Path]) -> None:
+    result, _ = quick_run
+    output_dir = result.paths[0].parent
+    assert sorted(p.name for p in result.paths) == ["offline.csv", "offline.md"]
+    with (output_dir / "offline.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    repeats = result.settings.repeats
+    assert list(rows[0]) == [*CSV_COLUMNS, *(f"run_{i}_seconds" for i in range(1, repeats + 1))]
+    assert [r["side"] for r in rows] == list(SIDES)
+    for row in rows:
+        runs = [float(row[f"run_{i}_seconds"]) for i in range(1, repeats + 1)]
+        assert float(row["output_tokens_per_s"]) > 0
+        assert float(row["best_seconds"]) == min(runs) > 0
+    report = (output_dir / "offline.md").read_text()
+    assert "Machine:" in report and "commit" in report
+    assert "× transformers" in report and "of the ceiling" in report
+    # The Scheduler's step time of the best run, and the model forward's share of it.
+    assert 0 < result.engine_forward_seconds < result.engine_step_seconds
+    assert "non-model time" in report
+
+
+def test_engine_and_transformers_produce_the_same_greedy_tokens(
+        quick_run: tuple[OfflineBenchResult, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    result, model_dir = quick_run
+    n, length = result.settings.num_prompts, result.settings.output_len
+    assert len(result.engine_outputs) == len(result.transformers_outputs) == n
+    assert all(len(t) == length for t in result.engine_outputs + result.transformers_outputs)
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt, engine, reference in zip(result.prompts, result.engine_outputs,
+                                         result.transformers_outputs, strict=True):
+        agreed = agreed_length(hf_model, prompt, reference)
+        assert engine[:agreed] == reference[:agreed]
+    # Near-ties aside, whole outputs match: on a few prompts at the very least.
+    assert result.identical_outputs() >= min(3, n)
+
+
+def test_cli_knows_the_benchmark_and_applies_flags_over_quick() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["bench", "offline", "--quick", "--repeats", "1",
+                              "--torch-threads", "2", "--output", "x"])
+    assert args.output == "x"
+    assert settings_from_args(args) == dataclasses.replace(
+        OfflineBenchSettings.quick(), repeats=1, torch_threads=2)
+    defaults = parser.parse_args(["bench", "offline"])
+    assert defaults.output == "benchmarks/results/offline"
+    assert settings_from_args(defaults) == OfflineBenchSettings(
+        layers=4, hidden=256, heads=4, num_prompts=64, output_len=48, hf_batch_size=16,
+        repeats=3)
+
+
+@pytest.mark.parametrize(("change", "field"), [({"hidden": 30}, "hidden"),
+                                               ({"repeats": 0}, "repeats"),
+                                               ({"torch_threads": 0}, "torch_threads")])
+def test_impossible_settings_are_refused_by_name(change: dict[str, int], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(OfflineBenchSettings(), **change).check()
