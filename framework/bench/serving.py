@@ -570,6 +570,25 @@ async def run_requests(client: httpx.AsyncClient, prompts: Sequence[Prompt],
     return RunOutcome(records, duration, peak, hit_limit)
 
 
+async def scheduler_seconds(client: httpx.AsyncClient, timeout: float
+                            ) -> tuple[float, float] | None:
+    """This project's Scheduler step and model-forward seconds so far; None elsewhere."""
+    try:
+        info = (await _get_json(client, "/get_server_info", timeout)).get("scheduler") or {}
+        return float(info["step_seconds"]), float(info["forward_seconds"])
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return None
+
+
+def step_split(before: tuple[float, float] | None, after: tuple[float, float] | None
+               ) -> dict[str, float] | None:
+    """The run's Scheduler step seconds, model seconds and non-model share, when known."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    step, forward = after[0] - before[0], after[1] - before[1]
+    return {"step_s": step, "forward_s": forward, "non_model_fraction": 1 - forward / step}
+
+
 async def _run(settings: ServingBenchSettings) -> tuple[RunOutcome, dict[str, Any]]:
     async with make_client(settings) as client:
         server = await probe_server(client, settings)
@@ -579,8 +598,12 @@ async def _run(settings: ServingBenchSettings) -> tuple[RunOutcome, dict[str, An
         if server.max_model_len is not None and longest > server.max_model_len:
             raise ValueError(f"a prompt and its output need up to {longest} tokens, more than "
                              f"the model's context length {server.max_model_len}")
+        timeout = min(settings.request_timeout, _PROBE_TIMEOUT)
+        before = await scheduler_seconds(client, timeout)
         outcome = await run_requests(client, prompts, server, settings)
+        after = await scheduler_seconds(client, timeout)
     context = {
+        "scheduler_time": step_split(before, after),
         "base_url": settings.root_url, "model": server.model,
         "stream_interval": server.stream_interval,
         "calibration": asdict(calibration), "max_in_flight": outcome.max_in_flight,
@@ -632,6 +655,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"{name:<6}" + "".join(f"{_ms(stats[k]):>10}"
                                             for k in ("mean", "p50", "p90", "p99")))
     lines += [f"error ({count}x): {error}" for error, count in s["errors"].items()]
+    if s["scheduler_time"]:
+        split = s["scheduler_time"]
+        lines.append(f"scheduler: {split['step_s']:.3f} s of steps, {split['forward_s']:.3f} s "
+                     f"in the model; non-model time {split['non_model_fraction']:.1%}")
     if s["short_outputs"]:
         lines.append(f"note: {s['short_outputs']} requests returned another number of tokens "
                      "than they asked for")
@@ -683,6 +710,11 @@ def render_markdown(summary: dict[str, Any]) -> str:
     ]
     lines += [f"| {name} | " + " | ".join(_ms(stats[k]) for k in ("mean", "p50", "p90", "p99"))
               + " |" for name, stats in _latency_rows(s)]
+    if s["scheduler_time"]:
+        split = s["scheduler_time"]
+        lines += ["", f"Server's Scheduler during the run: {split['step_s']:.3f} s of steps, "
+                      f"{split['forward_s']:.3f} s of them in the model forward (non-model "
+                      f"time {split['non_model_fraction']:.1%} of step time)."]
     if s["errors"]:
         lines += ["", "| error | requests |", "|---|---:|"]
         lines += [f"| {error} | {count} |" for error, count in s["errors"].items()]

@@ -87,6 +87,8 @@ def test_poisson_arrivals_under_a_concurrency_bound(server: ServerProcess, tmp_p
     summary = json.loads((tmp_path / "rate.json").read_text())
     check_consistent(read_records(tmp_path / "rate.jsonl"), summary, 8)
     assert summary["model"] == "tiny" and summary["stream_interval"] == 2
+    split = summary["scheduler_time"]  # read from the server's /get_server_info
+    assert 0 < split["forward_s"] < split["step_s"]
     assert 1 <= summary["max_in_flight"] <= 4
     assert summary["settings"]["request_rate"] == 50
     assert "8 completed, 0 failed" in out and "TTFT" in out
