@@ -56,6 +56,7 @@ class ForwardBatch:
     seq_lens_cpu: list[int] | None = None
     extend_prefix_lens_cpu: list[int] | None = None
     extend_seq_lens_cpu: list[int] | None = None
+    req_pool_indices_cpu: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +67,8 @@ class ForwardBatch:
         """Fill the host copies of the lengths that are still ``None`` (one sync each)."""
         if self.seq_lens_cpu is None:
             self.seq_lens_cpu = self.seq_lens.tolist()
+        if self.req_pool_indices_cpu is None:
+            self.req_pool_indices_cpu = self.req_pool_indices.tolist()
         if self.forward_mode.is_extend():
             if self.extend_seq_lens is None or self.extend_prefix_lens is None:
                 raise ValueError("an EXTEND batch needs extend_seq_lens and extend_prefix_lens")

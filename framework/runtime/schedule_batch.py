@@ -53,12 +53,14 @@ class ScheduledBatch:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
+        rows = [r.req_pool_idx for r in self.reqs]
+
         return ForwardBatch(
             forward_mode=self.mode,
             batch_size=len(self.reqs),
             input_ids=tensor(input_ids),
             positions=tensor(positions),
-            req_pool_indices=tensor([r.req_pool_idx for r in self.reqs]),
+            req_pool_indices=tensor(rows),
             seq_lens=tensor(seq_lens),
             out_cache_loc=out_cache_loc.to(device),
             extend_prefix_lens=tensor(prefix_lens) if extend else None,
@@ -66,4 +68,5 @@ class ScheduledBatch:
             seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=prefix_lens if extend else None,
             extend_seq_lens_cpu=list(self.extend_lens) if extend else None,
+            req_pool_indices_cpu=rows,
         )

@@ -5,6 +5,11 @@ the Scheduler, keeps one state per request id and wakes the waiting caller
 each time the Detokenizer (text) or the Scheduler (embeddings) answers. A
 caller that stops listening (a client that disconnected) aborts its request
 in the Scheduler, which frees its KV slots.
+
+Everything bound for the Scheduler goes through one ``SchedulerOutbox``, so
+requests and aborts leave in the order they were handed over, and an abort
+(which comes from code that cannot await) never makes the event loop wait for
+room in a full channel.
 """
 
 from __future__ import annotations
@@ -14,10 +19,11 @@ import contextlib
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from framework.comm.codec import CodecError
 from framework.comm.transport import Receiver, Transport, TransportError
 from framework.config import PortArgs, ServerArgs
 from framework.messages import (
@@ -42,6 +48,12 @@ logger = logging.getLogger("framework.tokenizer_manager")
 
 # Texts longer than this are tokenized in a worker thread so the event loop stays free.
 _INLINE_TOKENIZE_CHARS = 2048
+# On close, how long messages still queued for the Scheduler may take to go out. The
+# Scheduler is normally stopped by then, which makes a send fail at once; this bounds the
+# case of a live Scheduler that does not read.
+_CLOSE_FLUSH_S = 1.0
+# What an abort tells the Scheduler when a request's caller went away before its end.
+_GONE = "the client disconnected"
 
 
 class RequestError(ValueError):
@@ -59,6 +71,19 @@ class GenerateRequest:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     rid: str | None = None
+
+
+@dataclass
+class PreparedRequest:
+    """A ``GenerateRequest`` that passed every check, with its prompt's token ids.
+
+    ``TokenizerManager.prepare`` makes one; a caller that fans one API request out
+    into several prepares them all before sending any, so that one bad part
+    refuses the whole request while nothing is running yet.
+    """
+
+    req: GenerateRequest
+    input_ids: list[int]
 
 
 @dataclass
@@ -98,6 +123,128 @@ class ReqState:
         return self.finished_reason is not None
 
 
+class SchedulerOutbox:
+    """Sends messages to the Scheduler one at a time, in the order they were handed over.
+
+    A send may have to wait for room (a full shm ring), so one task of the event
+    loop does the sending and awaits the async send. Callers of ``send`` wait for
+    their message to be sent (and get its error); ``put_nowait`` is for code that
+    cannot await, such as the ``finally`` of a task cancelled when its client
+    disconnected: its message goes out as soon as everything before it has.
+    """
+
+    def __init__(self, send: Callable[[Message], Awaitable[None]]) -> None:
+        self._send = send
+        # Each message with the future its caller waits on (None: nobody waits).
+        self._queue: deque[tuple[Message, asyncio.Future[None] | None]] = deque()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._sending = False
+        self._closed = False
+
+    @property
+    def pending(self) -> int:
+        """Messages handed over and not sent yet (the one being sent included)."""
+        return len(self._queue) + self._sending
+
+    def start(self) -> None:
+        """Start the sending task on the running event loop (again if it ended)."""
+        if not self._closed and (self._task is None or self._task.done()):
+            self._task = asyncio.create_task(self._run(), name="scheduler-outbox")
+
+    async def send(self, msg: Message) -> None:
+        """Send ``msg`` after everything handed over before it; raise what the send raised.
+
+        A caller cancelled before its message went out withdraws it; once it is
+        going out, it is finished (half a message would corrupt the channel).
+        """
+        if self._closed:
+            raise TransportError("the channel to the Scheduler is closed")
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.append((msg, done))
+        self._kick()
+        await done
+
+    def put_nowait(self, msg: Message) -> None:
+        """Queue ``msg`` and return at once; it goes out in order, when there is room."""
+        if self._closed:
+            # Shutting down: the Scheduler is stopping too, and takes its requests with it.
+            logger.debug("%s not sent: the channel to the Scheduler is closed",
+                         type(msg).__name__)
+            return
+        self._queue.append((msg, None))
+        self._kick()
+
+    def _kick(self) -> None:
+        self.start()  # a manager used before start() still sends
+        self._wakeup.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._queue:
+                msg, done = self._queue.popleft()
+                if done is not None and done.done():
+                    continue  # withdrawn: its caller was cancelled before it went out
+                await self._send_one(msg, done)
+
+    async def _send_one(self, msg: Message, done: asyncio.Future[None] | None) -> None:
+        self._sending = True
+        try:
+            await self._send(msg)
+        except asyncio.CancelledError:  # close() gave up on it
+            if done is None:
+                logger.warning("%s for the Scheduler was dropped on close", type(msg).__name__)
+            _fail(done, TransportError("the channel to the Scheduler closed while sending"))
+            raise
+        except Exception as exc:
+            if done is None:
+                logger.error("could not send %s to the Scheduler: %s", type(msg).__name__, exc)
+            _fail(done, exc)
+        else:
+            if done is not None and not done.done():
+                done.set_result(None)
+        finally:
+            self._sending = False
+
+    async def close(self, timeout: float = _CLOSE_FLUSH_S) -> None:
+        """Let queued messages go out for up to ``timeout`` s, then stop the task.
+
+        Callers still waiting get a ``TransportError``; aborts that could not go
+        out are logged (the Scheduler is normally stopped by now).
+        """
+        self._closed = True
+        task, self._task = self._task, None
+        if task is None:
+            self._fail_queued()
+            return
+        deadline = asyncio.get_running_loop().time() + timeout
+        # Polling is fine here: it runs once, at shutdown, for at most ``timeout``.
+        while self.pending and not task.done() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        dropped = 0
+        while self._queue:
+            _, done = self._queue.popleft()
+            if done is None:
+                dropped += 1
+            _fail(done, TransportError("the channel to the Scheduler closed"))
+        if dropped:
+            logger.warning("%d aborts for the Scheduler were dropped on close", dropped)
+
+
+def _fail(done: asyncio.Future[None] | None, exc: BaseException) -> None:
+    """Hand ``exc`` to the caller waiting on ``done``, if one still waits."""
+    if done is not None and not done.done():
+        done.set_exception(exc)
+
+
 class TokenizerManager:
     """Tokenizes, dispatches and tracks requests; one instance per server or Engine."""
 
@@ -125,6 +272,8 @@ class TokenizerManager:
         self.rpc = transport.client(port_args.rpc, create_codec(codec))
         self.rid_to_state: dict[str, ReqState] = {}
         self.last_metrics: SchedulerMetrics | None = None
+        # Requests and aborts leave through it in order, without ever blocking the loop.
+        self.outbox = SchedulerOutbox(self._send_to_scheduler)
         self._tasks: list[asyncio.Task[None]] = []
         self._rpc_lock: asyncio.Lock | None = None
         self.dead_reason: str | None = None
@@ -139,6 +288,7 @@ class TokenizerManager:
             (self.recv_metrics, self.handle_output),
         ]
         self._tasks = [asyncio.create_task(self._receive_loop(r, h)) for r, h in handlers]
+        self.outbox.start()
 
     async def _receive_loop(self, receiver: Receiver, handle: Callable[[Message], None]) -> None:
         while True:
@@ -160,7 +310,8 @@ class TokenizerManager:
                 state.event.set()
 
     async def close(self) -> None:
-        """Stop the receive loops and close every channel end."""
+        """Flush (briefly) what is queued for the Scheduler, stop the loops, close every end."""
+        await self.outbox.close(_CLOSE_FLUSH_S)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -205,12 +356,8 @@ class TokenizerManager:
         if self.dead_reason is not None:
             raise RuntimeError(f"the runtime is down: {self.dead_reason}")
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
-        """Send ``req`` and yield an output dict each time new text arrives (once if not streaming).
-
-        Leaving the iteration early (the client disconnected) aborts the request.
-        """
-        self._check_alive()
+    def check_request(self, req: GenerateRequest) -> None:
+        """Refuse (``RequestError``) a request whose values are out of range; no tokenizing."""
         try:
             req.sampling_params.verify(self.vocab_size)
             check_top_logprobs_num(req.top_logprobs_num)
@@ -222,18 +369,39 @@ class TokenizerManager:
             # The OpenAI routes fan n out into n requests; one request is one sequence.
             raise RequestError("n > 1 is served by /v1/completions and /v1/chat/completions; "
                                "send n requests (with different seeds) instead")
-        input_ids = await self._input_ids(req.text, req.input_ids)
+
+    async def prepare(self, req: GenerateRequest) -> PreparedRequest:
+        """Check ``req`` and tokenize its prompt; every refusal happens here, before sending."""
+        self._check_alive()
+        self.check_request(req)
+        if req.rid is not None and req.rid in self.rid_to_state:
+            # Checked again when it is registered; here it is refused before any part is sent.
+            raise RequestError(f"request id {req.rid!r} is already in use")
+        return PreparedRequest(req, await self._input_ids(req.text, req.input_ids))
+
+    async def generate(self, req: GenerateRequest | PreparedRequest
+                       ) -> AsyncIterator[dict[str, Any]]:
+        """Send ``req`` and yield an output dict each time new text arrives (once if not streaming).
+
+        Leaving the iteration early (the client disconnected) aborts the request;
+        so does a send that fails, and the request's state is gone either way.
+        """
+        self._check_alive()
+        prepared = req if isinstance(req, PreparedRequest) else await self.prepare(req)
+        req = prepared.req
         rid = req.rid or uuid.uuid4().hex
-        if rid in self.rid_to_state:
-            raise RequestError(f"request id {rid!r} is already in use")
-        state = ReqState(prompt_tokens=len(input_ids))
-        self.rid_to_state[rid] = state
-        await self.send_to_scheduler.send(TokenizedGenerateReqInput(
-            rid=rid, input_text=req.text or "", input_ids=input_ids,
-            sampling_params=req.sampling_params, stream=req.stream,
-            return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
-        ))
+        state = self._register(rid, len(prepared.input_ids))
+        reached = True  # whether the Scheduler may hold the request (then it must be aborted)
         try:
+            try:
+                await self.outbox.send(TokenizedGenerateReqInput(
+                    rid=rid, input_text=req.text or "", input_ids=prepared.input_ids,
+                    sampling_params=req.sampling_params, stream=req.stream,
+                    return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
+                ))
+            except CodecError:
+                reached = False  # it failed to encode: nothing was written
+                raise
             while True:
                 await state.event.wait()
                 state.event.clear()
@@ -244,13 +412,11 @@ class TokenizerManager:
                     if chunk.finished_reason is not None:
                         return
         finally:
-            self.rid_to_state.pop(rid, None)
-            if not state.finished:
-                self.abort_nowait(rid, "the client disconnected")
+            self._release(rid, state, reached)
 
-    async def generate_one(self, req: GenerateRequest) -> dict[str, Any]:
+    async def generate_one(self, req: GenerateRequest | PreparedRequest) -> dict[str, Any]:
         """The final output of a non-streaming request."""
-        req.stream = False
+        (req.req if isinstance(req, PreparedRequest) else req).stream = False
         async for out in self.generate(req):
             return out
         raise RuntimeError("generation ended without an output")
@@ -261,28 +427,62 @@ class TokenizerManager:
         self._check_alive()
         ids = await self._input_ids(text, input_ids)
         rid = uuid.uuid4().hex
-        state = ReqState(prompt_tokens=len(ids))
-        self.rid_to_state[rid] = state
+        state = self._register(rid, len(ids))
+        reached = True
         try:
-            await self.send_to_scheduler.send(
-                TokenizedEmbeddingReqInput(rid=rid, input_text=text or "", input_ids=ids))
+            try:
+                await self.outbox.send(
+                    TokenizedEmbeddingReqInput(rid=rid, input_text=text or "", input_ids=ids))
+            except CodecError:
+                reached = False
+                raise
             while not state.finished:
                 await state.event.wait()
                 state.event.clear()
         finally:
-            self.rid_to_state.pop(rid, None)
-            if not state.finished:
-                self.abort_nowait(rid, "the client disconnected")
+            self._release(rid, state, reached)
         meta = self.meta_info(rid, state, state.chunks[-1] if state.chunks else None)
         return {"embedding": state.embedding, "meta_info": meta}
 
-    def abort_nowait(self, rid: str, reason: str = "aborted by the client") -> None:
-        """Ask the Scheduler to abort ``rid`` and free its slots.
+    def _register(self, rid: str, prompt_tokens: int) -> ReqState:
+        """A new state for ``rid``; everything after this must end in ``_release``."""
+        if rid in self.rid_to_state:
+            raise RequestError(f"request id {rid!r} is already in use")
+        state = ReqState(prompt_tokens=prompt_tokens)
+        self.rid_to_state[rid] = state
+        return state
 
-        Never awaits, so it also works from a ``finally`` of a cancelled task
-        (a client that disconnected).
+    def _release(self, rid: str, state: ReqState, reached: bool) -> None:
+        """Forget ``rid``; abort it in the Scheduler if it may be there and is not finished."""
+        if self.rid_to_state.get(rid) is state:
+            del self.rid_to_state[rid]
+        if reached and not state.finished:
+            self.abort_nowait(rid, _GONE)
+
+    async def dispatch(self, msg: Message) -> None:
+        """Send ``msg`` to the Scheduler after every request and abort handed over before it."""
+        await self.outbox.send(msg)
+
+    def abort_nowait(self, rid: str, reason: str = "aborted by the client") -> None:
+        """Ask the Scheduler to abort ``rid`` and free its slots; returns at once.
+
+        Never awaits nor waits for room in the channel, so it also works from a
+        ``finally`` of a cancelled task (a client that disconnected): the abort
+        is queued behind what was handed over before it and goes out as soon as
+        the channel takes it.
         """
-        self.send_to_scheduler.send_nowait(AbortReq(rid=rid, reason=reason))
+        msg = AbortReq(rid=rid, reason=reason)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            # No event loop in this thread, so nothing to hold up: send right here.
+            self.send_to_scheduler.send_nowait(msg)
+            return
+        self.outbox.put_nowait(msg)
+
+    async def _send_to_scheduler(self, msg: Message) -> None:
+        """The outbox's one way out (override to observe or reroute what is sent)."""
+        await self.send_to_scheduler.send(msg)
 
     # ------------------------------------------------------------------ outputs
 

@@ -20,7 +20,12 @@ from starlette.routing import Route
 
 from framework.config import ServerArgs
 from framework.messages import AbortReq
-from framework.runtime.tokenizer_manager import GenerateRequest, RequestError, TokenizerManager
+from framework.runtime.tokenizer_manager import (
+    GenerateRequest,
+    PreparedRequest,
+    RequestError,
+    TokenizerManager,
+)
 from framework.sampling_params import SamplingParams, check_top_logprobs_num
 from framework.server import openai as oai
 from framework.server.sse import error_body, sse_event, sse_stream
@@ -28,6 +33,7 @@ from framework.server.sse import error_body, sse_event, sse_stream
 logger = logging.getLogger("framework.server")
 
 S = TypeVar("S", bound=msgspec.Struct)
+T = TypeVar("T")
 _json = msgspec.json.Encoder()
 
 
@@ -90,8 +96,36 @@ def _handler(fn: Handler) -> Handler:
     return wrapped
 
 
+async def _gather_or_cancel(coros: list[Awaitable[T]]) -> list[T]:
+    """Await every part of a fanned-out request; if one fails, cancel the others first.
+
+    A cancelled part's ``finally`` aborts its request in the Scheduler, so no sibling
+    keeps generating (and holding KV slots) for an answer that will never be sent.
+    Cancelling this call (the client went away) cancels every part the same way.
+    """
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        pending = [t for t in tasks if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+    # exception() also marks every failure as retrieved, so none is logged as lost.
+    failures = [t.exception() for t in tasks if not t.cancelled()]
+    first = next((exc for exc in failures if exc is not None), None)
+    if first is not None:
+        raise first
+    return [t.result() for t in tasks]
+
+
 def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
-    """Interleave several async iterators, tagging each item with its stream's index."""
+    """Interleave several async iterators, tagging each item with its stream's index.
+
+    If one fails, or the caller stops iterating, the others are cancelled, which
+    aborts their requests.
+    """
 
     async def merged() -> AsyncIterator[tuple[int, Any]]:
         queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
@@ -135,18 +169,32 @@ class Routes:
 
     # ------------------------------------------------------------------ helpers
 
-    def _requests(self, prompts: list[tuple[str | None, list[int] | None]],
-                  params: SamplingParams, stream: bool, logprobs: int | None,
-                  ) -> list[GenerateRequest]:
-        """One GenerateRequest per prompt and choice (``n``), seeds offset per choice."""
+    async def _prepare_all(self, prompts: list[tuple[str | None, list[int] | None]],
+                           params: SamplingParams, stream: bool, logprobs: int | None,
+                           ) -> list[PreparedRequest]:
+        """One checked request per prompt and choice (``n``), seeds offset per choice.
+
+        Every part is checked (and its prompt tokenized, once for all its choices)
+        before any is sent, so that one refused part refuses the whole request with
+        a 400 while none of it runs.
+        """
+
+        def request(text: str | None, ids: list[int] | None, choice: int) -> GenerateRequest:
+            return GenerateRequest(
+                text=text, input_ids=ids, sampling_params=params.for_choice(choice),
+                stream=stream, return_logprob=logprobs is not None,
+                top_logprobs_num=logprobs or 0,
+            )
+
+        firsts = await asyncio.gather(*(self.tm.prepare(request(text, ids, 0))
+                                        for text, ids in prompts))
         out = []
-        for text, ids in prompts:
-            for choice in range(params.n):
-                out.append(GenerateRequest(
-                    text=text, input_ids=ids, sampling_params=params.for_choice(choice),
-                    stream=stream,
-                    return_logprob=logprobs is not None, top_logprobs_num=logprobs or 0,
-                ))
+        for (text, ids), first in zip(prompts, firsts):
+            out.append(first)
+            for choice in range(1, params.n):
+                req = request(text, ids, choice)
+                self.tm.check_request(req)
+                out.append(PreparedRequest(req, first.input_ids))
         return out
 
     def _check_model(self, model: str | None) -> None:
@@ -158,14 +206,9 @@ class Routes:
         if self.state.is_embedding:
             raise RequestError("this model is an embedding model; use /v1/embeddings")
 
-    async def _first_outputs(self, reqs: list[GenerateRequest]) -> list[dict[str, Any]]:
-        """Run every request to completion (validating all before the first is sent)."""
-        for req in reqs:
-            try:
-                req.sampling_params.verify()
-            except ValueError as exc:
-                raise RequestError(str(exc)) from None
-        return list(await asyncio.gather(*(self.tm.generate_one(r) for r in reqs)))
+    async def _first_outputs(self, reqs: list[PreparedRequest]) -> list[dict[str, Any]]:
+        """Run every (checked) part to completion; one that fails cancels the others."""
+        return await _gather_or_cancel([self.tm.generate_one(r) for r in reqs])
 
     # ------------------------------------------------------------------ OpenAI
 
@@ -176,7 +219,7 @@ class Routes:
         params = body.sampling_params(body.max_tokens, 16)
         params.verify(self.tm.vocab_size)
         prompts = oai.split_prompts(body.prompt, "prompt", self.tm.vocab_size)
-        reqs = self._requests(prompts, params, body.stream, body.top_logprobs_num())
+        reqs = await self._prepare_all(prompts, params, body.stream, body.top_logprobs_num())
         prefix = [p[0] or "" for p in prompts] if body.echo else None
         if body.stream:
             return self._stream_completions(body, reqs, prefix, params.n)
@@ -203,7 +246,7 @@ class Routes:
         cached = sum(m["cached_tokens"] for m in metas[::n])
         return oai.usage(prompt, completion, cached)
 
-    def _stream_completions(self, body: oai.CompletionRequest, reqs: list[GenerateRequest],
+    def _stream_completions(self, body: oai.CompletionRequest, reqs: list[PreparedRequest],
                             prefix: list[str] | None, n: int) -> Response:
         cid, created = oai.new_id("cmpl"), oai.now()
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -247,7 +290,8 @@ class Routes:
         params = body.sampling_params(body.max_completion_tokens or body.max_tokens,
                                       self.state.context_len)
         params.verify(self.tm.vocab_size)
-        reqs = self._requests([(None, prompt)], params, body.stream, body.top_logprobs_num())
+        reqs = await self._prepare_all([(None, prompt)], params, body.stream,
+                                       body.top_logprobs_num())
         if body.stream:
             return self._stream_chat(body, reqs, params.n)
         outputs = await self._first_outputs(reqs)
@@ -280,7 +324,7 @@ class Routes:
             ids = ids["input_ids"]
         return list(ids)
 
-    def _stream_chat(self, body: oai.ChatCompletionRequest, reqs: list[GenerateRequest],
+    def _stream_chat(self, body: oai.ChatCompletionRequest, reqs: list[PreparedRequest],
                      n: int) -> Response:
         cid, created = oai.new_id("chatcmpl"), oai.now()
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -319,8 +363,8 @@ class Routes:
         if body.encoding_format not in ("float", "base64"):
             raise RequestError("encoding_format must be 'float' or 'base64'")
         items = oai.split_prompts(body.input)
-        results = await asyncio.gather(*(self.tm.embed(text=t, input_ids=ids)
-                                         for t, ids in items))
+        results = await _gather_or_cancel([self.tm.embed(text=t, input_ids=ids)
+                                           for t, ids in items])
         data = []
         for i, res in enumerate(results):
             vector = np.asarray(res["embedding"], dtype=np.float32)
@@ -363,11 +407,11 @@ class Routes:
             prompts = oai.split_prompts(body.text, "text")
         else:
             prompts = oai.split_prompts(body.input_ids or [], "input_ids", self.tm.vocab_size)
-        reqs = [GenerateRequest(text=t, input_ids=ids, sampling_params=params,
-                                stream=body.stream, return_logprob=body.return_logprob,
-                                top_logprobs_num=body.top_logprobs_num,
-                                rid=None if batched else body.rid)
-                for t, ids in prompts]
+        # Every prompt is checked before any is sent: one bad prompt refuses the batch.
+        reqs = list(await asyncio.gather(*(self.tm.prepare(GenerateRequest(
+            text=t, input_ids=ids, sampling_params=params, stream=body.stream,
+            return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
+            rid=None if batched else body.rid)) for t, ids in prompts)))
         if body.stream:
             async def events() -> AsyncIterator[dict[str, Any]]:
                 async for i, out in _merge([self.tm.generate(r) for r in reqs]):
@@ -426,7 +470,7 @@ class Routes:
         body = await parse_body(request, oai.AbortBody)
         if not body.rid and not body.abort_all:
             raise RequestError("give rid or abort_all")
-        await self.tm.send_to_scheduler.send(AbortReq(
+        await self.tm.dispatch(AbortReq(
             rid=body.rid, abort_all=body.abort_all, reason="aborted by /abort_request"))
         return JSONResponse({"success": True})
 

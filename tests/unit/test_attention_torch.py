@@ -325,3 +325,55 @@ def test_forward_batch_imports_nothing_from_layers_or_the_kv_cache() -> None:
     assert upward == [], f"forward_batch.py imports {upward}"
     field_names = {field.name for field in dataclasses.fields(ForwardBatch)}
     assert field_names.isdisjoint({"req_to_token_pool", "token_to_kv_pool", "attn_backend"})
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEAD_LAYOUTS)
+def test_consecutive_decode_steps_keep_matching_the_reference(
+        num_heads: int, num_kv_heads: int) -> None:
+    """Decode steps of an unchanged batch append to kept keys; a changed batch gathers anew."""
+    generator = torch.Generator().manual_seed(7)
+    req_pool = ReqToTokenPool(size=4, max_context_len=CONTEXT_LEN, device=CPU)
+    kv_pool = MHATokenToKVPool(POOL_TOKENS, torch.float32, num_kv_heads, HEAD_DIM, 2, CPU)
+    backend = TorchNativeAttnBackend(backend_args(req_pool, kv_pool, num_heads))
+    layer = RadixAttention(num_heads, HEAD_DIM, HEAD_DIM**-0.5, num_kv_heads, layer_id=0)
+    bind_attention_backend(layer, backend)
+    free_slots = (torch.randperm(POOL_TOKENS, generator=generator) + 1).tolist()
+    rows = req_pool.alloc(3)
+    assert rows is not None
+    kv_shape = (num_kv_heads, HEAD_DIM)
+    history: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for row, prefix_len in zip(rows, [5, 1, 9], strict=True):  # a cached prefix each
+        keys = [torch.randn(kv_shape, generator=generator) for _ in range(prefix_len)]
+        values = [torch.randn(kv_shape, generator=generator) for _ in range(prefix_len)]
+        slots = torch.tensor([free_slots.pop() for _ in range(prefix_len)])
+        req_pool.req_to_token[row, :prefix_len] = slots
+        kv_pool.set_kv_buffer(0, slots, torch.stack(keys), torch.stack(values))
+        history[row] = (keys, values)
+    for step in range(7):
+        batch_rows = rows if step < 4 else rows[::2]  # a request leaves after step 3
+        queries, new_keys, new_values, new_slots = [], [], [], []
+        for row in batch_rows:
+            keys, values = history[row]
+            keys.append(torch.randn(kv_shape, generator=generator))
+            values.append(torch.randn(kv_shape, generator=generator))
+            slot = free_slots.pop()
+            req_pool.req_to_token[row, len(keys) - 1] = slot
+            new_slots.append(slot)
+            new_keys.append(keys[-1])
+            new_values.append(values[-1])
+            queries.append(torch.randn((1, num_heads, HEAD_DIM), generator=generator))
+        seq_lens = [len(history[row][0]) for row in batch_rows]
+        batch = ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=len(batch_rows),
+            input_ids=torch.zeros(len(batch_rows), dtype=torch.int64),
+            positions=torch.tensor(seq_lens) - 1, req_pool_indices=torch.tensor(batch_rows),
+            seq_lens=torch.tensor(seq_lens), out_cache_loc=torch.tensor(new_slots),
+        )
+        backend.init_forward_metadata(batch)
+        output = layer(torch.cat(queries).reshape(len(batch_rows), -1),
+                       torch.stack(new_keys).reshape(len(batch_rows), -1),
+                       torch.stack(new_values).reshape(len(batch_rows), -1), batch)
+        requests = [RequestData(row, len(history[row][0]) - 1, torch.stack(history[row][0]),
+                                torch.stack(history[row][1]), q)
+                    for row, q in zip(batch_rows, queries, strict=True)]
+        assert_matches_reference(requests, output, num_heads)

@@ -157,6 +157,7 @@ class Driver:
             seq_lens=torch.tensor([len(r.cached) for r in requests]),
             out_cache_loc=torch.cat(slots),
             seq_lens_cpu=[len(r.cached) for r in requests],
+            req_pool_indices_cpu=[r.row for r in requests],
         )
         return self._run(batch)
 
@@ -609,6 +610,7 @@ def test_the_model_forward_makes_no_host_sync(tmp_path: Path,
         seq_lens=torch.tensor(seq_lens), out_cache_loc=torch.cat(slots),
         extend_prefix_lens=torch.tensor(prefix_lens), extend_seq_lens=torch.tensor([4, 1]),
         seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=prefix_lens, extend_seq_lens_cpu=[4, 1],
+        req_pool_indices_cpu=[r.row for r in requests],
     )
     assert runner.forward(extend).next_token_logits is not None
     assert driver.decode(requests, [15, 16]) is not None

@@ -10,8 +10,13 @@ query heads read their key/value head without copies (SDPA's ``enable_gqa``).
 Everything that depends only on the batch's shape (the gather indices, the
 mask, where each packed token sits in the padded layout) is built once per
 batch in ``init_forward_metadata`` from the host copies of the lengths, so
-the layers run no Python loop over requests and no host sync. It runs on any
-device and is the baseline that faster backends are checked against.
+the layers run no Python loop over requests and no host sync.
+
+Decode steps of an unchanged batch (the same requests, each one token longer)
+keep the gathered keys and values of the previous step and only append the
+new token's, instead of gathering every request's whole history again; any
+other batch gathers afresh. It runs on any device and is the baseline that
+faster backends are checked against.
 """
 
 from __future__ import annotations
@@ -27,6 +32,29 @@ from framework.layers.attention.base import AttentionBackend, AttentionBackendAr
 if TYPE_CHECKING:
     from framework.forward_batch import ForwardBatch
     from framework.layers.attention.radix_attention import RadixAttention
+
+
+# Room for this many more tokens per request in the kept decode keys and values, so that
+# they are not reallocated at every step.
+_DECODE_HEADROOM = 64
+
+
+@dataclass
+class _DecodeKV:
+    """A decode batch's keys and values, gathered into padded tensors, kept across steps."""
+
+    req_pool_indices: list[int]
+    seq_lens: list[int]
+    capacity: int  # positions allocated per request
+    keys: dict[int, torch.Tensor]  # layer id -> [B, kv_heads, capacity, dim]
+    values: dict[int, torch.Tensor]
+    append_at: torch.Tensor | None = None  # [B] position of the new token; None: gather anew
+
+    def continues(self, req_pool_indices: list[int], seq_lens: list[int]) -> bool:
+        """Whether a decode batch is this one a token later (and still fits)."""
+        return (req_pool_indices == self.req_pool_indices
+                and all(new == old + 1 for new, old in zip(seq_lens, self.seq_lens))
+                and max(seq_lens) <= self.capacity)
 
 
 @dataclass
@@ -45,6 +73,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self, args: AttentionBackendArgs) -> None:
         super().__init__(args)
         self._layout: _BatchLayout | None = None
+        self._decode_kv: _DecodeKV | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Build the gather indices and the mask once for all layers of this batch."""
@@ -53,7 +82,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         assert seq_lens is not None  # filled above
         if forward_batch.forward_mode.is_decode():
             new_lens = [1] * len(seq_lens)
+            self._prepare_decode_kv(forward_batch, seq_lens)
         else:
+            self._decode_kv = None
             new_lens = forward_batch.extend_seq_lens_cpu
             prefix_lens = forward_batch.extend_prefix_lens_cpu
             assert new_lens is not None and prefix_lens is not None  # filled above
@@ -64,6 +95,17 @@ class TorchNativeAttnBackend(AttentionBackend):
                         f"seq_len ({seq_len})"
                     )
         self._layout = self._build_layout(forward_batch, seq_lens, new_lens)
+
+    def _prepare_decode_kv(self, forward_batch: ForwardBatch, seq_lens: list[int]) -> None:
+        indices = forward_batch.req_pool_indices_cpu
+        assert indices is not None  # filled by fill_cpu_lengths
+        kept = self._decode_kv
+        if kept is not None and kept.continues(indices, seq_lens):
+            kept.seq_lens = seq_lens
+            kept.append_at = torch.tensor(seq_lens, dtype=torch.int64, device=self.device) - 1
+            return
+        self._decode_kv = _DecodeKV(list(indices), seq_lens, max(seq_lens) + _DECODE_HEADROOM,
+                                    {}, {})
 
     def _build_layout(self, forward_batch: ForwardBatch, seq_lens: list[int],
                       new_lens: list[int]) -> _BatchLayout:
@@ -130,7 +172,10 @@ class TorchNativeAttnBackend(AttentionBackend):
             self.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         batch, num_queries = layout.kv_slots.shape[0], layout.num_queries
-        keys, values = _gather(k_buffer, layout.kv_slots), _gather(v_buffer, layout.kv_slots)
+        if self._decode_kv is not None and save_kv_cache:
+            keys, values = self._decode_keys_values(k_buffer, v_buffer, layer.layer_id, layout)
+        else:
+            keys, values = _gather(k_buffer, layout.kv_slots), _gather(v_buffer, layout.kv_slots)
         queries = q.reshape(-1, layer.num_heads, layer.head_dim).to(keys.dtype)
         if layout.token_rows is not None:
             padded = queries.new_zeros(batch * num_queries, layer.num_heads, layer.head_dim)
@@ -145,6 +190,36 @@ class TorchNativeAttnBackend(AttentionBackend):
         if layout.token_rows is not None:
             out = out[layout.token_rows]
         return out.to(q.dtype)
+
+
+    def _decode_keys_values(self, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                            layer_id: int, layout: _BatchLayout
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's kept keys and values, with the new token appended (or gathered anew)."""
+        kept = self._decode_kv
+        assert kept is not None  # checked by the caller
+        longest = layout.kv_slots.shape[1]
+        if kept.append_at is not None and layer_id in kept.keys:
+            rows = torch.arange(len(kept.seq_lens), device=self.device)
+            new_slots = layout.kv_slots[rows, kept.append_at]
+            kept.keys[layer_id][rows, :, kept.append_at] = k_buffer[new_slots]
+            kept.values[layer_id][rows, :, kept.append_at] = v_buffer[new_slots]
+        else:
+            kept.keys[layer_id] = _padded(_gather(k_buffer, layout.kv_slots), kept.capacity)
+            kept.values[layer_id] = _padded(_gather(v_buffer, layout.kv_slots), kept.capacity)
+        return kept.keys[layer_id][:, :, :longest], kept.values[layer_id][:, :, :longest]
+
+
+def _padded(gathered: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``gathered`` ``[B, H, L, D]`` in a zero-filled ``[B, H, capacity, D]`` tensor.
+
+    Zeros, not garbage: a masked key's value still enters SDPA's product with weight 0,
+    and 0 * NaN would be NaN.
+    """
+    batch, heads, length, dim = gathered.shape
+    out = gathered.new_zeros(batch, heads, capacity, dim)
+    out[:, :, :length] = gathered
+    return out
 
 
 def _gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
