@@ -2,13 +2,15 @@
 
 Each message is a tagged ``msgspec.Struct`` so that every codec can carry it:
 pickle pickles it, msgpack and json encode it by its tag. Batch outputs are
-parallel lists indexed like ``rids``. Names follow SGLang's, so readers of
-SGLang find the same vocabulary. Arrays (``numpy.ndarray``) travel as
-out-of-band frames where the codec supports it.
+indexed like ``rids``. Names follow SGLang's, so readers of SGLang find the
+same vocabulary. Arrays (``numpy.ndarray``) travel as out-of-band frames where
+the codec supports it; ``BatchTokenIDOutput`` keeps its per-token numbers in
+arrays and sends per-request constants once.
 """
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Union
 
 import msgspec
@@ -73,32 +75,102 @@ class AbortReq(Message):
 # --------------------------------------------------------------------------- outputs
 
 
+class RequestConstants(msgspec.Struct, array_like=True):
+    """What stays fixed for a request's whole life, sent with its first output only.
+
+    The Detokenizer keeps it with the request's decode state. The stop strings
+    keep a stream from showing part of one; the last prompt ids let the first
+    output token decode with the spacing it has after the prompt. Defaults
+    are ``SamplingParams``'s.
+    """
+
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    stop_strs: list[str] = msgspec.field(default_factory=list)
+    context_ids: list[int] = msgspec.field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
 class BatchTokenIDOutput(Message):
     """New token ids of a batch of requests: Scheduler → Detokenizer.
 
-    ``output_ids[i]`` are the ids request ``i`` produced since its last output;
-    the Detokenizer keeps each request's text state, so nothing is sent twice.
+    Request ``i`` is ``rids[i]``. Its ids since its last output are
+    ``output_ids[output_offsets[i]:output_offsets[i + 1]]`` (``ids_of(i)``):
+    all the batch's new ids travel as one int32 array, so a decode step costs a
+    few arrays rather than a Python object per request. ``completion_tokens[i]``
+    counts every id it has produced so far.
+
+    Sparse fields, since most requests of a step neither start nor end:
+
+    * ``finished_indices[k]`` finished for ``finished_reasons[k]``;
+    * ``new_indices[k]`` has its first output here, and ``new_constants[k]``
+      holds what the Detokenizer keeps for it until it finishes.
+
+    Logprobs, when some request of the batch asked for them (else ``None`` and
+    empty lists), are aligned with ``output_ids``: ``output_token_logprobs``
+    (float32) holds each new id's logprob, NaN for the ids of requests that did
+    not ask; ``output_top_logprobs_val`` / ``_idx`` hold each new id's top
+    alternatives as lists (the rare path: their width varies per request), an
+    empty list for ids of requests that did not ask.
     """
 
     rids: list[str]
-    finished_reasons: list[FinishReason | None]
-    output_ids: list[list[int]]
-    skip_special_tokens: list[bool]
-    spaces_between_special_tokens: list[bool]
-    no_stop_trim: list[bool]
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    cached_tokens: list[int]
-    output_token_logprobs_val: list[list[float]] = msgspec.field(default_factory=list)
-    output_token_logprobs_idx: list[list[int]] = msgspec.field(default_factory=list)
-    output_top_logprobs_val: list[list[list[float]]] = msgspec.field(default_factory=list)
-    output_top_logprobs_idx: list[list[list[int]]] = msgspec.field(default_factory=list)
-    #: Sent with a request's first output only (else empty lists; both lists are empty when
-    #: no request of the batch is new): its stop strings, so that a stream never shows part
-    #: of one, and the last prompt ids, so that the first output token decodes with the
-    #: spacing it has after the prompt.
-    stop_strs: list[list[str]] = msgspec.field(default_factory=list)
-    context_ids: list[list[int]] = msgspec.field(default_factory=list)
+    output_ids: np.ndarray
+    output_offsets: np.ndarray
+    completion_tokens: np.ndarray
+    finished_indices: list[int] = msgspec.field(default_factory=list)
+    finished_reasons: list[FinishReason] = msgspec.field(default_factory=list)
+    new_indices: list[int] = msgspec.field(default_factory=list)
+    new_constants: list[RequestConstants] = msgspec.field(default_factory=list)
+    output_token_logprobs: np.ndarray | None = None
+    output_top_logprobs_val: list[list[float]] = msgspec.field(default_factory=list)
+    output_top_logprobs_idx: list[list[int]] = msgspec.field(default_factory=list)
+
+    def ids_of(self, i: int) -> list[int]:
+        """Request ``i``'s new ids."""
+        return self.output_ids[self.output_offsets[i] : self.output_offsets[i + 1]].tolist()
+
+    def id_lists(self) -> list[list[int]]:
+        """Every request's new ids, in ``rids`` order (one conversion for the whole batch)."""
+        counts = np.diff(self.output_offsets)
+        if len(counts) and bool((counts == counts[0]).all()):
+            # A decode step's usual shape, as many new ids for each request: numpy makes
+            # the lists itself, several times faster than slicing one list per request.
+            return self.output_ids.reshape(len(counts), int(counts[0])).tolist()
+        ids = self.output_ids.tolist()
+        offsets = self.output_offsets.tolist()
+        return [ids[start:end] for start, end in pairwise(offsets)]
+
+    def finished_reason_list(self) -> list[FinishReason | None]:
+        """A finish reason per request, ``None`` for the ones still running."""
+        reasons: list[FinishReason | None] = [None] * len(self.rids)
+        for i, reason in zip(self.finished_indices, self.finished_reasons):
+            reasons[i] = reason
+        return reasons
+
+    def new_constants_by_index(self) -> dict[int, RequestConstants]:
+        """The constants of the requests whose first output this is, by request index."""
+        return dict(zip(self.new_indices, self.new_constants))
+
+    def logprobs_of(self, i: int) -> list[float]:
+        """Request ``i``'s logprobs of its new ids; empty when it did not ask for them."""
+        if self.output_token_logprobs is None:
+            return []
+        start, end = int(self.output_offsets[i]), int(self.output_offsets[i + 1])
+        values = self.output_token_logprobs[start:end]
+        # A request that did not ask has NaN for every one of its ids.
+        if end == start or np.isnan(values[0]):
+            return []
+        return values.tolist()
+
+    def top_logprobs_of(self, i: int) -> tuple[list[list[float]], list[list[int]]]:
+        """Request ``i``'s top logprobs (values, ids), one list per new id; empty if not asked."""
+        if not self.logprobs_of(i):
+            return [], []
+        start, end = int(self.output_offsets[i]), int(self.output_offsets[i + 1])
+        return self.output_top_logprobs_val[start:end], self.output_top_logprobs_idx[start:end]
 
 
 class BatchStrOutput(Message):

@@ -153,15 +153,19 @@ class SchedulerHarness:
         """Apply every output the Scheduler has sent so far."""
         for msg in self.from_scheduler.drain():
             assert isinstance(msg, BatchTokenIDOutput)
+            reasons = msg.finished_reason_list()
+            new = msg.new_constants_by_index()
             for i, rid in enumerate(msg.rids):
                 outcome = self.outcomes.setdefault(rid, Outcome())
                 assert outcome.finished_reason is None, f"{rid} got output after it finished"
-                outcome.output_ids.extend(msg.output_ids[i])
-                if msg.output_token_logprobs_val:
-                    outcome.logprobs.extend(msg.output_token_logprobs_val[i])
-                    outcome.top_logprobs.extend(msg.output_top_logprobs_val[i])
-                outcome.finished_reason = msg.finished_reasons[i]
-                outcome.cached_tokens = msg.cached_tokens[i]
+                # Constants come with the first output, and only with it.
+                assert (i in new) == (outcome.messages == 0), f"{rid}: constants misplaced"
+                if i in new:
+                    outcome.cached_tokens = new[i].cached_tokens
+                outcome.output_ids.extend(msg.ids_of(i))
+                outcome.logprobs.extend(msg.logprobs_of(i))
+                outcome.top_logprobs.extend(msg.top_logprobs_of(i)[0])
+                outcome.finished_reason = reasons[i]
                 outcome.messages += 1
         for msg in self.embeddings.drain():
             assert isinstance(msg, BatchEmbeddingOutput)

@@ -11,6 +11,8 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from framework.messages import BatchTokenIDOutput, FinishReason, RequestConstants
+
 _text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=20)
 _int = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 _float = st.floats(allow_nan=False, allow_infinity=False)
@@ -49,20 +51,70 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
 
 
 def struct_strategy(cls: type[msgspec.Struct]) -> st.SearchStrategy[Any]:
-    """Every field of ``cls`` drawn from its annotation."""
+    """Every field of ``cls`` drawn from its annotation (and laid out, where a message must be)."""
     hints = typing.get_type_hints(cls)
-    return st.builds(cls, **{name: strategy_for(hints[name]) for name in cls.__struct_fields__})
+    derived = st.builds(
+        cls, **{name: strategy_for(hints[name]) for name in cls.__struct_fields__})
+    if cls is BatchTokenIDOutput:
+        # Arbitrary arrays, and ones laid out as the Scheduler lays them out.
+        return st.one_of(derived, token_id_outputs())
+    return derived
+
+
+_token_id = st.integers(min_value=0, max_value=2**31 - 1)
+_count = st.integers(min_value=0, max_value=2**31 - 1)
+_logprob = st.floats(max_value=0.0, allow_nan=False, allow_infinity=False, width=32)
+
+
+@st.composite
+def token_id_outputs(draw: st.DrawFn) -> BatchTokenIDOutput:
+    """A ``BatchTokenIDOutput`` laid out as the Scheduler builds it.
+
+    Requests with zero or more new ids, some finished, some new (with their
+    constants), and, if any request asked, logprobs aligned with the ids (NaN
+    for the requests that did not ask).
+    """
+    per_request = draw(st.lists(st.lists(_token_id, max_size=4), max_size=6))
+    size = len(per_request)
+    indices = st.lists(st.integers(0, max(size - 1, 0)), unique=True, max_size=size)
+    finished = draw(indices)
+    new = draw(indices)
+    asked = draw(st.lists(st.booleans(), min_size=size, max_size=size))
+    msg = BatchTokenIDOutput(
+        rids=draw(st.lists(_text, min_size=size, max_size=size, unique=True)),
+        output_ids=np.array([i for ids in per_request for i in ids], dtype=np.int32),
+        output_offsets=np.cumsum([0, *map(len, per_request)], dtype=np.int32),
+        completion_tokens=np.array(
+            draw(st.lists(_count, min_size=size, max_size=size)), dtype=np.int32),
+        finished_indices=finished,
+        finished_reasons=[draw(struct_strategy(FinishReason)) for _ in finished],
+        new_indices=new,
+        new_constants=[draw(struct_strategy(RequestConstants)) for _ in new],
+    )
+    if any(asked):
+        values: list[float] = []
+        for ids, wants in zip(per_request, asked):
+            count = len(ids)
+            values += draw(st.lists(_logprob, min_size=count, max_size=count)) if wants else (
+                [np.nan] * count)
+        widths = [0 if np.isnan(v) else draw(st.integers(0, 3)) for v in values]
+        msg.output_token_logprobs = np.array(values, dtype=np.float32)
+        msg.output_top_logprobs_val = [
+            draw(st.lists(_logprob, min_size=n, max_size=n)) for n in widths]
+        msg.output_top_logprobs_idx = [
+            draw(st.lists(_token_id, min_size=n, max_size=n)) for n in widths]
+    return msg
 
 
 def same(a: Any, b: Any) -> bool:
-    """Deep equality that treats arrays by dtype, shape and values."""
+    """Deep equality that treats arrays by dtype, shape and values (NaN equal to NaN)."""
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return (
             isinstance(a, np.ndarray)
             and isinstance(b, np.ndarray)
             and a.dtype == b.dtype
             and a.shape == b.shape
-            and bool(np.array_equal(a, b))
+            and bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
         )
     if isinstance(a, msgspec.Struct):
         return type(a) is type(b) and all(

@@ -20,6 +20,7 @@ from framework.messages import (
     BatchTokenIDOutput,
     FinishReason,
     Message,
+    RequestConstants,
     TokenizedGenerateReqInput,
 )
 from framework.sampling_params import SamplingParams
@@ -51,28 +52,44 @@ def request_id(rng: random.Random) -> str:
 
 
 def token_ids_batch(batch_size: int, seed: int = DEFAULT_SEED) -> BatchTokenIDOutput:
-    """One decode step's output: one new token for each of ``batch_size`` running requests."""
+    """One decode step's output: one new token for each of ``batch_size`` running requests.
+
+    From a batch of 64 on, one request finishes in the step and another sends
+    its first output, with the constants a first output carries, as in a busy
+    batch where a request joins for each one that leaves.
+    """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     rng = random.Random(seed)
-    prompt_tokens = [rng.randrange(100, 1_000) for _ in range(batch_size)]
     # Requests joined the batch at different steps, so each has produced a different amount.
     completion_tokens = [rng.randrange(1, 512) for _ in range(batch_size)]
-    # A shared system prompt hits the prefix cache; the rest of each prompt does not.
-    cached_tokens = [rng.choice((0, p // 2, p - p % 64)) for p in prompt_tokens]
-    finished: list[FinishReason | None] = [None] * batch_size
+    rids = [request_id(rng) for _ in range(batch_size)]
+    output_ids = [rng.randrange(VOCAB_SIZE) for _ in range(batch_size)]
+    msg = BatchTokenIDOutput(
+        rids=rids,
+        output_ids=np.array(output_ids, dtype=np.int32),
+        output_offsets=np.arange(batch_size + 1, dtype=np.int32),
+        completion_tokens=np.array(completion_tokens, dtype=np.int32),
+    )
     if batch_size >= _FINISHED_IN_BATCH_FROM:
-        finished[rng.randrange(batch_size)] = FinishReason("stop", matched=EOS_TOKEN_ID)
-    return BatchTokenIDOutput(
-        rids=[request_id(rng) for _ in range(batch_size)],
-        finished_reasons=finished,
-        output_ids=[[rng.randrange(VOCAB_SIZE)] for _ in range(batch_size)],
-        skip_special_tokens=[True] * batch_size,
-        spaces_between_special_tokens=[True] * batch_size,
-        no_stop_trim=[False] * batch_size,
+        finished, new = rng.sample(range(batch_size), 2)
+        msg.finished_indices = [finished]
+        msg.finished_reasons = [FinishReason("stop", matched=EOS_TOKEN_ID)]
+        msg.new_indices = [new]
+        msg.new_constants = [first_output_constants(rng)]
+        msg.completion_tokens[new] = 1
+    return msg
+
+
+def first_output_constants(rng: random.Random) -> RequestConstants:
+    """What a request's first output carries: a prompt of a few hundred tokens, partly cached."""
+    prompt_tokens = rng.randrange(100, 1_000)
+    return RequestConstants(
+        stop_strs=["</s>", "\n\nUser:"],
+        context_ids=[rng.randrange(VOCAB_SIZE) for _ in range(5)],
         prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        cached_tokens=cached_tokens,
+        # A shared system prompt hits the prefix cache; the rest of the prompt does not.
+        cached_tokens=prompt_tokens - prompt_tokens % 64,
     )
 
 

@@ -19,7 +19,13 @@ from typing import Any
 
 from framework.comm.transport import Receiver, Sender, Transport
 from framework.config import PortArgs, ServerArgs
-from framework.messages import BatchStrOutput, BatchTokenIDOutput, FinishReason, Message
+from framework.messages import (
+    BatchStrOutput,
+    BatchTokenIDOutput,
+    FinishReason,
+    Message,
+    RequestConstants,
+)
 from framework.registry import create_codec
 from framework.runtime.hf_tokenizer import load_tokenizer
 from framework.runtime.incremental_decoder import DecodeFn, IncrementalDecoder, make_decode_fn
@@ -30,15 +36,19 @@ logger = logging.getLogger(__name__)
 class Detokenizer:
     """Turns ``BatchTokenIDOutput`` into ``BatchStrOutput``, one ``IncrementalDecoder`` per rid.
 
-    A request's state is made on its first output and dropped with its last
-    (the one with a finish reason). Subclasses can override ``decode`` (the
-    tokenizer call), ``new_decoder``, ``decode_step`` (one request's step) or
-    ``handle_message`` (what to do with each received message).
+    A request's state (its decoder and its ``RequestConstants``) is made on
+    its first output, the one message that carries its constants, and dropped
+    with its last (the one with a finish reason). Subclasses can override
+    ``decode`` (the tokenizer call), ``new_decoder``, ``decode_step`` (one
+    request's step) or ``handle_message`` (what to do with each received
+    message).
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.decoders: dict[str, IncrementalDecoder] = {}
+        # Each running request's constants, sent with its first output only.
+        self.constants: dict[str, RequestConstants] = {}
         # One decode function per (skip_special_tokens, spaces_between_special_tokens).
         self._decode_fns: dict[tuple[bool, bool], DecodeFn] = {}
         self.receiver: Receiver | None = None
@@ -161,33 +171,47 @@ class Detokenizer:
 
     def handle_batch(self, batch: BatchTokenIDOutput) -> BatchStrOutput:
         """The new text of every request in ``batch``, in the same order."""
-        _check_parallel_lists(batch)
+        _check_layout(batch)
+        ids = batch.id_lists()
+        reasons = batch.finished_reason_list()
+        for i, constants in zip(batch.new_indices, batch.new_constants):
+            self.constants[batch.rids[i]] = constants
+        kept = [self.constants.get(rid) or self._missing_constants(rid) for rid in batch.rids]
         output_strs = [
             self.decode_step(
                 rid,
-                batch.output_ids[i],
-                batch.finished_reasons[i],
-                skip_special_tokens=batch.skip_special_tokens[i],
-                spaces_between_special_tokens=batch.spaces_between_special_tokens[i],
-                no_stop_trim=batch.no_stop_trim[i],
-                context_ids=batch.context_ids[i] if batch.context_ids else (),
-                stop_strs=batch.stop_strs[i] if batch.stop_strs else (),
+                ids[i],
+                reasons[i],
+                skip_special_tokens=constants.skip_special_tokens,
+                spaces_between_special_tokens=constants.spaces_between_special_tokens,
+                no_stop_trim=constants.no_stop_trim,
+                context_ids=constants.context_ids,
+                stop_strs=constants.stop_strs,
             )
-            for i, rid in enumerate(batch.rids)
+            for i, (rid, constants) in enumerate(zip(batch.rids, kept))
         ]
-        return BatchStrOutput(
+        for i in batch.finished_indices:
+            del self.constants[batch.rids[i]]
+        out = BatchStrOutput(
             rids=batch.rids,
-            finished_reasons=batch.finished_reasons,
+            finished_reasons=reasons,
             output_strs=output_strs,
-            output_ids=batch.output_ids,
-            prompt_tokens=batch.prompt_tokens,
-            completion_tokens=batch.completion_tokens,
-            cached_tokens=batch.cached_tokens,
-            output_token_logprobs_val=batch.output_token_logprobs_val,
-            output_token_logprobs_idx=batch.output_token_logprobs_idx,
-            output_top_logprobs_val=batch.output_top_logprobs_val,
-            output_top_logprobs_idx=batch.output_top_logprobs_idx,
+            output_ids=ids,
+            prompt_tokens=[c.prompt_tokens for c in kept],
+            completion_tokens=batch.completion_tokens.tolist(),
+            cached_tokens=[c.cached_tokens for c in kept],
         )
+        if batch.output_token_logprobs is not None:
+            _copy_logprobs(batch, ids, out)
+        return out
+
+    def _missing_constants(self, rid: str) -> RequestConstants:
+        """The constants for a request whose first output never arrived: the defaults."""
+        # Only a first output whose frame did not decode leads here: decoding with the
+        # defaults serves the request rather than losing it.
+        logger.warning("detokenizer got output for %s before its first output", rid)
+        constants = self.constants[rid] = RequestConstants()
+        return constants
 
     def handle_message(self, msg: Message) -> Message | None:
         """The reply to one received message, or ``None`` when there is nothing to send."""
@@ -219,20 +243,43 @@ def _stop_to_trim(reason: FinishReason, no_stop_trim: bool) -> tuple[int | None,
     return None, None
 
 
-def _check_parallel_lists(batch: BatchTokenIDOutput) -> None:
-    """Refuse a batch whose per-request lists do not line up with ``rids``."""
-    size = len(batch.rids)
-    optional = [name for name in ("stop_strs", "context_ids") if getattr(batch, name)]
-    for name in (
-        "finished_reasons",
-        "output_ids",
-        "skip_special_tokens",
-        "spaces_between_special_tokens",
-        "no_stop_trim",
-        *optional,
-    ):
-        if len(getattr(batch, name)) != size:
-            raise ValueError(
-                f"BatchTokenIDOutput.{name} has {len(getattr(batch, name))} entries for {size} rids"
-            )
+def _copy_logprobs(batch: BatchTokenIDOutput, ids: list[list[int]], out: BatchStrOutput) -> None:
+    """Per-request logprob lists, empty for the requests that did not ask for them."""
+    for i in range(len(batch.rids)):
+        values = batch.logprobs_of(i)
+        top_val, top_idx = batch.top_logprobs_of(i)
+        out.output_token_logprobs_val.append(values)
+        out.output_token_logprobs_idx.append(ids[i] if values else [])
+        out.output_top_logprobs_val.append(top_val)
+        out.output_top_logprobs_idx.append(top_idx)
 
+
+def _check_layout(batch: BatchTokenIDOutput) -> None:
+    """Refuse a batch whose arrays and sparse lists do not line up with ``rids``."""
+    size = len(batch.rids)
+    num_ids = len(batch.output_ids)
+    problems = []
+    offsets = batch.output_offsets
+    if len(offsets) != size + 1 or offsets[0] != 0 or offsets[-1] != num_ids:
+        problems.append(f"output_offsets must run from 0 to {num_ids} in {size + 1} entries")
+    elif size and bool((offsets[1:] < offsets[:-1]).any()):
+        problems.append("output_offsets must not decrease")
+    if len(batch.completion_tokens) != size:
+        problems.append(f"completion_tokens has {len(batch.completion_tokens)} entries")
+    for indices, values in (("finished_indices", "finished_reasons"),
+                            ("new_indices", "new_constants")):
+        index_list = getattr(batch, indices)
+        if len(index_list) != len(getattr(batch, values)):
+            problems.append(f"{indices} and {values} differ in length")
+        if any(not 0 <= i < size for i in index_list):
+            problems.append(f"{indices} has an index out of range")
+    logprobs = batch.output_token_logprobs
+    if logprobs is not None and len(logprobs) != num_ids:
+        problems.append(f"output_token_logprobs has {len(logprobs)} entries for {num_ids} ids")
+    if logprobs is not None and any(
+        len(top) != num_ids for top in (batch.output_top_logprobs_val,
+                                        batch.output_top_logprobs_idx)):
+        problems.append(f"output_top_logprobs_val and _idx need {num_ids} entries each")
+    if problems:
+        raise ValueError(f"BatchTokenIDOutput of {size} rids and {num_ids} ids: "
+                         + "; ".join(problems))

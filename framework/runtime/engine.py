@@ -19,7 +19,11 @@ from typing import Any
 
 from framework.config import ServerArgs
 from framework.runtime.launch import ComponentTree, apply_scheduler_info
-from framework.runtime.tokenizer_manager import GenerateRequest, TokenizerManager
+from framework.runtime.tokenizer_manager import (
+    GenerateRequest,
+    TokenizerManager,
+    gather_or_cancel,
+)
 from framework.sampling_params import SamplingParams
 
 logger = logging.getLogger("framework.engine")
@@ -111,7 +115,7 @@ class Engine:
         for req in requests:
             req.return_logprob = return_logprob
             req.top_logprobs_num = top_logprobs_num
-        results = self._run(self._gather([self._manager.generate_one(r) for r in requests]))
+        results = self._run(self._generate_all(requests))
         outputs = [{k: v for k, v in r.items() if k != "delta"} for r in results]
         return outputs[0] if single else outputs
 
@@ -119,7 +123,7 @@ class Engine:
         """Embeddings (numpy float32) of one text or a list of texts."""
         single = isinstance(texts, str)
         items = [texts] if single else list(texts)
-        results = self._run(self._gather([self._manager.embed(text=t) for t in items]))
+        results = self._run(gather_or_cancel([self._manager.embed(text=t) for t in items]))
         embeddings = [r["embedding"] for r in results]
         return embeddings[0] if single else embeddings
 
@@ -175,9 +179,11 @@ class Engine:
         await asyncio.gather(task, return_exceptions=True)
         raise RuntimeError(f"the runtime is down: {self._death.result()}")
 
-    @staticmethod
-    async def _gather(coros: list[Any]) -> list[Any]:
-        return list(await asyncio.gather(*coros))
+    async def _generate_all(self, requests: list[GenerateRequest]) -> list[dict[str, Any]]:
+        """Check every request before sending any; if one fails, abort the others."""
+        manager = self._manager
+        prepared = await gather_or_cancel([manager.prepare(r) for r in requests])
+        return await gather_or_cancel([manager.generate_one(p) for p in prepared])
 
     @staticmethod
     def _requests(

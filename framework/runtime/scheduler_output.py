@@ -6,12 +6,19 @@ nothing themselves.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from framework.messages import BatchEmbeddingOutput, BatchTokenIDOutput, SchedulerMetrics
+from framework.messages import (
+    BatchEmbeddingOutput,
+    BatchTokenIDOutput,
+    FinishReason,
+    RequestConstants,
+    SchedulerMetrics,
+)
 from framework.runtime.request import Req
 
 #: Prompt ids sent as decoding context with a request's first output, so that its first
@@ -25,40 +32,79 @@ def context_ids(req: Req) -> list[int]:
     return req.origin_input_ids[-CONTEXT_IDS:]
 
 
-def token_id_output(reqs: list[Req]) -> BatchTokenIDOutput:
-    """Each request's ids since its last output (and marks them sent)."""
-    out = BatchTokenIDOutput(
-        rids=[], finished_reasons=[], output_ids=[], skip_special_tokens=[],
-        spaces_between_special_tokens=[], no_stop_trim=[], prompt_tokens=[],
-        completion_tokens=[], cached_tokens=[],
+def request_constants(req: Req) -> RequestConstants:
+    """What the Detokenizer keeps for ``req``: sent with its first output only."""
+    params = req.sampling_params
+    return RequestConstants(
+        skip_special_tokens=params.skip_special_tokens,
+        spaces_between_special_tokens=params.spaces_between_special_tokens,
+        no_stop_trim=params.no_stop_trim,
+        stop_strs=list(params.stop),
+        context_ids=context_ids(req),
+        prompt_tokens=len(req.origin_input_ids),
+        cached_tokens=req.cached_tokens,
     )
-    # Optional lists stay empty (not one empty list per request) when nobody needs them.
-    with_logprobs = any(r.return_logprob for r in reqs)
-    with_first = any(r.sent_len == 0 for r in reqs)
+
+
+def token_id_output(reqs: list[Req]) -> BatchTokenIDOutput:
+    """Each request's ids since its last output (and marks them sent).
+
+    The ids go out as one flat array with offsets; a request's constants go
+    with its first output only, and finish reasons only for those that finished.
+    """
+    logprobs, top_val, top_idx = (
+        _logprobs(reqs) if any(r.return_logprob for r in reqs) else (None, [], []))
+    ids: list[int] = []
+    offsets = [0]
+    completion_tokens: list[int] = []
+    new_indices: list[int] = []
+    new_constants: list[RequestConstants] = []
+    finished_indices: list[int] = []
+    finished_reasons: list[FinishReason] = []
+    for i, req in enumerate(reqs):
+        if req.sent_len == 0:
+            new_indices.append(i)
+            new_constants.append(request_constants(req))
+        if req.finished_reason is not None:
+            finished_indices.append(i)
+            finished_reasons.append(req.finished_reason)
+        ids += req.output_ids[req.sent_len:]
+        offsets.append(len(ids))
+        completion_tokens.append(len(req.output_ids))
+        req.sent_len = len(req.output_ids)
+    return BatchTokenIDOutput(
+        rids=[r.rid for r in reqs],
+        # int32 holds any token id (vocabularies are far below 2**31) and any count here.
+        output_ids=np.array(ids, dtype=np.int32),
+        output_offsets=np.array(offsets, dtype=np.int32),
+        completion_tokens=np.array(completion_tokens, dtype=np.int32),
+        finished_indices=finished_indices,
+        finished_reasons=finished_reasons,
+        new_indices=new_indices,
+        new_constants=new_constants,
+        output_token_logprobs=logprobs,
+        output_top_logprobs_val=top_val,
+        output_top_logprobs_idx=top_idx,
+    )
+
+
+def _logprobs(reqs: list[Req]) -> tuple[np.ndarray, list[list[float]], list[list[int]]]:
+    """The unsent ids' logprobs and top logprobs, aligned with them (placeholders if not asked)."""
+    values: list[float] = []
+    top_val: list[list[float]] = []
+    top_idx: list[list[int]] = []
     for req in reqs:
         start = req.sent_len
-        params = req.sampling_params
-        out.rids.append(req.rid)
-        out.finished_reasons.append(req.finished_reason)
-        out.output_ids.append(req.output_ids[start:])
-        out.skip_special_tokens.append(params.skip_special_tokens)
-        out.spaces_between_special_tokens.append(params.spaces_between_special_tokens)
-        out.no_stop_trim.append(params.no_stop_trim)
-        out.prompt_tokens.append(len(req.origin_input_ids))
-        out.completion_tokens.append(len(req.output_ids))
-        out.cached_tokens.append(req.cached_tokens)
-        if with_logprobs:
-            out.output_token_logprobs_val.append(req.output_logprobs[start:])
-            out.output_token_logprobs_idx.append(
-                req.output_ids[start:] if req.return_logprob else [])
-            out.output_top_logprobs_val.append(req.output_top_logprobs_val[start:])
-            out.output_top_logprobs_idx.append(req.output_top_logprobs_idx[start:])
-        if with_first:
-            first = req.sent_len == 0
-            out.stop_strs.append(list(params.stop) if first else [])
-            out.context_ids.append(context_ids(req) if first else [])
-        req.sent_len = len(req.output_ids)
-    return out
+        if req.return_logprob:
+            values += req.output_logprobs[start:]
+            top_val += req.output_top_logprobs_val[start:]
+            top_idx += req.output_top_logprobs_idx[start:]
+        else:
+            count = len(req.output_ids) - start
+            values += [math.nan] * count
+            top_val += [[] for _ in range(count)]
+            top_idx += [[] for _ in range(count)]
+    return np.array(values, dtype=np.float32), top_val, top_idx
 
 
 def embedding_output(reqs: list[Req], vectors: np.ndarray | None = None) -> BatchEmbeddingOutput:

@@ -21,7 +21,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from framework.comm.codec import CodecError
 from framework.comm.transport import Receiver, Transport, TransportError
@@ -45,6 +45,7 @@ from framework.registry import create_codec
 from framework.sampling_params import SamplingParams, check_token_ids, check_top_logprobs_num
 
 logger = logging.getLogger("framework.tokenizer_manager")
+T = TypeVar("T")
 
 # Texts longer than this are tokenized in a worker thread so the event loop stays free.
 _INLINE_TOKENIZE_CHARS = 2048
@@ -580,3 +581,29 @@ class TokenizerManager:
         if not isinstance(reply, GetInfoReqOutput):
             raise RuntimeError(f"unexpected reply {type(reply).__name__}")
         return dict(reply.info)
+
+
+async def gather_or_cancel(coros: list[Awaitable[T]]) -> list[T]:
+    """Await every part of a fanned-out request; if one fails, cancel the others first.
+
+    A cancelled part's ``finally`` aborts its request in the Scheduler, so no sibling
+    keeps generating (and holding KV slots) for an answer that will never be sent.
+    Cancelling this call (the client went away) cancels every part the same way.
+    """
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    if not tasks:
+        return []
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        pending = [t for t in tasks if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+    # exception() also marks every failure as retrieved, so none is logged as lost.
+    failures = [t.exception() for t in tasks if not t.cancelled()]
+    first = next((exc for exc in failures if exc is not None), None)
+    if first is not None:
+        raise first
+    return [t.result() for t in tasks]

@@ -25,6 +25,7 @@ from framework.runtime.tokenizer_manager import (
     PreparedRequest,
     RequestError,
     TokenizerManager,
+    gather_or_cancel,
 )
 from framework.sampling_params import SamplingParams, check_top_logprobs_num
 from framework.server import openai as oai
@@ -33,7 +34,6 @@ from framework.server.sse import error_body, sse_event, sse_stream
 logger = logging.getLogger("framework.server")
 
 S = TypeVar("S", bound=msgspec.Struct)
-T = TypeVar("T")
 _json = msgspec.json.Encoder()
 
 
@@ -94,30 +94,6 @@ def _handler(fn: Handler) -> Handler:
 
     wrapped.__name__ = fn.__name__
     return wrapped
-
-
-async def _gather_or_cancel(coros: list[Awaitable[T]]) -> list[T]:
-    """Await every part of a fanned-out request; if one fails, cancel the others first.
-
-    A cancelled part's ``finally`` aborts its request in the Scheduler, so no sibling
-    keeps generating (and holding KV slots) for an answer that will never be sent.
-    Cancelling this call (the client went away) cancels every part the same way.
-    """
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:
-        pending = [t for t in tasks if not t.done()]
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
-    # exception() also marks every failure as retrieved, so none is logged as lost.
-    failures = [t.exception() for t in tasks if not t.cancelled()]
-    first = next((exc for exc in failures if exc is not None), None)
-    if first is not None:
-        raise first
-    return [t.result() for t in tasks]
 
 
 def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
@@ -186,8 +162,8 @@ class Routes:
                 top_logprobs_num=logprobs or 0,
             )
 
-        firsts = await asyncio.gather(*(self.tm.prepare(request(text, ids, 0))
-                                        for text, ids in prompts))
+        firsts = await gather_or_cancel([self.tm.prepare(request(text, ids, 0))
+                                          for text, ids in prompts])
         out = []
         for (text, ids), first in zip(prompts, firsts):
             out.append(first)
@@ -208,7 +184,7 @@ class Routes:
 
     async def _first_outputs(self, reqs: list[PreparedRequest]) -> list[dict[str, Any]]:
         """Run every (checked) part to completion; one that fails cancels the others."""
-        return await _gather_or_cancel([self.tm.generate_one(r) for r in reqs])
+        return await gather_or_cancel([self.tm.generate_one(r) for r in reqs])
 
     # ------------------------------------------------------------------ OpenAI
 
@@ -363,7 +339,7 @@ class Routes:
         if body.encoding_format not in ("float", "base64"):
             raise RequestError("encoding_format must be 'float' or 'base64'")
         items = oai.split_prompts(body.input)
-        results = await _gather_or_cancel([self.tm.embed(text=t, input_ids=ids)
+        results = await gather_or_cancel([self.tm.embed(text=t, input_ids=ids)
                                            for t, ids in items])
         data = []
         for i, res in enumerate(results):
@@ -408,10 +384,10 @@ class Routes:
         else:
             prompts = oai.split_prompts(body.input_ids or [], "input_ids", self.tm.vocab_size)
         # Every prompt is checked before any is sent: one bad prompt refuses the batch.
-        reqs = list(await asyncio.gather(*(self.tm.prepare(GenerateRequest(
+        reqs = await gather_or_cancel([self.tm.prepare(GenerateRequest(
             text=t, input_ids=ids, sampling_params=params, stream=body.stream,
             return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
-            rid=None if batched else body.rid)) for t, ids in prompts)))
+            rid=None if batched else body.rid)) for t, ids in prompts])
         if body.stream:
             async def events() -> AsyncIterator[dict[str, Any]]:
                 async for i, out in _merge([self.tm.generate(r) for r in reqs]):

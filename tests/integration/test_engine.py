@@ -262,3 +262,15 @@ def test_non_integer_input_ids_are_refused_before_the_scheduler(engine: Engine) 
     with pytest.raises(ValueError, match="integer token ids"):
         engine.generate(input_ids=["input_ids", "attention_mask"], sampling_params=GREEDY)
     assert engine.generate(PROMPTS[0], {"max_new_tokens": 2})["meta_info"]["completion_tokens"]
+
+
+def test_one_bad_prompt_in_a_list_sends_none_of_them(engine: Engine) -> None:
+    before = engine.get_server_info()
+    with pytest.raises(ValueError, match="context length"):
+        engine.generate(input_ids=[[5, 6, 7], [5] * 5000, [8, 9]],
+                        sampling_params={**GREEDY, "max_new_tokens": 200})
+    after = engine.get_server_info()
+    assert after["kv_cache_idle_and_free"] is True
+    # Every prompt is checked before any is sent: the good ones never ran.
+    assert after["extend_steps"] == before["extend_steps"]
+    assert after["decode_steps"] == before["decode_steps"]

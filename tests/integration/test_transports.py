@@ -24,6 +24,7 @@ from framework.messages import (
     FlushCacheReqOutput,
     GetInfoReqInput,
     GetInfoReqOutput,
+    RequestConstants,
     TokenizedGenerateReqInput,
 )
 from framework.registry import create_codec, create_transport
@@ -44,10 +45,11 @@ def sample_messages() -> list[Any]:
             sampling_params=SamplingParams(temperature=0.5, stop=["\n"]),
         ),
         BatchTokenIDOutput(
-            rids=["r1", "r2"], finished_reasons=[None, FinishReason("length")],
-            output_ids=[[5], [7]], skip_special_tokens=[True, False],
-            spaces_between_special_tokens=[True, True], no_stop_trim=[False, False],
-            prompt_tokens=[10, 20], completion_tokens=[1, 2], cached_tokens=[0, 4],
+            rids=["r1", "r2"], output_ids=np.array([5, 7, 8], dtype=np.int32),
+            output_offsets=np.array([0, 1, 3], dtype=np.int32),
+            completion_tokens=np.array([1, 2], dtype=np.int32),
+            finished_indices=[1], finished_reasons=[FinishReason("length")],
+            new_indices=[0], new_constants=[RequestConstants(stop_strs=["\n"], prompt_tokens=10)],
         ),
         BatchEmbeddingOutput(
             rids=["e1", "e2"], finished_reasons=[FinishReason("stop")] * 2,

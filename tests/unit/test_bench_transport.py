@@ -45,18 +45,22 @@ def _read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
 def test_token_id_batches_look_like_a_decode_step(name: str, batch: int) -> None:
     msg = build_sample(name)
     assert isinstance(msg, BatchTokenIDOutput)
-    parallel = [msg.rids, msg.finished_reasons, msg.output_ids, msg.skip_special_tokens,
-                msg.spaces_between_special_tokens, msg.no_stop_trim, msg.prompt_tokens,
-                msg.completion_tokens, msg.cached_tokens]
-    assert all(len(column) == batch for column in parallel)
+    assert len(msg.rids) == len(msg.completion_tokens) == batch
     assert all(re.fullmatch(r"[0-9a-f]{32}", rid) for rid in msg.rids)
     assert len(set(msg.rids)) == batch
-    assert all(len(ids) == 1 for ids in msg.output_ids)
-    assert all(100 <= p < 1000 for p in msg.prompt_tokens)
-    assert all(0 <= c <= p for c, p in zip(msg.cached_tokens, msg.prompt_tokens))
-    assert all(c >= 1 for c in msg.completion_tokens)
-    finished = [r for r in msg.finished_reasons if r is not None]
-    assert len(finished) == (1 if batch >= 64 else 0)
+    assert msg.output_ids.dtype == np.int32 and len(msg.output_ids) == batch
+    assert msg.output_offsets.tolist() == list(range(batch + 1))  # one new token each
+    assert all(c >= 1 for c in msg.completion_tokens.tolist())
+    busy = batch >= 64  # one request finishes and another sends its first output
+    assert len(msg.finished_indices) == len(msg.finished_reasons) == int(busy)
+    assert len(msg.new_indices) == len(msg.new_constants) == int(busy)
+    for i, constants in zip(msg.new_indices, msg.new_constants):
+        assert msg.completion_tokens[i] == 1
+        assert 100 <= constants.prompt_tokens < 1000
+        assert 0 <= constants.cached_tokens <= constants.prompt_tokens
+        assert len(constants.context_ids) == 5
+    assert set(msg.finished_indices).isdisjoint(msg.new_indices)
+    assert msg.output_token_logprobs is None
 
 
 def test_generate_request_has_8192_tokens_and_matching_text() -> None:

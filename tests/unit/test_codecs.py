@@ -16,11 +16,12 @@ from framework.messages import (
     MESSAGE_TYPES,
     AbortReq,
     BatchEmbeddingOutput,
+    BatchTokenIDOutput,
     FinishReason,
     Message,
 )
 from framework.registry import CODECS, create_codec
-from tests.message_strategies import same, struct_strategy
+from tests.message_strategies import same, struct_strategy, token_id_outputs
 
 CODEC_NAMES = ["pickle", "msgpack", "json"]
 
@@ -36,6 +37,22 @@ def test_every_message_round_trips(
     codec = create_codec(codec_name)
     decoded = codec.decode(codec.encode(msg))
     assert same(decoded, msg)
+
+
+@pytest.mark.parametrize("codec_name", CODEC_NAMES)
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(msg=token_id_outputs())
+def test_token_batches_keep_their_layout(codec_name: str, msg: BatchTokenIDOutput) -> None:
+    """Flat ids, offsets, NaN logprob placeholders and sparse fields all come back as sent."""
+    codec = create_codec(codec_name)
+    decoded = codec.decode(codec.encode(msg))
+    assert same(decoded, msg)
+    assert decoded.output_ids.dtype == np.int32
+    assert decoded.id_lists() == msg.id_lists()
+    assert decoded.finished_reason_list() == msg.finished_reason_list()
+    for i in range(len(msg.rids)):
+        assert decoded.logprobs_of(i) == msg.logprobs_of(i)
+        assert decoded.top_logprobs_of(i) == msg.top_logprobs_of(i)
 
 
 def _embedding_output(n: int, dim: int) -> BatchEmbeddingOutput:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -20,11 +21,18 @@ from hypothesis import strategies as st
 from framework.comm.codec import MsgpackCodec
 from framework.comm.inproc import InprocTransport
 from framework.comm.transport import TransportError
-from framework.messages import BatchStrOutput, BatchTokenIDOutput, FinishReason, FlushCacheReqInput
+from framework.messages import (
+    BatchStrOutput,
+    BatchTokenIDOutput,
+    FinishReason,
+    FlushCacheReqInput,
+    RequestConstants,
+)
 from framework.runtime.detokenizer import Detokenizer
 from framework.runtime.hf_tokenizer import load_tokenizer
 from framework.runtime.incremental_decoder import REPLACEMENT_CHAR, IncrementalDecoder
 from tests.chunks import split
+from tests.message_strategies import token_id_outputs
 
 FRAGMENTS = [
     "Hello world",
@@ -56,23 +64,30 @@ def token_batch(
     output_ids: list[list[int]],
     finished_reasons: list[FinishReason | None],
     *,
-    skip_special_tokens: bool | list[bool] = True,
-    no_stop_trim: bool = False,
+    new: Sequence[RequestConstants | None] | None = None,
 ) -> BatchTokenIDOutput:
-    """A Scheduler output for ``rids`` with the given new ids and finish reasons."""
-    size = len(rids)
-    skips = skip_special_tokens if isinstance(skip_special_tokens, list) else [skip_special_tokens]
+    """A Scheduler output for ``rids`` with the given new ids and finish reasons.
+
+    ``new[i]`` holds request ``i``'s constants if this is its first output, else
+    ``None``; without ``new`` every request is new, with default constants.
+    """
+    if new is None:
+        new = [RequestConstants(prompt_tokens=3) for _ in rids]
     return BatchTokenIDOutput(
         rids=rids,
-        finished_reasons=finished_reasons,
-        output_ids=output_ids,
-        skip_special_tokens=skips * (size // len(skips)),
-        spaces_between_special_tokens=[True] * size,
-        no_stop_trim=[no_stop_trim] * size,
-        prompt_tokens=[3] * size,
-        completion_tokens=[len(ids) for ids in output_ids],
-        cached_tokens=[0] * size,
+        output_ids=np.array([i for ids in output_ids for i in ids], dtype=np.int32),
+        output_offsets=np.cumsum([0, *map(len, output_ids)], dtype=np.int32),
+        completion_tokens=np.array([len(ids) for ids in output_ids], dtype=np.int32),
+        finished_indices=[i for i, r in enumerate(finished_reasons) if r is not None],
+        finished_reasons=[r for r in finished_reasons if r is not None],
+        new_indices=[i for i, c in enumerate(new) if c is not None],
+        new_constants=[c for c in new if c is not None],
     )
+
+
+def first_only(index: int, constants: RequestConstants) -> list[RequestConstants | None]:
+    """``new`` for a one-request batch: its constants in the first output, none later."""
+    return [constants if index == 0 else None]
 
 
 def stream(
@@ -85,16 +100,12 @@ def stream(
     rid: str = "r",
 ) -> list[str]:
     """Feed one request's chunks (the last one finished by ``finish``); return each text."""
+    constants = RequestConstants(skip_special_tokens=skip_special_tokens,
+                                 no_stop_trim=no_stop_trim)
     outputs = []
     for index, chunk in enumerate(chunks):
         reason = finish if index == len(chunks) - 1 else None
-        batch = token_batch(
-            [rid],
-            [chunk],
-            [reason],
-            skip_special_tokens=skip_special_tokens,
-            no_stop_trim=no_stop_trim,
-        )
+        batch = token_batch([rid], [chunk], [reason], new=first_only(index, constants))
         outputs.append(detokenizer.handle_batch(batch).output_strs[0])
     return outputs
 
@@ -197,7 +208,10 @@ def test_byte_level_emoji_is_held_until_complete(gpt2: Any) -> None:
     assert len(ids) > 2  # the emoji and its modifier span several byte-level tokens
     detokenizer = Detokenizer(gpt2)
     running = [
-        detokenizer.handle_batch(token_batch(["r"], [[t]], [None])).output_strs[0] for t in ids
+        detokenizer.handle_batch(
+            token_batch(["r"], [[t]], [None], new=first_only(k, RequestConstants()))
+        ).output_strs[0]
+        for k, t in enumerate(ids)
     ]
     for output in running:
         assert REPLACEMENT_CHAR not in output
@@ -291,10 +305,12 @@ def test_skip_special_tokens_is_per_request(llama: Any) -> None:
     detokenizer = Detokenizer(llama)
     texts_by_rid = {"skip": "", "keep": ""}
     chunks = split(ids, [3])
+    first = [RequestConstants(skip_special_tokens=skip) for skip in (True, False)]
     for index, chunk in enumerate(chunks):
         reason = LENGTH if index == len(chunks) - 1 else None
         batch = token_batch(
-            ["skip", "keep"], [chunk, chunk], [reason, reason], skip_special_tokens=[True, False]
+            ["skip", "keep"], [chunk, chunk], [reason, reason],
+            new=first if index == 0 else [None, None],
         )
         for rid, text in zip(batch.rids, detokenizer.handle_batch(batch).output_strs):
             texts_by_rid[rid] += text
@@ -328,8 +344,8 @@ class _PlainTokenizer:
 
 def test_spaces_between_special_tokens_is_passed_where_supported() -> None:
     spacing = _SpacingTokenizer()
-    batch = token_batch(["r"], [[0, 1]], [LENGTH])
-    batch.spaces_between_special_tokens = [False]
+    batch = token_batch(
+        ["r"], [[0, 1]], [LENGTH], new=[RequestConstants(spaces_between_special_tokens=False)])
     assert Detokenizer(spacing).handle_batch(batch).output_strs == ["ab"]
     assert spacing.spacing_flags and not any(spacing.spacing_flags)
     assert Detokenizer(_PlainTokenizer()).handle_batch(batch).output_strs == ["ab"]
@@ -346,7 +362,8 @@ def test_state_lives_until_the_request_finishes(gpt2: Any) -> None:
     for step in range(longest):
         rids = [rid for rid in ids if step < len(ids[rid])]
         reasons = [LENGTH if step == len(ids[rid]) - 1 else None for rid in rids]
-        batch = token_batch(rids, [[ids[rid][step]] for rid in rids], reasons)
+        new = [RequestConstants() if step == 0 else None for _ in rids]
+        batch = token_batch(rids, [[ids[rid][step]] for rid in rids], reasons, new=new)
         for rid, text in zip(rids, detokenizer.handle_batch(batch).output_strs):
             texts_by_rid[rid] += text
         assert detokenizer.num_live_states() == sum(len(ids[rid]) > step + 1 for rid in ids)
@@ -359,40 +376,122 @@ def test_abort_without_new_ids_drops_the_state(gpt2: Any) -> None:
     detokenizer.handle_batch(token_batch(["r"], [gpt2.encode("partial")], [None]))
     assert detokenizer.num_live_states() == 1
     abort = FinishReason(type="abort", message="client went away")
-    out = detokenizer.handle_batch(token_batch(["r"], [[]], [abort]))
+    out = detokenizer.handle_batch(token_batch(["r"], [[]], [abort], new=[None]))
     assert out.output_strs == [""] and out.finished_reasons == [abort]
     assert detokenizer.num_live_states() == 0
 
 
 def test_batch_fields_are_copied_through(gpt2: Any) -> None:
-    ids = [gpt2.encode("one"), gpt2.encode(" two three")]
-    batch = token_batch(["x", "y"], ids, [None, LENGTH])
-    batch.prompt_tokens, batch.completion_tokens, batch.cached_tokens = [5, 6], [1, 2], [0, 4]
-    batch.output_token_logprobs_val = [[-0.5], [-1.0, -2.0, -3.0]]
-    batch.output_token_logprobs_idx = [ids[0], ids[1]]
-    batch.output_top_logprobs_val = [[[-0.5, -1.5]], [[-1.0], [-2.0], [-3.0]]]
-    batch.output_top_logprobs_idx = [[[1, 2]], [[3], [4], [5]]]
+    ids = [gpt2.encode("one"), gpt2.encode(" two three"), gpt2.encode(" four")]
+    batch = token_batch(["x", "y", "z"], ids, [None, LENGTH, None], new=[
+        RequestConstants(prompt_tokens=5, cached_tokens=0),
+        RequestConstants(prompt_tokens=6, cached_tokens=4),
+        RequestConstants(prompt_tokens=7, cached_tokens=1),
+    ])
+    batch.completion_tokens = np.array([1, 3, 1], dtype=np.int32)
+    # "x" and "y" asked for logprobs; "z" did not: NaN in the flat array, empty top lists.
+    values = [[-0.5 * (k + 1) for k in range(len(i))] for i in ids[:2]]
+    tops = [[[v, v - 1.0] for v in row] for row in values]
+    top_ids = [[[t, t + 1] for t in i] for i in ids[:2]]
+    batch.output_token_logprobs = np.array(
+        [*values[0], *values[1], *[np.nan] * len(ids[2])], dtype=np.float32)
+    batch.output_top_logprobs_val = [*tops[0], *tops[1], *[[]] * len(ids[2])]
+    batch.output_top_logprobs_idx = [*top_ids[0], *top_ids[1], *[[]] * len(ids[2])]
     out = Detokenizer(gpt2).handle_batch(batch)
-    assert out.rids == ["x", "y"]
-    assert out.output_strs == ["one", " two three"]
+    assert out.rids == ["x", "y", "z"]
+    assert out.output_strs == ["one", " two three", " four"]
     assert out.output_ids == ids
-    assert out.finished_reasons == [None, LENGTH]
-    for name in (
-        "prompt_tokens",
-        "completion_tokens",
-        "cached_tokens",
-        "output_token_logprobs_val",
-        "output_token_logprobs_idx",
-        "output_top_logprobs_val",
-        "output_top_logprobs_idx",
-    ):
-        assert getattr(out, name) == getattr(batch, name), name
+    assert out.finished_reasons == [None, LENGTH, None]
+    assert out.prompt_tokens == [5, 6, 7]
+    assert out.completion_tokens == [1, 3, 1]
+    assert out.cached_tokens == [0, 4, 1]
+    assert out.output_token_logprobs_val == [*values, []]
+    assert out.output_token_logprobs_idx == [*ids[:2], []]
+    assert out.output_top_logprobs_val == [*tops, []]
+    assert out.output_top_logprobs_idx == [*top_ids, []]
 
 
-def test_misaligned_batch_is_refused(gpt2: Any) -> None:
-    batch = token_batch(["x", "y"], [[1], [2]], [None, None])
-    batch.no_stop_trim = [False]
-    with pytest.raises(ValueError, match="no_stop_trim"):
+def test_a_batch_of_new_and_continuing_requests(gpt2: Any) -> None:
+    """Constants come with a request's first output only; later outputs use the kept ones."""
+    detokenizer = Detokenizer(gpt2)
+    first = token_batch(["old"], [gpt2.encode("Hello")], [None], new=[
+        RequestConstants(stop_strs=[" world"], prompt_tokens=4, cached_tokens=2)])
+    assert detokenizer.handle_batch(first).output_strs == ["Hello"]
+    # "old" continues without constants; "new" starts, with its own.
+    batch = token_batch(["old", "new"], [gpt2.encode(" wor"), gpt2.encode("Bye")],
+                        [None, None], new=[None, RequestConstants(prompt_tokens=9)])
+    out = detokenizer.handle_batch(batch)
+    assert out.output_strs == ["", "Bye"]  # " wor" may start the stop string " world"
+    assert out.prompt_tokens == [4, 9] and out.cached_tokens == [2, 0]
+    assert out.output_token_logprobs_val == []  # nobody asked
+    stop = FinishReason(type="stop", matched=" world")
+    last = token_batch(["new", "old"], [gpt2.encode(" now"), gpt2.encode("ld")],
+                       [LENGTH, stop], new=[None, None])
+    out = detokenizer.handle_batch(last)
+    assert out.output_strs == [" now", ""]
+    assert out.finished_reasons == [LENGTH, stop]
+    assert out.prompt_tokens == [9, 4]
+    assert detokenizer.num_live_states() == 0
+    assert detokenizer.constants == {}
+
+
+def test_output_before_a_first_output_uses_default_constants(
+    gpt2: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        out = Detokenizer(gpt2).handle_batch(
+            token_batch(["lost"], [gpt2.encode("text")], [LENGTH], new=[None]))
+    assert out.output_strs == ["text"] and out.prompt_tokens == [0]
+    assert "before its first output" in caplog.text
+
+
+class _NumberTokenizer:
+    """A tokenizer that spells each id out, so any id decodes and every text is distinct."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=token_id_outputs())
+def test_any_laid_out_batch_is_read_request_by_request(batch: BatchTokenIDOutput) -> None:
+    """Whatever the mix of new, running, finished and logprob requests, each gets its own."""
+    detokenizer = Detokenizer(_NumberTokenizer())
+    out = detokenizer.handle_batch(batch)
+    size = len(batch.rids)
+    assert out.output_ids == [batch.ids_of(i) for i in range(size)]
+    assert out.completion_tokens == batch.completion_tokens.tolist()
+    for i, constants in batch.new_constants_by_index().items():
+        assert out.prompt_tokens[i] == constants.prompt_tokens
+        assert out.cached_tokens[i] == constants.cached_tokens
+    if batch.output_token_logprobs is None:
+        assert out.output_token_logprobs_val == out.output_top_logprobs_val == []
+    for i in range(size if batch.output_token_logprobs is not None else 0):
+        values = batch.logprobs_of(i)
+        assert out.output_token_logprobs_val[i] == values
+        assert out.output_token_logprobs_idx[i] == (batch.ids_of(i) if values else [])
+        assert out.output_top_logprobs_val[i] == batch.top_logprobs_of(i)[0]
+    finished = {batch.rids[i] for i in batch.finished_indices}
+    assert [r is not None for r in out.finished_reasons] == [
+        rid in finished for rid in batch.rids]
+    assert set(detokenizer.constants) == set(batch.rids) - finished
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "problem"),
+    [
+        ("output_offsets", np.array([0, 1], dtype=np.int32), "output_offsets"),
+        ("output_offsets", np.array([0, 3, 2], dtype=np.int32), "must not decrease"),
+        ("completion_tokens", np.array([1], dtype=np.int32), "completion_tokens"),
+        ("finished_indices", [0, 1], "finished_indices and finished_reasons"),
+        ("new_indices", [0, 5], "out of range"),
+        ("output_token_logprobs", np.zeros(1, dtype=np.float32), "output_token_logprobs"),
+    ],
+)
+def test_misaligned_batch_is_refused(gpt2: Any, field: str, value: Any, problem: str) -> None:
+    batch = token_batch(["x", "y"], [[1], [2]], [LENGTH, None])
+    setattr(batch, field, value)
+    with pytest.raises(ValueError, match=problem):
         Detokenizer(gpt2).handle_batch(batch)
 
 
@@ -433,7 +532,8 @@ def test_run_over_inproc_transport(gpt2: Any, caplog: pytest.LogCaptureFixture) 
         await scheduler_side.send(FlushCacheReqInput())
         for index, chunk in enumerate(chunks):
             reason = LENGTH if index == len(chunks) - 1 else None
-            await scheduler_side.send(token_batch(["r"], [chunk], [reason]))
+            await scheduler_side.send(
+                token_batch(["r"], [chunk], [reason], new=first_only(index, RequestConstants())))
         replies = [await asyncio.wait_for(out_of_detokenizer.recv(), timeout=5) for _ in chunks]
         assert out_of_detokenizer.recv_nowait() is None
         assert detokenizer.num_live_states() == 0
@@ -499,12 +599,11 @@ def stream_with_first(
     context_ids: list[int] = (),  # type: ignore[assignment]
 ) -> list[str]:
     """Like ``stream``, with stop strings and context ids sent in the first output only."""
+    constants = RequestConstants(stop_strs=list(stop_strs), context_ids=list(context_ids))
     outputs = []
     for index, chunk in enumerate(chunks):
-        batch = token_batch(["r"], [chunk], [finish if index == len(chunks) - 1 else None])
-        if index == 0:
-            batch.stop_strs = [list(stop_strs)]
-            batch.context_ids = [list(context_ids)]
+        reason = finish if index == len(chunks) - 1 else None
+        batch = token_batch(["r"], [chunk], [reason], new=first_only(index, constants))
         outputs.append(detokenizer.handle_batch(batch).output_strs[0])
     return outputs
 

@@ -9,17 +9,23 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from framework.messages import (
     AbortReq,
+    FinishReason,
     FlushCacheReqInput,
     GetInfoReqInput,
+    RequestConstants,
     UpdateWeightsFromDiskReqInput,
 )
+from framework.runtime.request import Req
 from framework.runtime.scheduler import Scheduler
+from framework.runtime.scheduler_output import token_id_output
+from framework.sampling_params import SamplingParams
 from tests.fake_model_runner import (
     FakeModelRunner,
     SchedulerHarness,
@@ -460,3 +466,67 @@ def test_random_traffic_never_crashes_leaks_or_changes_greedy_outputs(
     finally:
         h.close()
 
+
+
+# --------------------------------------------------------------------------- token_id_output
+
+
+def _req(rid: str, prompt_len: int, **params: object) -> Req:
+    return Req(rid=rid, origin_input_ids=prompt(len(rid), prompt_len),
+               sampling_params=SamplingParams(**params))  # type: ignore[arg-type]
+
+
+def test_token_id_output_sends_constants_once_and_ids_flat() -> None:
+    a = _req("a", 8, stop=["\n"], skip_special_tokens=False)
+    b = _req("bb", 3, no_stop_trim=True)
+    a.cached_tokens = 4
+    a.output_ids, b.output_ids = [11, 12], [21]
+    first = token_id_output([a, b])
+    assert first.rids == ["a", "bb"]
+    assert first.output_ids.dtype == np.int32 and first.output_offsets.dtype == np.int32
+    assert first.id_lists() == [[11, 12], [21]]
+    assert [first.ids_of(0), first.ids_of(1)] == [[11, 12], [21]]
+    assert first.completion_tokens.tolist() == [2, 1]
+    assert first.new_indices == [0, 1]
+    assert first.new_constants == [
+        RequestConstants(skip_special_tokens=False, stop_strs=["\n"],
+                         context_ids=a.origin_input_ids[-5:], prompt_tokens=8, cached_tokens=4),
+        RequestConstants(no_stop_trim=True, context_ids=b.origin_input_ids, prompt_tokens=3),
+    ]
+    assert first.finished_indices == [] and first.output_token_logprobs is None
+    # The next output of each carries only what is new; a newcomer brings its constants.
+    c = _req("c", 2)
+    a.output_ids += [13]
+    b.output_ids += [22, 23]
+    b.finished_reason = FinishReason("length")
+    later = token_id_output([b, c, a])
+    assert later.id_lists() == [[22, 23], [], [13]]
+    assert later.output_offsets.tolist() == [0, 2, 2, 3]
+    assert later.completion_tokens.tolist() == [3, 0, 3]
+    assert later.new_indices == [1] and later.new_constants[0].prompt_tokens == 2
+    assert later.finished_indices == [0] and later.finished_reasons == [FinishReason("length")]
+    assert later.finished_reason_list() == [FinishReason("length"), None, None]
+    assert token_id_output([a]).id_lists() == [[]]  # nothing unsent: nothing sent twice
+
+
+def test_token_id_output_aligns_logprobs_with_the_ids() -> None:
+    asked = _req("asked", 4)
+    asked.return_logprob = True
+    plain = _req("plain", 4)
+    asked.output_ids, plain.output_ids = [5, 6], [7]
+    asked.output_logprobs = [-0.5, -1.25]
+    asked.output_top_logprobs_val = [[-0.5, -2.0], [-1.25, -3.0]]
+    asked.output_top_logprobs_idx = [[5, 9], [6, 9]]
+    out = token_id_output([plain, asked])
+    assert out.output_token_logprobs is not None
+    assert out.output_token_logprobs.dtype == np.float32
+    assert np.isnan(out.output_token_logprobs[0])  # "plain" did not ask
+    assert out.logprobs_of(0) == [] and out.top_logprobs_of(0) == ([], [])
+    assert out.logprobs_of(1) == [-0.5, -1.25]
+    assert out.top_logprobs_of(1) == ([[-0.5, -2.0], [-1.25, -3.0]], [[5, 9], [6, 9]])
+    asked.output_ids.append(8)
+    asked.output_logprobs.append(-0.75)
+    asked.output_top_logprobs_val.append([-0.75])
+    asked.output_top_logprobs_idx.append([8])
+    later = token_id_output([asked])
+    assert later.logprobs_of(0) == [-0.75] and later.top_logprobs_of(0) == ([[-0.75]], [[8]])

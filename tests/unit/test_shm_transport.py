@@ -16,7 +16,15 @@ import pytest
 
 from framework.comm import shm
 from framework.comm.codec import CodecError
-from framework.comm.shm import _READ_AT, ShmTransport, _Ring, segment_name
+from framework.comm.shm import (
+    _ASLEEP,
+    _READ_AT,
+    _STATE_AT,
+    _WRITE_AT,
+    ShmTransport,
+    _Ring,
+    segment_name,
+)
 from framework.comm.transport import TransportError
 from framework.messages import (
     AbortReq,
@@ -26,6 +34,7 @@ from framework.messages import (
     FlushCacheReqInput,
     GetInfoReqInput,
     GetInfoReqOutput,
+    RequestConstants,
     TokenizedGenerateReqInput,
 )
 from framework.registry import create_codec, create_transport
@@ -33,7 +42,11 @@ from framework.sampling_params import SamplingParams
 from tests.message_strategies import same
 
 CODECS = ["pickle", "msgpack", "json"]
+# A liveness bound only: no test here asserts how fast something happens.
 DEADLINE_S = 20.0
+# A receiver's safety-net re-check interval that outlasts every deadline: with it, a
+# receiver that wakes in time was woken by its sender.
+NO_SAFETY_NET_S = 10 * DEADLINE_S
 
 
 # --------------------------------------------------------------------------- the other process
@@ -63,12 +76,11 @@ def _peer_send(
     address: str,
     codec: str,
     items: list[tuple[str, Any]],
-    delay: float = 0.0,
     use_async: bool = False,
-) -> float:
+) -> int:
     """Send ``("msg", message)`` items through a Sender, ``("raw", frames)`` through a raw end.
 
-    Returns the wall-clock time of the first send.
+    Returns how many items were sent.
     """
     transport = ShmTransport(**options)
     raw = transport.pipe_sender(address)
@@ -79,8 +91,6 @@ def _peer_send(
             await (raw.send_frames(item) if kind == "raw" else typed.send(item))
 
     try:
-        time.sleep(delay)
-        sent_at = time.time()
         if use_async:
             asyncio.run(send_all_async())
         else:
@@ -89,7 +99,7 @@ def _peer_send(
                     raw.send_frames_nowait(item)
                 else:
                     typed.send_nowait(item)
-        return sent_at
+        return len(items)
     finally:
         raw.close()
         typed.close()
@@ -128,13 +138,17 @@ def _peer_stream(conn: Connection, options: dict[str, Any], address: str, count:
         sender.close()
 
 
-def _peer_count_up(conn: Connection, segment: str, seconds: float) -> int:
-    """Store 1, 2, 3, ... into the read position word of ``segment`` for ``seconds``."""
+def _peer_count_up(conn: Connection, segment: str) -> int:
+    """Store 1, 2, 3, ... into the read position word of ``segment`` until told to stop.
+
+    The test stops it by setting the segment's write position word; the deadline only
+    bounds a test that never does.
+    """
     ring = _Ring.attach(segment, atomic_words=False)
     value = 0
     try:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + DEADLINE_S
+        while not ring.load(_WRITE_AT) and time.monotonic() < deadline:
             for _ in range(1000):
                 value += 1
                 ring.store(_READ_AT, value)
@@ -196,9 +210,11 @@ def sample_messages() -> list[Any]:
             sampling_params=SamplingParams(temperature=0.7, stop=["\n"]),
         ),
         BatchTokenIDOutput(
-            rids=["r1"], finished_reasons=[FinishReason("length")], output_ids=[[42]],
-            skip_special_tokens=[True], spaces_between_special_tokens=[True],
-            no_stop_trim=[False], prompt_tokens=[3], completion_tokens=[1], cached_tokens=[0],
+            rids=["r1"], output_ids=np.array([42], dtype=np.int32),
+            output_offsets=np.array([0, 1], dtype=np.int32),
+            completion_tokens=np.array([1], dtype=np.int32),
+            finished_indices=[0], finished_reasons=[FinishReason("length")],
+            new_indices=[0], new_constants=[RequestConstants(prompt_tokens=3)],
         ),
         BatchEmbeddingOutput(
             rids=[f"e{i}" for i in range(4)], finished_reasons=[FinishReason("stop")] * 4,
@@ -269,6 +285,12 @@ def poll_all(receiver: Any, count: int) -> list[Any]:
         receiver.wait(0.1)
         got += receiver.drain()
     return got
+
+
+def is_asleep(receiver: Any) -> bool:
+    """Whether ``receiver`` (a raw or typed shm receiver) sleeps on its FIFO right now."""
+    raw = getattr(receiver, "raw", receiver)
+    return bool(raw._ring.load(_STATE_AT) & _ASLEEP)
 
 
 def leftovers(workdir: str, *addresses: str) -> list[str]:
@@ -366,38 +388,68 @@ def test_recv_nowait_on_an_empty_channel_returns_none(workdir: str) -> None:
 
 @pytest.mark.parametrize("style", ["async", "poll"])
 def test_a_sleeping_receiver_is_woken_by_the_sender(
-    style: str, peer: Peer, workdir: str
+    style: str, peer: Peer, workdir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # After 0.6 s asleep the receiver re-checks the ring only every 250 ms, so a message that
-    # arrives within 0.1 s was delivered by the FIFO wake-up, not by the safety net.
+    # The receiver's safety-net re-checks are pushed past the deadline, and the other
+    # process sends only once the receiver sleeps on its FIFO: a message that arrives at all
+    # was delivered by the sender's wake-up. For the async face, the send is triggered from
+    # the receiver's own event loop, which therefore must keep running while it sleeps; a
+    # watchdog thread triggers it at the deadline instead, so a blocked loop fails the test
+    # rather than hanging it.
+    monkeypatch.setattr(shm, "_FIRST_WAKE_CHECK_S", NO_SAFETY_NET_S)
+    monkeypatch.setattr(shm, "_LAST_WAKE_CHECK_S", NO_SAFETY_NET_S)
     transport = ShmTransport()
     address = transport.make_address(workdir, "late")
     receiver = transport.receiver(address, create_codec("msgpack"))
-    ticks = 0
+    triggered_by: list[str] = []
+    lock = threading.Lock()
 
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0.01)
-            ticks += 1
+    def trigger(by: str) -> None:
+        with lock:
+            if not triggered_by:
+                triggered_by.append(by)
+                peer.start("send", options={}, address=address, codec="msgpack",
+                           items=[("msg", AbortReq(rid="late"))])
 
-    async def receive() -> Any:
-        task = asyncio.create_task(ticker())
+    async def trigger_once_asleep() -> None:
+        while not is_asleep(receiver):
+            await asyncio.sleep(0.001)
+        trigger("loop")
+
+    async def receive_async() -> Any:
+        task = asyncio.create_task(trigger_once_asleep())
         try:
-            return await asyncio.wait_for(receiver.recv(), DEADLINE_S)
+            return await asyncio.wait_for(receiver.recv(), 2 * DEADLINE_S)
         finally:
             task.cancel()
 
-    peer.start("send", options={}, address=address, codec="msgpack",
-               items=[("msg", AbortReq(rid="late"))], delay=0.6)
-    got = asyncio.run(receive()) if style == "async" else poll_all(receiver, 1)[0]
-    arrived_at = time.time()
-    sent_at = peer.result()
+    def trigger_from_thread() -> None:
+        deadline = time.monotonic() + DEADLINE_S
+        while not is_asleep(receiver) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        trigger("thread")
+
+    watchdog = threading.Timer(DEADLINE_S, trigger, args=("watchdog",))
+    watchdog.start()
+    try:
+        if style == "async":
+            got = asyncio.run(receive_async())
+        else:
+            threading.Thread(target=trigger_from_thread, daemon=True).start()
+            started = time.monotonic()
+            woke = receiver.wait(2 * DEADLINE_S)
+            # Ending by its timeout takes the whole timeout; only a wake-up ends it sooner.
+            assert woke and time.monotonic() - started < 2 * DEADLINE_S, "no wake-up came"
+            got = receiver.recv_nowait()
+    finally:
+        watchdog.cancel()
+    peer.result()
     receiver.close()
     assert got == AbortReq(rid="late")
-    assert arrived_at - sent_at < 0.1
     if style == "async":
-        assert ticks >= 20, "the event loop was blocked while the receiver waited"
+        assert triggered_by == ["loop"], "the event loop was blocked while the receiver slept"
+    else:
+        assert triggered_by == ["thread"], "the receiver never slept on its FIFO"
 
 
 def test_rpc_round_trips_across_processes(peer: Peer, workdir: str) -> None:
@@ -494,12 +546,15 @@ def test_senders_of_one_process_share_the_channel(workdir: str) -> None:
 
 
 def test_a_sender_without_a_receiver_times_out(workdir: str) -> None:
+    # It waits out its connect timeout (a lower bound monotonic time guarantees), then gives
+    # up: it does not wait for the default 30 s timeout, nor forever (liveness bound).
     transport = ShmTransport(connect_timeout=0.2)
     sender = transport.sender(transport.make_address(workdir, "nobody"), create_codec("json"))
     started = time.monotonic()
-    with pytest.raises(TransportError, match="no shm receiver"):
+    with pytest.raises(TransportError, match=r"no shm receiver bound .* within 0\.2 s"):
         sender.send_nowait(AbortReq())
-    assert time.monotonic() - started < 5
+    waited = time.monotonic() - started
+    assert 0.2 <= waited < DEADLINE_S
     sender.close()
 
 
@@ -574,22 +629,28 @@ def test_position_words_are_never_seen_half_written(peer: Peer, workdir: str) ->
     # A position word read while another process stores it must hold the old or the new
     # value. A store that clears the word first lets the sender see the read position at 0,
     # reckon more room than the ring has, and overwrite bytes the receiver has not taken.
+    # The other process counts up until told to stop; the reads go on until many of them
+    # have seen a value being stored meanwhile (the two really overlapped), and a million
+    # reads have been made.
     segment = segment_name(f"shm://{workdir}/words")
     ring = _Ring.create(segment, 4096, atomic_words=False)
     try:
-        peer.start("count_up", segment=segment, seconds=0.3)
-        highest = backwards = reads = 0
-        while not peer.conn.poll(0):
+        peer.start("count_up", segment=segment)
+        highest = backwards = reads = fresh = 0
+        deadline = time.monotonic() + DEADLINE_S
+        while (fresh < 1000 or reads < 1_000_000) and time.monotonic() < deadline:
             for _ in range(1000):
                 value = ring.load(_READ_AT)
                 backwards += value < highest
+                fresh += value > highest
                 highest = max(highest, value)
             reads += 1000
+        ring.store(_WRITE_AT, 1)  # stop the counting
         stored = peer.result()
         assert ring.load(_READ_AT) == stored
     finally:
         ring.close(unlink=True)
-    assert reads > 10_000
+    assert fresh >= 1000, f"only {fresh} reads saw a new value: the processes barely overlapped"
     assert backwards == 0, f"{backwards} of {reads} reads went back"
 
 
@@ -640,31 +701,34 @@ def test_an_async_receiver_is_woken_for_every_chunk_of_a_large_record(
     workdir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A sender wakes a sleeping receiver once per sleep. A receiver that took part of a record
-    # must sleep anew, or each later chunk waits for its safety-net timer (5 ms, doubling up
-    # to 250 ms): a dozen chunks would take seconds. The sender's periodic liveness pokes
-    # would hide that, so they are off here.
+    # must sleep anew, or the later chunks wait for its safety-net timer: pushed past the
+    # deadline here, so such a receiver would never get the record. The sender's periodic
+    # liveness pokes would hide that, so they are off too. (Sender and receiver are threads
+    # of one process, so the cross-process race the safety net covers cannot occur.)
     monkeypatch.setattr(shm, "_LIVENESS_EVERY", 1 << 30)
+    monkeypatch.setattr(shm, "_FIRST_WAKE_CHECK_S", NO_SAFETY_NET_S)
+    monkeypatch.setattr(shm, "_LAST_WAKE_CHECK_S", NO_SAFETY_NET_S)
     transport = ShmTransport(ring_bytes=4096)
     address = transport.make_address(workdir, "chunks")
     receiver = transport.pipe_receiver(address)
     sender = transport.pipe_sender(address)
     record = [os.urandom(12 * 4096)]
+    thread = threading.Thread(target=sender.send_frames_nowait, args=(record,))
 
-    async def scenario() -> tuple[list[Any], float]:
+    async def scenario() -> list[Any]:
         receiving = asyncio.create_task(receiver.recv_frames())
-        await asyncio.sleep(0.05)  # asleep on the FIFO by now
-        started = time.monotonic()
-        thread = threading.Thread(target=sender.send_frames_nowait, args=(record,))
+        deadline = time.monotonic() + DEADLINE_S
+        while not is_asleep(receiver):  # asleep on the FIFO before the first chunk comes
+            assert time.monotonic() < deadline, "the receiver never went to sleep"
+            await asyncio.sleep(0.001)
         thread.start()
-        frames = await asyncio.wait_for(receiving, DEADLINE_S)
-        elapsed = time.monotonic() - started
-        await asyncio.to_thread(thread.join)
-        return frames, elapsed
+        return await asyncio.wait_for(receiving, DEADLINE_S)
 
     try:
-        frames, elapsed = asyncio.run(scenario())
+        frames = asyncio.run(scenario())
     finally:
+        receiver.close()  # a sender still waiting for room gives up once the receiver is gone
+        if thread.ident is not None:  # started
+            thread.join(DEADLINE_S)
         sender.close()
-        receiver.close()
     assert frames == record
-    assert elapsed < 0.5, f"a 12-chunk record took {elapsed:.2f} s"
