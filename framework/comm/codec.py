@@ -25,8 +25,10 @@ from framework.messages import Message
 
 Buffer = Union[bytes, bytearray, memoryview]  # noqa: UP007 - used at runtime in annotations
 
-# Arrays at least this large travel as their own frame instead of inside the body.
-DEFAULT_OOB_THRESHOLD = 1024
+# Arrays at least this large travel as their own frame instead of inside the body. Below
+# it, copying into the body costs less than a frame: a per-step token batch (a few KiB of
+# ids and counts) stays one frame, while embeddings and tensors go out of band.
+DEFAULT_OOB_THRESHOLD = 64 * 1024
 
 
 class CodecError(Exception):

@@ -67,10 +67,10 @@ def _embedding_output(n: int, dim: int) -> BatchEmbeddingOutput:
 
 @pytest.mark.parametrize("codec_cls", [PickleCodec, MsgpackCodec])
 def test_large_arrays_travel_out_of_band_without_copies(codec_cls: type) -> None:
-    msg = _embedding_output(4, 1024)
+    msg = _embedding_output(32, 1024)
     frames = codec_cls().encode(msg)
-    assert len(frames) == 2  # the body, then the 16 KiB array as one frame
-    assert memoryview(frames[1]).nbytes == 4 * 1024 * 4
+    assert len(frames) == 2  # the body, then the 128 KiB array as one frame
+    assert memoryview(frames[1]).nbytes == 32 * 1024 * 4
     # Zero-copy on both sides: the frame is a view of the array, and the decoded array a view
     # of the frame.
     assert np.shares_memory(np.frombuffer(frames[1], dtype=np.float32), msg.embeddings)
@@ -97,7 +97,7 @@ class TensorCarrier(Message):
 @pytest.mark.parametrize("codec_cls", [PickleCodec, MsgpackCodec])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
 def test_torch_tensors_round_trip(codec_cls: type, dtype: torch.dtype) -> None:
-    tensors = [torch.arange(600).reshape(20, 30).to(dtype), torch.ones(2, dtype=dtype)]
+    tensors = [torch.arange(40_000).reshape(40, 1000).to(dtype), torch.ones(2, dtype=dtype)]
     codec = codec_cls()
     frames = codec.encode(TensorCarrier(name="t", tensors=tensors))
     assert len(frames) == 2  # only the large tensor goes out of band
