@@ -273,12 +273,19 @@ def describe(values: Sequence[float], scale: float = 1000.0) -> dict[str, float 
 def chunk_token_counts(chunks: int, tokens: int, interval: int) -> list[int]:
     """Tokens carried by each of ``chunks`` text chunks of a ``tokens``-token completion.
 
-    Every chunk carries ``interval`` tokens and the last one the rest, as a server
-    streaming every ``interval`` tokens sends them; when that cannot add up (a chunk
-    held back, a server streaming otherwise), the tokens are spread evenly.
+    A server streaming every ``interval`` tokens sends either the first token alone and
+    then ``interval`` tokens a chunk (this project, SGLang), or ``interval`` tokens from
+    the start; the last chunk carries the rest. The first pattern that adds up is taken;
+    when neither does (a chunk held back, a server streaming otherwise), the tokens are
+    spread evenly.
     """
     if chunks <= 0:
         return []
+    if chunks == 1:
+        return [tokens]
+    last = tokens - 1 - interval * (chunks - 2)
+    if 1 <= last <= interval:
+        return [1] + [interval] * (chunks - 2) + [last]
     last = tokens - interval * (chunks - 1)
     if 1 <= last <= interval:
         return [interval] * (chunks - 1) + [last]

@@ -72,7 +72,13 @@ class Req:
         return self.finished_reason is not None
 
     def output_due(self) -> bool:
-        """Whether this request has something the client should see now."""
+        """Whether this request has something the client should see now.
+
+        A stream gets its first token at once (time to first token is what a user
+        waits for), then every ``stream_interval`` tokens.
+        """
         if self.finished:
             return True
-        return self.stream and len(self.output_ids) - self.sent_len >= self.stream_interval
+        unsent = len(self.output_ids) - self.sent_len
+        first = self.sent_len == 0 and unsent > 0
+        return self.stream and (first or unsent >= self.stream_interval)

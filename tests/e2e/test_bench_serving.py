@@ -164,15 +164,16 @@ def test_percentiles_and_summary_of_made_up_records() -> None:
         assert percentile(values, q) == pytest.approx(np.percentile(values, q))
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
 
-    assert chunk_token_counts(4, 8, 2) == [2, 2, 2, 2]
-    assert chunk_token_counts(4, 7, 2) == [2, 2, 2, 1]
-    assert chunk_token_counts(3, 10, 2) == [4, 3, 3]  # not the interval's pattern: spread
+    assert chunk_token_counts(4, 7, 2) == [1, 2, 2, 2]  # the first token alone
+    assert chunk_token_counts(4, 6, 2) == [1, 2, 2, 1]
+    assert chunk_token_counts(4, 8, 2) == [2, 2, 2, 2]  # interval tokens from the start
+    assert chunk_token_counts(3, 10, 2) == [4, 3, 3]  # neither pattern: spread
 
-    # Chunks of 2 tokens at 0.1, 0.3 and 0.7 s, the last one with 1 token at 0.8 s.
+    # The first token at 0.1 s, then chunks of 2 tokens at 0.3, 0.7 and 0.8 s.
     a = made_up_record(0, [0.1, 0.3, 0.7, 0.8], tokens=7, e2e=1.0)
-    assert a.success and a.chunk_tokens == [2, 2, 2, 1]
+    assert a.success and a.chunk_tokens == [1, 2, 2, 2]
     assert a.ttft_s == 0.1 and a.tpot_s == pytest.approx(0.9 / 6)
-    assert a.itl_s == pytest.approx([0.1, 0.2, 0.1])
+    assert a.itl_s == pytest.approx([0.1, 0.2, 0.05])
     b = made_up_record(1, [0.2, 0.4], tokens=4, e2e=0.5, prompt_tokens=20)
     assert b.itl_s == pytest.approx([0.1])
     no_usage = RequestRecord(2, None, input_len=5, output_len=4, chunk_times_s=[0.1], e2e_s=0.2)
@@ -192,8 +193,8 @@ def test_percentiles_and_summary_of_made_up_records() -> None:
     assert summary["ttft_ms"]["mean"] == pytest.approx(150.0)
     assert summary["ttft_ms"]["p50"] == pytest.approx(150.0)
     assert summary["e2e_ms"]["p90"] == pytest.approx(950.0)
-    # ITL per token: 0.1 s for 2 + 1 + 2 tokens, 0.2 s for 2 tokens.
-    assert summary["itl_ms"]["mean"] == pytest.approx(1000 * (0.1 * 5 + 0.2 * 2) / 7)
+    # ITL per token: 0.1 s for 2 + 2 tokens, 0.2 s for 2 tokens, 0.05 s for 2 tokens.
+    assert summary["itl_ms"]["mean"] == pytest.approx(1000 * (0.1 * 4 + 0.2 * 2 + 0.05 * 2) / 8)
     assert summary["itl_ms"]["p50"] == pytest.approx(100.0)
     assert summary["tpot_ms"]["mean"] == pytest.approx(1000 * (0.9 / 6 + 0.3 / 3) / 2)
 

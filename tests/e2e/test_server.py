@@ -78,7 +78,8 @@ def _completion_body(prompt: str, stream: bool = False, **extra: Any) -> dict[st
 
 
 def _expected_events(tokens: int) -> int:
-    return math.ceil(tokens / STREAM_INTERVAL)
+    """The first token alone, then one event every STREAM_INTERVAL tokens, then the rest."""
+    return 1 + math.ceil((tokens - 1) / STREAM_INTERVAL)
 
 
 def test_completions_json(client: httpx.Client, expected: dict, checkpoints: tuple) -> None:
@@ -131,8 +132,10 @@ def test_generate_sse(client: httpx.Client, expected: dict, checkpoints: tuple) 
     assert len(chunks) == _expected_events(MAX_TOKENS)
     assert chunks[-1]["text"] == ref[0]["text"]  # /generate streams the text so far
     assert chunks[-1]["output_ids"] == ref[0]["output_ids"]
-    assert [c["meta_info"]["completion_tokens"] for c in chunks] == list(
-        range(STREAM_INTERVAL, MAX_TOKENS + 1, STREAM_INTERVAL))
+    counts = list(range(1, MAX_TOKENS + 1, STREAM_INTERVAL))
+    if counts[-1] != MAX_TOKENS:
+        counts.append(MAX_TOKENS)
+    assert [c["meta_info"]["completion_tokens"] for c in chunks] == counts
 
 
 def test_32_concurrent_streams_match_the_engine(server: ServerProcess, expected: dict,
