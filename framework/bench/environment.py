@@ -23,13 +23,18 @@ def machine_description() -> str:
 
 
 def git_commit() -> str:
-    """The commit of the checkout this package runs from (``-dirty`` if changed), or ``unknown``."""
+    """The commit of the checkout this package runs from (``-dirty`` if changed), or ``unknown``.
+
+    Changes under ``benchmarks/results/`` do not count: a run rewrites its own kept
+    results before it names the commit.
+    """
     root = Path(__file__).resolve().parents[2]
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
                                 capture_output=True, text=True, check=True).stdout.strip()
         changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
-                                  "--untracked-files=no"],
+                                  "--untracked-files=no", "--", ".",
+                                  ":(exclude)benchmarks/results"],
                                  capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
