@@ -23,6 +23,7 @@ MAX_TEMPERATURE = 100.0
 MAX_TOP_LOGPROBS = 20
 # Choices of one OpenAI request; each is a full request in the Scheduler.
 MAX_N = 128
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 # Seeds travel as msgpack integers and seed torch generators; both take this range.
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
@@ -95,6 +96,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: int | None = None
     n: int = 1
     stream_interval: int | None = None
+    #: Token id (as a string, as OpenAI's JSON keys are) -> value added to its logit.
+    logit_bias: dict[str, float] | None = None
 
     @classmethod
     def from_dict(cls, params: dict | None) -> SamplingParams:
@@ -135,6 +138,23 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ):
             raise ValueError("stop must be a list of non-empty strings")
         check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
+        self._verify_logit_bias(vocab_size)
+
+    def _verify_logit_bias(self, vocab_size: int | None) -> None:
+        if not self.logit_bias:
+            return
+        for key, value in self.logit_bias.items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            check_token_ids([int(key)], vocab_size, "logit_bias")
+            if not (isinstance(value, (int, float)) and math.isfinite(value)
+                    and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {value!r} for token {key}")
+
+    def logit_bias_by_id(self) -> dict[int, float]:
+        """``logit_bias`` with integer token ids (empty when unset)."""
+        return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
 
     def _verify_floats(self) -> None:
         """Finite values first (NaN compares false to every bound), then each range."""

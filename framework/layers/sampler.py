@@ -5,7 +5,8 @@ The order of operations on a row's logits is fixed:
 1. logprobs are taken from the RAW logits (``log_softmax``), so that what a client sees does
    not depend on how the token was picked;
 2. penalties: repetition (HF/CTRL: tokens of prompt + output; positive logits divided, negative
-   ones multiplied), then frequency and presence (OpenAI: counts of the output tokens only);
+   ones multiplied), then frequency and presence (OpenAI: counts of the output tokens only),
+   then ``logit_bias`` (added to the logits of the named tokens);
 3. the ``min_new_tokens`` ban: tokens that would end the request get ``-inf`` until enough
    output exists;
 4. greedy rows (``temperature == 0`` or ``top_k == 1``) take the argmax; the others divide by
@@ -81,6 +82,21 @@ def _token_mask(
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     """``[B, 1]`` float32 tensor, shaped to broadcast over the vocabulary."""
     return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _logit_bias(params: Sequence[SamplingParams], vocab_size: int, device: torch.device
+                ) -> torch.Tensor | None:
+    """``[B, vocab]`` biases to add to the logits, or None when no row has any."""
+    biases = [request.logit_bias_by_id() for request in params]
+    if not any(biases):
+        return None
+    rows = [row for row, bias in enumerate(biases) for _ in bias]
+    tokens = [token for bias in biases for token in bias]
+    _check_token_ids(tokens, vocab_size, "logit_bias")
+    out = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
+    out[torch.tensor(rows, device=device), torch.tensor(tokens, device=device)] = torch.tensor(
+        [value for bias in biases for value in bias.values()], device=device)
+    return out
 
 
 def _min_new_tokens_bans(
@@ -187,6 +203,7 @@ class SamplingBatchInfo:
     presence_penalties: torch.Tensor | None = None  # [B, 1] float32
     output_counts: torch.Tensor | None = None  # [B, vocab] float32: occurrences in the output
     banned_mask: torch.Tensor | None = None  # [B, vocab] bool: banned by min_new_tokens
+    logit_bias: torch.Tensor | None = None  # [B, vocab] float32: added to the logits
 
     @property
     def batch_size(self) -> int:
@@ -258,6 +275,7 @@ class SamplingBatchInfo:
             histories = [_history_from_lists(r, prompt, output, vocab_size, device)
                          for r, prompt, output in zip(params, prompt_ids, output_ids, strict=True)]
         info._add_penalties(params, histories)
+        info.logit_bias = _logit_bias(params, vocab_size, device)
         bans = _min_new_tokens_bans(params, output_ids, eos_token_ids, vocab_size)
         if any(bans):
             info.banned_mask = _token_mask(bans, vocab_size, device, "banned tokens")
@@ -410,6 +428,8 @@ class Sampler:
                 - info.frequency_penalties * counts
                 - info.presence_penalties * (counts > 0).float()
             )
+        if info.logit_bias is not None:
+            logits = logits + info.logit_bias
         if info.banned_mask is not None:
             logits = logits.masked_fill(info.banned_mask, float("-inf"))
         return logits

@@ -213,3 +213,24 @@ def test_engine_still_generates_after_the_refusals(engine: Engine) -> None:
     out = engine.generate("hi", {"max_new_tokens": 3, "ignore_eos": True, "temperature": 1e-30})
     assert out["meta_info"]["completion_tokens"] == 3
     assert engine.get_server_info()["kv_cache_idle_and_free"] is True
+
+
+def test_logit_bias_moves_the_chosen_token_and_bad_bias_is_a_400(
+        server: ServerProcess, client: httpx.Client) -> None:
+    oa = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+    model = oa.models.list().data[0].id
+    greedy = {"max_new_tokens": 1, "temperature": 0}
+    plain = client.post("/generate", json={"text": "hello", "sampling_params": greedy}).json()
+    target = 7 if plain["output_ids"] != [7] else 8  # a token greedy decoding did not pick
+    bias = {str(target): 100}
+    native = client.post("/generate", json={
+        "text": "hello", "sampling_params": {**greedy, "logit_bias": bias}}).json()
+    assert native["output_ids"] == [target]
+    biased = oa.completions.create(model=model, prompt="hello", max_tokens=1, temperature=0,
+                                   logit_bias=bias)
+    unbiased = oa.completions.create(model=model, prompt="hello", max_tokens=1, temperature=0)
+    assert biased.choices[0].text == native["text"]
+    assert unbiased.choices[0].text == plain["text"]
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        oa.completions.create(model=model, prompt="hello", max_tokens=1,
+                              logit_bias={"999999": 5})

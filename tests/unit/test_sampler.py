@@ -395,3 +395,23 @@ def test_penalty_histories_kept_across_steps_equal_ones_built_from_the_lists() -
     assert kept.output_counts[0, 5] == 2 and kept.output_counts[2, 4] == 3
     assert kept.repetition_mask[0].tolist() == [True, True, True, False, False, True]
     assert not kept.repetition_mask[1].any() and not kept.output_counts[1].any()
+
+
+def test_logit_bias_moves_the_choice_and_leaves_the_reported_logprobs_raw() -> None:
+    logits = torch.log(torch.tensor([KNOWN_PROBS, KNOWN_PROBS]))
+    params = [SamplingParams(temperature=0.0, logit_bias={"4": 100.0, "1": -100.0}),
+              SamplingParams(temperature=0.0)]
+    out = Sampler()(logits, make_info(params))
+    assert out.next_token_ids.tolist() == [4, 1]  # row 1 keeps the argmax
+    assert out.logprobs[0].item() == pytest.approx(math.log(KNOWN_PROBS[4]), abs=1e-6)
+
+
+@pytest.mark.parametrize(("bias", "message"), [
+    ({"x": 1.0}, "logit_bias keys must be token ids"),
+    ({"6": 1.0}, r"logit_bias must hold integer token ids in \[0, 6\)"),
+    ({"2": 101.0}, r"logit_bias values must be in \[-100, 100\]"),
+    ({"2": float("nan")}, "logit_bias values"),
+])
+def test_bad_logit_bias_is_refused_naming_the_field(bias: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(logit_bias=bias).verify(vocab_size=6)
