@@ -35,10 +35,16 @@ class ServerArgs:
     is_embedding: bool = _opt(False, "serve a decoder model as an embedding model", "model")
     context_length: int | None = _opt(None, "maximum tokens per request (default: the "
                                       "model's max_position_embeddings)", "model")
+    chat_template: str | None = _opt(None, "chat template for /v1/chat/completions: a Jinja "
+                                     "file, or the template itself if it contains '{%%' "
+                                     "(default: the tokenizer's)", "model")
     # server
     host: str = _opt("127.0.0.1", "HTTP host to listen on", "server")
     port: int = _opt(30000, "HTTP port to listen on", "server")
     stream_interval: int = _opt(2, "send a streamed chunk every N tokens", "server")
+    api_key: str | None = _opt(None, "require `Authorization: Bearer KEY` on every route but "
+                               "/health, /health_generate and /metrics", "server")
+    enable_metrics: bool = _opt(False, "serve Prometheus metrics at GET /metrics", "server")
     # transport
     transport: str = _opt("zmq", "transport between processes (see `framework plugins`)",
                           "transport")
@@ -79,6 +85,8 @@ class ServerArgs:
     # logging
     log_level: str = _opt("info", "log level", "logging",
                           choices=("debug", "info", "warning", "error"))
+    log_requests: bool = _opt(False, "log each request's id, route, prompt length and "
+                              "sampling parameters, and its finish, at INFO", "logging")
 
     def resolved_model_path(self) -> str:
         """The model directory to serve: the one given, or the embedded default."""
@@ -126,6 +134,10 @@ def _metavar(name: str, kind: type) -> str:
         return "DIR"
     if name.endswith("_class"):
         return "DOTTED.PATH"
+    if name.endswith("_template"):
+        return "FILE"
+    if name.endswith("_key"):
+        return "KEY"
     return {int: "N", float: "X"}.get(kind, "NAME")
 
 

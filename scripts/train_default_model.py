@@ -63,6 +63,21 @@ logger = logging.getLogger("train_default_model")
 
 SPECIAL_TOKEN = "<|endoftext|>"
 SAMPLE_PROMPT = "def fibonacci(n):"
+# The chat template: every turn but the model's as comment lines, so that a chat prompt
+# looks like the Python the model was trained on and its answer is code.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}\n"
+    "{%- if message['role'] == 'assistant' %}\n"
+    "{{- '# assistant:\\n' + message['content'] + '\\n' }}\n"
+    "{%- else %}\n"
+    "{{- '# ' + message['role'] + ': ' + message['content'] | replace('\\n', '\\n# ') "
+    "+ '\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "{{- '# assistant:\\n' }}\n"
+    "{%- endif %}\n"
+)
 SCRIPT_PATH = "scripts/train_default_model.py"
 
 # Directories of the standard library that are not ordinary code: tests, third-party
@@ -416,6 +431,7 @@ def save_checkpoint(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
     config_path = output / "tokenizer_config.json"
     tokenizer_config = json.loads(config_path.read_text())
     tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tokenizer_config["chat_template"] = CHAT_TEMPLATE
     config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
@@ -579,7 +595,8 @@ BPE tokenizer on the source code of the Python standard library. `framework serv
 `framework.Engine()` use it when no model path is given, so that the runtime works offline
 out of the box: in tests, demos and benchmarks of the serving machinery. It continues
 Python code; at this size the output has the shape of Python but is rarely correct, and
-the model cannot follow instructions or chat (the tokenizer has no chat template).
+the model cannot follow instructions. Its chat template (below) makes `/v1/chat/completions`
+work, for tests and demos of the chat route.
 
 ## Sample
 
@@ -621,6 +638,22 @@ vocabulary of {config.vocab_size:,} tokens, about {bytes_per_token:.2f} bytes pe
 the training text. `{SPECIAL_TOKEN}` (id {result.special_token_id}) is the BOS, EOS and padding
 token; encoding adds no special tokens. Saved as a transformers fast tokenizer, so
 `AutoTokenizer.from_pretrained` loads it.
+
+## Chat template
+
+`tokenizer_config.json` holds a chat template, so that `/v1/chat/completions` works out of
+the box. The model never saw a conversation, so the template writes one as the Python it
+was trained on: a system or user message becomes comment lines (`# user: ` before its
+first line, `# ` before each other line), an assistant message is the line `# assistant:`
+followed by its text as it is (code), and the generation prompt is `# assistant:` and a
+newline, after which the model writes code. Two messages and the generation prompt:
+
+```text
+# system: You write Python.
+# user: Write a function
+# that adds two numbers.
+# assistant:
+```
 
 ## Architecture
 

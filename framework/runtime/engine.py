@@ -7,28 +7,46 @@ default transport (zmq), so a script gets continuous batching with a plain
 call. ``launch_mode="thread"`` runs them as threads of the caller's process
 instead, over the ``inproc`` transport unless another is named (for tests and
 debugging).
+
+The TokenizerManager lives on the Engine's own event loop, which runs in a
+background thread ("engine-loop") for the Engine's whole life. Every call, sync
+or async, hands a coroutine to that loop with ``asyncio.run_coroutine_threadsafe``:
+a sync call waits on the returned future, an async call awaits it on the
+caller's loop through ``asyncio.wrap_future``. So the Engine works the same from
+a plain script, from inside ``asyncio.run(...)`` and from several threads, and
+the caller's loop never runs (or blocks) the manager's receive loops.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import concurrent.futures
 import contextlib
 import logging
 import threading
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from typing import Any, TypeVar
 
 from framework.config import ServerArgs
 from framework.runtime.launch import ComponentTree, apply_scheduler_info
 from framework.runtime.tokenizer_manager import (
     GenerateRequest,
+    PreparedRequest,
     TokenizerManager,
     gather_or_cancel,
 )
 from framework.sampling_params import SamplingParams
 
 logger = logging.getLogger("framework.engine")
+T = TypeVar("T")
 
 _WATCHER_JOIN_S = 5.0
+# How long shutdown() waits for the manager to close and the loop thread to end.
+_LOOP_STOP_S = 10.0
+# What a stream's step returns once the stream has ended (StopAsyncIteration does not
+# cross a future cleanly).
+_END = object()
 
 
 class Engine:
@@ -39,6 +57,12 @@ class Engine:
     spawned processes, so a script that makes an Engine at import time must
     do so under ``if __name__ == "__main__":``. If one of them dies, waiting
     and later calls raise ``RuntimeError`` naming it.
+
+    ``generate`` blocks; ``async_generate`` is its awaitable twin for code
+    running in an event loop. Both take ``stream=True`` to get the output as it
+    is made. They are safe to call from any thread or loop: the runtime's
+    TokenizerManager runs on the Engine's own loop in a background thread, and
+    each call is bridged to it (see the module docstring).
     """
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
@@ -54,6 +78,14 @@ class Engine:
         self._death: asyncio.Future[str] = self._loop.create_future()
         self._watcher: threading.Thread | None = None
         self.tokenizer_manager: TokenizerManager | None = None
+        self._closing: set[asyncio.Future[None]] = set()
+        # Daemon: a script that forgets shutdown() still exits.
+        self._loop_thread = threading.Thread(target=self._run_loop, name="engine-loop",
+                                             daemon=True)
+        self._loop_thread.start()
+        # An Engine never shut down is shut down at exit, before the interpreter kills the
+        # loop thread (and, in thread mode, a Scheduler thread in the middle of a step).
+        atexit.register(self.shutdown)
         try:
             self._start()
         except BaseException:
@@ -64,19 +96,27 @@ class Engine:
         from framework.runtime.hf_tokenizer import load_tokenizer
 
         args, components = self.server_args, self.components
-        tokenizer = load_tokenizer(args.resolved_tokenizer_path())
+        tokenizer = load_tokenizer(args.resolved_tokenizer_path(), args.chat_template)
         # The TokenizerManager binds its receivers before the components connect to them.
         manager = components.classes.tokenizer_manager(args, components.port_args,
                                                        components.transport, tokenizer)
         self.tokenizer_manager = manager
         apply_scheduler_info(manager, components.start())
-        self._loop.run_until_complete(self._start_manager(manager))
+        self._run(self._start_manager(manager))
         self._watcher = threading.Thread(target=self._watch, name="engine-watcher", daemon=True)
         self._watcher.start()
 
     @staticmethod
     async def _start_manager(manager: TokenizerManager) -> None:
         manager.start()  # its receive loops need a running event loop
+
+    def _run_loop(self) -> None:
+        """The loop thread: run the loop until shutdown, then clean up as asyncio.run does."""
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.run_until_complete(_cancel_leftovers())
 
     def _watch(self) -> None:
         """Wait for a component to die; then fail every waiting request and stop the rest."""
@@ -104,20 +144,54 @@ class Engine:
         input_ids: list[int] | list[list[int]] | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
-    ) -> dict[str, Any] | list[dict[str, Any]]:
+        stream: bool = False,
+    ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict back) or a list of prompts (a list back).
 
         Each result has ``text``, ``output_ids`` and ``meta_info`` (``prompt_tokens``,
         ``completion_tokens``, ``cached_tokens``, ``finish_reason``, logprobs when asked).
         All prompts of one call run together in the continuous batch.
+
+        With ``stream=True`` it returns an iterator of chunks as they are made: each
+        chunk's ``text`` and ``output_ids`` are the *new* text and ids (so the chunks
+        concatenate to the full output), its ``meta_info`` is as of that chunk (the
+        last one has the ``finish_reason``); with a list of prompts, chunks of all
+        of them interleave and each has the ``index`` of its prompt. Every value is
+        checked before this returns (a ``ValueError``); leaving the iteration early
+        (``break``, ``close()``) aborts the requests and frees their KV slots.
         """
-        single, requests = self._requests(prompt, input_ids, sampling_params)
-        for req in requests:
-            req.return_logprob = return_logprob
-            req.top_logprobs_num = top_logprobs_num
-        results = self._run(self._generate_all(requests))
-        outputs = [{k: v for k, v in r.items() if k != "delta"} for r in results]
-        return outputs[0] if single else outputs
+        prepared, single = self._run(self._prepare(prompt, sampling_params, input_ids,
+                                                   return_logprob, top_logprobs_num, stream))
+        if stream:
+            return self._sync_stream(self._stream(prepared, single))
+        results = self._run(gather_or_cancel([self._manager.generate_one(p) for p in prepared]))
+        return _final(results, single)
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+    ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
+        """``generate`` for code in an event loop: same arguments, same results, awaited.
+
+        With ``stream=True`` the await checks every value (a ``ValueError``) and
+        returns an async iterator of the same chunks as ``generate``'s stream;
+        leaving it early (``break`` then ``await stream.aclose()``, or
+        ``contextlib.aclosing``) aborts the requests and frees their KV slots.
+        Cancelling the awaiting task aborts the requests too.
+        """
+        prepared, single = await self._arun(self._prepare(prompt, sampling_params, input_ids,
+                                                          return_logprob, top_logprobs_num,
+                                                          stream))
+        if stream:
+            return self._async_stream(self._stream(prepared, single))
+        results = await self._arun(
+            gather_or_cancel([self._manager.generate_one(p) for p in prepared]))
+        return _final(results, single)
 
     def encode(self, texts: str | list[str]) -> Any:
         """Embeddings (numpy float32) of one text or a list of texts."""
@@ -141,12 +215,20 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the components, close every channel and remove the channels' directory."""
+        atexit.unregister(self.shutdown)
         self.components.stop()
         if self._watcher is not None:
             self._watcher.join(_WATCHER_JOIN_S)
-        if self.tokenizer_manager is not None and not self._loop.is_closed():
-            self._loop.run_until_complete(self.tokenizer_manager.close())
-        if not self._loop.is_closed():
+        if self._loop.is_closed():
+            return
+        if self.tokenizer_manager is not None and self._loop_thread.is_alive():
+            future = asyncio.run_coroutine_threadsafe(self.tokenizer_manager.close(), self._loop)
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                future.result(_LOOP_STOP_S)
+        if self._loop_thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join(_LOOP_STOP_S)
+        if not self._loop_thread.is_alive():
             self._loop.close()
 
     def __enter__(self) -> Engine:
@@ -155,7 +237,7 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ bridging
 
     @property
     def _manager(self) -> TokenizerManager:
@@ -163,27 +245,129 @@ class Engine:
             raise RuntimeError("the engine is shut down")
         return self.tokenizer_manager
 
-    def _run(self, coro: Any) -> Any:
-        if self._loop.is_closed():
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coro`` on the Engine's loop, unless a component dies first."""
+        if self._loop.is_closed() or not self._loop_thread.is_alive():
             coro.close()
             raise RuntimeError("the engine is shut down")
-        return self._loop.run_until_complete(self._unless_dead(coro))
+        return asyncio.run_coroutine_threadsafe(self._unless_dead(coro), self._loop)
 
-    async def _unless_dead(self, coro: Any) -> Any:
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Block until ``coro`` is done on the Engine's loop; cancel it if the wait is cut short."""
+        future = self._submit(coro)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # KeyboardInterrupt: the requests are aborted, not left running
+            raise
+
+    async def _arun(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro``, run on the Engine's loop, from the caller's loop.
+
+        Cancelling the caller cancels the wrapped future, which cancels the task
+        on the Engine's loop: its requests are aborted as a disconnect would.
+        """
+        return await asyncio.wrap_future(self._submit(coro))
+
+    async def _unless_dead(self, coro: Coroutine[Any, Any, T]) -> T:
         """``coro``'s result, or a ``RuntimeError`` naming the component that died meanwhile."""
         task = asyncio.ensure_future(coro)
-        await asyncio.wait({task, self._death}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait({task, self._death}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
         if not self._death.done():
             return task.result()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         raise RuntimeError(f"the runtime is down: {self._death.result()}")
 
-    async def _generate_all(self, requests: list[GenerateRequest]) -> list[dict[str, Any]]:
-        """Check every request before sending any; if one fails, abort the others."""
+    def _sync_stream(self, chunks: AsyncIterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """Iterate ``chunks`` (which live on the Engine's loop) from a plain thread."""
+        try:
+            while (chunk := self._run(_next(chunks))) is not _END:
+                yield chunk
+        finally:
+            self._close_stream(chunks)
+
+    async def _async_stream(self, chunks: AsyncIterator[dict[str, Any]]
+                            ) -> AsyncIterator[dict[str, Any]]:
+        """Iterate ``chunks`` (which live on the Engine's loop) from the caller's loop."""
+        try:
+            while (chunk := await self._arun(_next(chunks))) is not _END:
+                yield chunk
+        finally:
+            # Closing runs the manager's cleanup, which aborts an unfinished request.
+            with contextlib.suppress(RuntimeError):  # the engine is shut down
+                await self._arun(_aclose(chunks))
+
+    def _close_stream(self, chunks: AsyncIterator[dict[str, Any]]) -> None:
+        if threading.current_thread() is self._loop_thread:
+            # Dropped by a garbage collection on the loop's own thread: waiting would deadlock.
+            task = asyncio.ensure_future(_aclose(chunks))
+            self._closing.add(task)  # a task nobody references may vanish before it runs
+            task.add_done_callback(self._closing.discard)
+            return
+        # RuntimeError: shut down, or still being cancelled (which aborts it too).
+        with contextlib.suppress(RuntimeError):
+            self._run(_aclose(chunks))
+
+    # ------------------------------------------------------------------ on the Engine's loop
+
+    async def _prepare(
+        self,
+        prompt: str | list[str] | None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None,
+        input_ids: list[int] | list[list[int]] | None,
+        return_logprob: bool,
+        top_logprobs_num: int,
+        stream: bool,
+    ) -> tuple[list[PreparedRequest], bool]:
+        """Check and tokenize every request before any is sent (the HTTP layer's checks)."""
+        single, requests = self._requests(prompt, input_ids, sampling_params)
+        for req in requests:
+            req.return_logprob = return_logprob
+            req.top_logprobs_num = top_logprobs_num
+            req.stream = stream
         manager = self._manager
-        prepared = await gather_or_cancel([manager.prepare(r) for r in requests])
-        return await gather_or_cancel([manager.generate_one(p) for p in prepared])
+        return await gather_or_cancel([manager.prepare(r) for r in requests]), single
+
+    async def _stream(self, prepared: list[PreparedRequest], single: bool
+                      ) -> AsyncIterator[dict[str, Any]]:
+        """The chunks of every request as they come; closing it aborts the unfinished ones."""
+        # Each pump puts its chunks, then None (done) or the exception that ended it.
+        queue: asyncio.Queue[dict[str, Any] | Exception | None] = asyncio.Queue()
+        manager = self._manager
+
+        async def pump(index: int, req: PreparedRequest) -> None:
+            ids_len = 0
+            try:
+                async for out in manager.generate(req):
+                    queue.put_nowait(_new_part(out, ids_len, None if single else index))
+                    ids_len = len(out["output_ids"])
+            except Exception as exc:  # a failed send: the stream ends with its error
+                queue.put_nowait(exc)
+                return
+            queue.put_nowait(None)
+
+        tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(prepared)]
+        running = len(tasks)
+        try:
+            while running:
+                item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            # A cancelled pump leaves the manager's generate, which aborts its request.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     @staticmethod
     def _requests(
@@ -210,3 +394,40 @@ class Engine:
         for req, params in zip(reqs, params_list):
             req.sampling_params = SamplingParams.from_dict(params)
         return single, reqs
+
+
+def _final(results: list[dict[str, Any]], single: bool) -> dict[str, Any] | list[dict[str, Any]]:
+    """The non-streaming outputs: the manager's dicts without their ``delta``."""
+    outputs = [{k: v for k, v in r.items() if k != "delta"} for r in results]
+    return outputs[0] if single else outputs
+
+
+def _new_part(out: dict[str, Any], ids_before: int, index: int | None) -> dict[str, Any]:
+    """A stream chunk from the manager's output: only what is new since the last one."""
+    chunk = {"text": out["delta"], "output_ids": out["output_ids"][ids_before:],
+             "meta_info": out["meta_info"]}
+    if index is not None:
+        chunk["index"] = index
+    return chunk
+
+
+async def _next(chunks: AsyncIterator[dict[str, Any]]) -> Any:
+    """The next chunk, or ``_END``."""
+    try:
+        return await chunks.__anext__()
+    except StopAsyncIteration:
+        return _END
+
+
+async def _aclose(chunks: AsyncIterator[dict[str, Any]]) -> None:
+    await chunks.aclose()  # type: ignore[attr-defined]
+
+
+async def _cancel_leftovers() -> None:
+    """Cancel the tasks still on the loop and close its async generators (streams left open)."""
+    current = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not current]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.get_running_loop().shutdown_asyncgens()

@@ -18,13 +18,64 @@ TOKENIZER_FILES: tuple[str, ...] = (
 )
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str, chat_template: str | None = None) -> Any:
     """Load the tokenizer stored in the directory ``path`` with ``transformers.AutoTokenizer``.
 
     Only local files are read. Raises ``ValueError`` when ``path`` is not a
     directory, holds no tokenizer files, or transformers cannot build a
-    tokenizer from them.
+    tokenizer from them. ``chat_template`` (``--chat-template``: a file, or the
+    template itself) replaces the tokenizer's own; see ``read_chat_template``.
     """
+    # Read first: a bad template is refused before the (slower) tokenizer load.
+    template = read_chat_template(chat_template) if chat_template is not None else None
+    tokenizer = _load(path)
+    if template is not None:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+def read_chat_template(spec: str) -> str:
+    """The Jinja chat template ``spec`` names: the text itself if it contains ``{%``, else a file's.
+
+    Raises ``ValueError`` (one line) when the file cannot be read or the
+    template does not parse, so that a bad ``--chat-template`` stops start-up
+    instead of failing every chat request.
+    """
+    if "{%" in spec:
+        template, where = spec, "the --chat-template string"
+    else:
+        try:
+            with open(spec, encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise ValueError(f"cannot read the chat template file {spec!r}: {reason}") from None
+        where = f"the chat template file {spec!r}"
+    if not template.strip():
+        raise ValueError(f"{where} is empty")
+    import jinja2  # a dependency of transformers' chat templates
+
+    try:
+        _compile_chat_template(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"{where} is not a valid Jinja template: {exc.message} "
+                         f"(line {exc.lineno})") from None
+    return template
+
+
+def _compile_chat_template(template: str) -> None:
+    """Compile ``template`` as ``apply_chat_template`` will (its extensions and options)."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # another transformers layout: plain Jinja with the same extension
+        import jinja2
+
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+        return
+    _compile_jinja_template(template)
+
+
+def _load(path: str) -> Any:
     if not os.path.isdir(path):
         raise ValueError(f"tokenizer path {path!r} is not a directory")
     present = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(path, name))]

@@ -42,6 +42,7 @@ from framework.messages import (
     UpdateWeightsFromDiskReqInput,
 )
 from framework.registry import create_codec
+from framework.runtime.metrics import make_metrics
 from framework.sampling_params import SamplingParams, check_token_ids, check_top_logprobs_num
 
 logger = logging.getLogger("framework.tokenizer_manager")
@@ -273,6 +274,8 @@ class TokenizerManager:
         self.rpc = transport.client(port_args.rpc, create_codec(codec))
         self.rid_to_state: dict[str, ReqState] = {}
         self.last_metrics: SchedulerMetrics | None = None
+        # Prometheus metrics (no-ops unless --enable-metrics), measured from our own timestamps.
+        self.metrics = make_metrics(server_args.enable_metrics)
         # Requests and aborts leave through it in order, without ever blocking the loop.
         self.outbox = SchedulerOutbox(self._send_to_scheduler)
         self._tasks: list[asyncio.Task[None]] = []
@@ -451,12 +454,14 @@ class TokenizerManager:
             raise RequestError(f"request id {rid!r} is already in use")
         state = ReqState(prompt_tokens=prompt_tokens)
         self.rid_to_state[rid] = state
+        self.metrics.request_started(rid, prompt_tokens)
         return state
 
     def _release(self, rid: str, state: ReqState, reached: bool) -> None:
         """Forget ``rid``; abort it in the Scheduler if it may be there and is not finished."""
         if self.rid_to_state.get(rid) is state:
             del self.rid_to_state[rid]
+            self.metrics.request_released(rid)
         if reached and not state.finished:
             self.abort_nowait(rid, _GONE)
 
@@ -499,9 +504,11 @@ class TokenizerManager:
                 state.embedding = msg.embeddings[i] if msg.embeddings.shape[1] else None
                 state.finished_reason = msg.finished_reasons[i] or FinishReason("stop")
                 state.chunks.append(Chunk("", 0, 0, 0, 0, 0, state.finished_reason))
+                self.metrics.output(rid, 0, 0, state.finished_reason.type)
                 state.event.set()
         elif isinstance(msg, SchedulerMetrics):
             self.last_metrics = msg
+            self.metrics.scheduler_metrics(msg)
         else:
             logger.warning("tokenizer manager ignored an unexpected %s", type(msg).__name__)
 
@@ -526,6 +533,9 @@ class TokenizerManager:
                 completion_tokens=msg.completion_tokens[i], cached_tokens=msg.cached_tokens[i],
                 finished_reason=msg.finished_reasons[i],
             ))
+            reason = msg.finished_reasons[i]
+            self.metrics.output(rid, msg.completion_tokens[i], msg.cached_tokens[i],
+                                reason.type if reason else None)
             state.event.set()
 
     def meta_info(self, rid: str, state: ReqState, chunk: Chunk | None) -> dict[str, Any]:

@@ -6,17 +6,22 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
+import hmac
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
+from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from framework.config import ServerArgs
 from framework.messages import AbortReq
@@ -27,7 +32,7 @@ from framework.runtime.tokenizer_manager import (
     TokenizerManager,
     gather_or_cancel,
 )
-from framework.sampling_params import SamplingParams, check_top_logprobs_num
+from framework.sampling_params import SamplingParams, check_token_ids, check_top_logprobs_num
 from framework.server import openai as oai
 from framework.server.sse import error_body, sse_event, sse_stream
 
@@ -58,9 +63,55 @@ class JSONResponse(Response):
         return _json.encode(content)
 
 
-def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
-    """An OpenAI-style error body with ``status``."""
-    return JSONResponse(error_body(message, status, param), status_code=status)
+def error_response(message: str, status: int = 400, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    """An OpenAI-style error body with ``status``; ``code`` replaces the numeric code."""
+    body = error_body(message, status, param)
+    if code is not None:
+        body["error"]["code"] = code
+    return JSONResponse(body, status_code=status)
+
+
+class ApiError(Exception):
+    """An error answered with its own status and OpenAI ``code`` (404 model_not_found, ...)."""
+
+    def __init__(self, message: str, status: int, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.param = status, code, param
+
+
+# Paths open without the API key: probes of load balancers and Prometheus scrapers.
+OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
+
+
+class ApiKeyMiddleware:
+    """Answer 401 unless a request carries ``Authorization: Bearer <api key>``.
+
+    Plain ASGI (not ``BaseHTTPMiddleware``) so that SSE responses pass through
+    untouched; it guards every route, also ones added to the table later.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        response = error_response(
+            "Incorrect API key provided. Send it as `Authorization: Bearer <key>`.",
+            401, code="invalid_api_key")
+        await response(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                given = value
+                break
+        # Constant time, so that the answer's timing does not reveal how much matched.
+        return hmac.compare_digest(given, self.expected)
 
 
 async def parse_body(request: Request, schema: type[S]) -> S:
@@ -75,16 +126,21 @@ async def parse_body(request: Request, schema: type[S]) -> S:
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+_route: ContextVar[str] = ContextVar("route", default="?")
 
 
 def _handler(fn: Handler) -> Handler:
     """Turn bad input into 400s and a dead runtime into 503s, with OpenAI's error body."""
 
     async def wrapped(request: Request) -> Response:
+        # Read by --log-requests; streams run in a copy of this context, so they see it too.
+        _route.set(request.url.path)
         try:
             return await fn(request)
+        except ApiError as exc:
+            return error_response(str(exc), exc.status, exc.param, exc.code)
         except (RequestError, ValueError) as exc:
-            return error_response(str(exc), 400)
+            return error_response(str(exc), 400, getattr(exc, "param", None))
         except RuntimeError as exc:
             logger.exception("request failed")
             return error_response(str(exc), 503)
@@ -174,9 +230,10 @@ class Routes:
         return out
 
     def _check_model(self, model: str | None) -> None:
+        """404 ``model_not_found`` (as OpenAI answers) for a model this server does not serve."""
         if model is not None and model not in (self.state.model_name, self.state.model_path):
-            raise RequestError(f"model {model!r} is not served here; "
-                               f"this server serves {self.state.model_name!r}")
+            raise ApiError(f"The model `{model}` does not exist; this server serves "
+                           f"`{self.state.model_name}`", 404, "model_not_found", "model")
 
     def _check_generation(self) -> None:
         if self.state.is_embedding:
@@ -184,13 +241,58 @@ class Routes:
 
     async def _first_outputs(self, reqs: list[PreparedRequest]) -> list[dict[str, Any]]:
         """Run every (checked) part to completion; one that fails cancels the others."""
-        return await gather_or_cancel([self.tm.generate_one(r) for r in reqs])
+        return await gather_or_cancel([self._generate_one(r) for r in reqs])
+
+    def _generate(self, prepared: PreparedRequest) -> AsyncIterator[dict[str, Any]]:
+        """``TokenizerManager.generate``, logged when --log-requests is on."""
+        if not self.state.server_args.log_requests:
+            return self.tm.generate(prepared)
+        return self._logged_generate(prepared)
+
+    async def _generate_one(self, prepared: PreparedRequest) -> dict[str, Any]:
+        """The final output of one request (``TokenizerManager.generate_one``, logged)."""
+        if not self.state.server_args.log_requests:
+            return await self.tm.generate_one(prepared)
+        prepared.req.stream = False
+        async with contextlib.aclosing(self._generate(prepared)) as outputs:
+            async for out in outputs:
+                return out
+        raise RuntimeError("generation ended without an output")
+
+    async def _logged_generate(self, prepared: PreparedRequest) -> AsyncIterator[dict[str, Any]]:
+        """Log a request's start and its finish around ``TokenizerManager.generate``.
+
+        The prompt's text is not logged: it may be long and private; its length is.
+        """
+        req = prepared.req
+        # The id is chosen here, not in the TokenizerManager, so that the first line has it.
+        req.rid = req.rid or uuid.uuid4().hex
+        logger.info("request %s %s: prompt_tokens=%d stream=%s sampling_params=%s", req.rid,
+                    _route.get(), len(prepared.input_ids), req.stream,
+                    _json.encode(req.sampling_params).decode())
+        finished = False
+        try:
+            async for out in self.tm.generate(prepared):
+                meta = out["meta_info"]
+                if meta["finish_reason"] is not None:
+                    finished = True
+                    logger.info("request %s finished: reason=%s prompt_tokens=%d "
+                                "completion_tokens=%d cached_tokens=%d", req.rid,
+                                _json.encode(meta["finish_reason"]).decode(),
+                                meta["prompt_tokens"], meta["completion_tokens"],
+                                meta["cached_tokens"])
+                yield out
+        finally:
+            if not finished:
+                logger.info("request %s ended unfinished (its client went away, or a part "
+                            "of the same API request failed)", req.rid)
 
     # ------------------------------------------------------------------ OpenAI
 
     async def completions(self, request: Request) -> Response:
         body = await parse_body(request, oai.CompletionRequest)
         self._check_model(body.model)
+        body.check_unsupported()
         self._check_generation()
         params = body.sampling_params(body.max_tokens, 16)
         params.verify(self.tm.vocab_size)
@@ -233,7 +335,7 @@ class Routes:
             for i in range(len(reqs)):
                 if prefix:
                     yield self._completion_chunk(cid, created, i, prefix[i // n], None, None)
-            async for i, out in _merge([self.tm.generate(r) for r in reqs]):
+            async for i, out in _merge([self._generate(r) for r in reqs]):
                 meta = out["meta_info"]
                 start = sent_tokens.get(i, 0)
                 logprobs = oai.completion_logprobs(meta, self.tm.tokenizer, start,
@@ -261,6 +363,7 @@ class Routes:
     async def chat_completions(self, request: Request) -> Response:
         body = await parse_body(request, oai.ChatCompletionRequest)
         self._check_model(body.model)
+        body.check_unsupported()
         self._check_generation()
         prompt = self._chat_prompt(body.messages)
         params = body.sampling_params(body.max_completion_tokens or body.max_tokens,
@@ -288,8 +391,8 @@ class Routes:
             raise RequestError("messages must not be empty")
         tokenizer = self.tm.tokenizer
         if not getattr(tokenizer, "chat_template", None):
-            raise RequestError("this model's tokenizer has no chat template; "
-                               "use /v1/completions")
+            raise RequestError("this model's tokenizer has no chat template; start the "
+                               "server with --chat-template FILE, or use /v1/completions")
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
         try:
             ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
@@ -317,7 +420,7 @@ class Routes:
             sent_tokens: dict[int, int] = {}
             for i in range(len(reqs)):
                 yield chunk(i, {"role": "assistant", "content": ""}, None, None)
-            async for i, out in _merge([self.tm.generate(r) for r in reqs]):
+            async for i, out in _merge([self._generate(r) for r in reqs]):
                 meta = out["meta_info"]
                 logprobs = oai.chat_logprobs(meta, self.tm.tokenizer, sent_tokens.get(i, 0))
                 sent_tokens[i] = meta["completion_tokens"]
@@ -347,23 +450,54 @@ class Routes:
             value: Any = (base64.b64encode(vector.tobytes()).decode()
                           if body.encoding_format == "base64" else vector.tolist())
             data.append({"object": "embedding", "index": i, "embedding": value})
+        if self.state.server_args.log_requests:
+            for res in results:
+                logger.info("request %s %s: prompt_tokens=%d, embedded", res["meta_info"]["id"],
+                            _route.get(), res["meta_info"]["prompt_tokens"])
         prompt_tokens = sum(r["meta_info"]["prompt_tokens"] for r in results)
         return JSONResponse({
             "object": "list", "data": data, "model": self.state.model_name,
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
         })
 
-    async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
+    def _model_card(self) -> dict[str, Any]:
+        return {
             "id": self.state.model_name, "object": "model", "created": oai.now(),
             "owned_by": "framework", "root": self.state.model_path,
             "max_model_len": self.state.context_len,
-        }]})
+        }
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def retrieve_model(self, request: Request) -> Response:
+        """``GET /v1/models/{model}``: the served model, or 404 for any other id."""
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._model_card())
+
+    async def tokenize(self, request: Request) -> Response:
+        """``POST /tokenize``: the token ids the server would see for a text prompt."""
+        body = await parse_body(request, oai.TokenizeBody)
+        tokens = await self.tm.tokenize(body.the_text())
+        return JSONResponse({"tokens": tokens, "count": len(tokens),
+                             "max_model_len": self.state.context_len})
+
+    async def detokenize(self, request: Request) -> Response:
+        """``POST /detokenize``: the text of token ids, each checked against the vocabulary."""
+        body = await parse_body(request, oai.DetokenizeBody)
+        check_token_ids(body.tokens, self.tm.vocab_size, "tokens")
+        # Decoding is fast, but a long list is still kept off the event loop.
+        if len(body.tokens) > 4096:
+            text = await asyncio.to_thread(self.tm.tokenizer.decode, body.tokens)
+        else:
+            text = self.tm.tokenizer.decode(body.tokens)
+        return JSONResponse({"text": text})
 
     # ------------------------------------------------------------------ native
 
     async def generate(self, request: Request) -> Response:
         body = await parse_body(request, oai.GenerateRequestBody)
+        body.check_unsupported()
         self._check_generation()
         params = SamplingParams.from_dict(body.sampling_params)
         params.verify(self.tm.vocab_size)
@@ -390,7 +524,7 @@ class Routes:
             rid=None if batched else body.rid)) for t, ids in prompts])
         if body.stream:
             async def events() -> AsyncIterator[dict[str, Any]]:
-                async for i, out in _merge([self.tm.generate(r) for r in reqs]):
+                async for i, out in _merge([self._generate(r) for r in reqs]):
                     out = {k: v for k, v in out.items() if k != "delta"}
                     out["index"] = i
                     yield out
@@ -430,11 +564,17 @@ class Routes:
     async def get_server_info(self, request: Request) -> Response:
         info = await self.tm.get_scheduler_info()
         args = dataclasses.asdict(self.state.server_args)
+        if args.get("api_key"):
+            args["api_key"] = "<set>"  # a secret is never echoed back
         metrics = self.tm.last_metrics
-        return JSONResponse({
-            **args, "scheduler": info,
-            "metrics": msgspec.to_builtins(metrics) if metrics is not None else None,
-        })
+        # Messages are array_like (positional on the wire); the API names each field.
+        named = ({f: getattr(metrics, f) for f in metrics.__struct_fields__}
+                 if metrics is not None else None)
+        return JSONResponse({**args, "scheduler": info, "metrics": named})
+
+    async def metrics(self, request: Request) -> Response:
+        # Only routed with --enable-metrics, so the registry is there.
+        return Response(self.tm.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     async def flush_cache(self, request: Request) -> Response:
         reply = await self.tm.flush_cache()
@@ -474,6 +614,10 @@ def build_app(state: ServerState) -> Starlette:
         ("/v1/chat/completions", routes.chat_completions, ["POST"]),
         ("/v1/embeddings", routes.embeddings, ["POST"]),
         ("/v1/models", routes.models, ["GET"]),
+        # :path, since a model's id is its directory when --served-model-name is not given.
+        ("/v1/models/{model:path}", routes.retrieve_model, ["GET"]),
+        ("/tokenize", routes.tokenize, ["POST"]),
+        ("/detokenize", routes.detokenize, ["POST"]),
         ("/generate", routes.generate, ["POST"]),
         ("/health", routes.health, ["GET"]),
         ("/health_generate", routes.health_generate, ["GET"]),
@@ -483,9 +627,13 @@ def build_app(state: ServerState) -> Starlette:
         ("/abort_request", routes.abort_request, ["POST"]),
         ("/update_weights_from_disk", routes.update_weights_from_disk, ["POST"]),
     ]
+    if state.server_args.enable_metrics:
+        table.append(("/metrics", routes.metrics, ["GET"]))
     app = Starlette(routes=[Route(path, _handler(fn), methods=methods)
                             for path, fn, methods in table])
     app.state.server = state
+    if state.server_args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=state.server_args.api_key)
     return app
 
 

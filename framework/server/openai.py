@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import msgspec
 
@@ -20,13 +20,55 @@ from framework.sampling_params import SamplingParams, check_token_ids, check_top
 Prompt = Union[str, list[Any]]  # noqa: UP007 - msgspec needs a runtime Union
 
 
+class UnsupportedFieldError(ValueError):
+    """A request set a field this server knows but does not implement (400 naming it)."""
+
+    def __init__(self, field: str) -> None:
+        super().__init__(f"`{field}` is not supported by this server")
+        self.param = field
+
+
+class _RefusesUnsupported(msgspec.Struct, kw_only=True):
+    """A request with fields that are refused unless left at a value meaning "off".
+
+    ``UNSUPPORTED`` maps each such field to the values that ask for nothing (its
+    default, and its spelled-out equivalents such as ``best_of: 1``). Unknown fields
+    stay ignored, as OpenAI ignores them; these are known, and silently ignoring
+    them would answer something other than what was asked.
+    """
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    def check_unsupported(self) -> None:
+        """Raise ``UnsupportedFieldError`` for the first unsupported field that is set."""
+        for name, off_values in self.UNSUPPORTED.items():
+            if not _is_one_of(getattr(self, name), off_values):
+                raise UnsupportedFieldError(name)
+
+
+def _is_one_of(value: Any, candidates: tuple[Any, ...]) -> bool:
+    """``value in candidates``, but of the same type: ``true`` is not ``1`` here."""
+    return any(type(value) is type(c) and value == c for c in candidates)
+
+
+# Fields of both OpenAI routes (OpenAI's, and SGLang's and vLLM's extensions) that ask
+# for something this server does not do: grammars and LoRA adapters.
+_UNSUPPORTED_SAMPLING: dict[str, tuple[Any, ...]] = {
+    "lora_path": (None,),
+    "response_format": (None, {"type": "text"}),
+    "regex": (None,),
+    "json_schema": (None,),
+    "ebnf": (None,),
+}
+
+
 class StreamOptions(msgspec.Struct):
     """``stream_options`` of a streaming request."""
 
     include_usage: bool = False
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
+class _SamplingFields(_RefusesUnsupported, kw_only=True):
     """Sampling fields shared by completions and chat completions (OpenAI names + extras)."""
 
     model: str | None = None
@@ -49,6 +91,14 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
     no_stop_trim: bool = False
+    # The next five are known but not implemented (see UNSUPPORTED): typed Any, so that
+    # any value set gets the same 400 naming the field.
+    lora_path: Any = None
+    response_format: Any = None
+    regex: Any = None
+    json_schema: Any = None
+    ebnf: Any = None
+    logit_bias: dict[str, float] | None = None
 
     def sampling_params(self, max_tokens: int | None, default_max: int) -> SamplingParams:
         """The runtime's ``SamplingParams`` for this request."""
@@ -61,7 +111,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim,
-            seed=self.seed, n=self.n,
+            seed=self.seed, n=self.n, logit_bias=self.logit_bias,
         )
 
 
@@ -72,8 +122,12 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: Any = None
+    suffix: Any = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **_UNSUPPORTED_SAMPLING, "best_of": (None, 1), "suffix": (None, ""),
+    }
 
     def top_logprobs_num(self) -> int | None:
         """How many top logprobs each token carries, or None when ``logprobs`` is off."""
@@ -103,6 +157,22 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **_UNSUPPORTED_SAMPLING,
+        # Without tools nothing is called, so "none" and an empty list ask for nothing.
+        "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+        "function_call": (None, "none"), "parallel_tool_calls": (None, True),
+        "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    }
 
     def top_logprobs_num(self) -> int | None:
         """How many top logprobs each token carries, or None when ``logprobs`` is off.
@@ -126,7 +196,7 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
 
 
-class GenerateRequestBody(msgspec.Struct, kw_only=True):
+class GenerateRequestBody(_RefusesUnsupported, kw_only=True):
     """``POST /generate``: SGLang's native request."""
 
     text: str | list[str] | None = None
@@ -136,6 +206,9 @@ class GenerateRequestBody(msgspec.Struct, kw_only=True):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     rid: str | None = None
+    lora_path: Any = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {"lora_path": (None,)}
 
 
 class UpdateWeightsBody(msgspec.Struct, kw_only=True):
@@ -144,6 +217,25 @@ class UpdateWeightsBody(msgspec.Struct, kw_only=True):
     model_path: str
     load_format: str = "auto"
     abort_all_requests: bool = False
+
+
+class TokenizeBody(msgspec.Struct, kw_only=True):
+    """``POST /tokenize``: ``text`` (``prompt`` is accepted as its alias, as vLLM names it)."""
+
+    text: str | None = None
+    prompt: str | None = None
+
+    def the_text(self) -> str:
+        """The text to tokenize; exactly one of ``text`` and ``prompt`` must be given."""
+        if (self.text is None) == (self.prompt is None):
+            raise ValueError("give exactly one of text and prompt")
+        return self.text if self.text is not None else self.prompt or ""
+
+
+class DetokenizeBody(msgspec.Struct, kw_only=True):
+    """``POST /detokenize``: token ids (checked against the vocabulary by the route)."""
+
+    tokens: list[Any]
 
 
 class AbortBody(msgspec.Struct, kw_only=True):

@@ -33,7 +33,8 @@ async def _serve(server_args: ServerArgs) -> int:
     manager = None
     try:
         model_path = server_args.resolved_model_path()
-        tokenizer = load_tokenizer(server_args.resolved_tokenizer_path())
+        tokenizer = load_tokenizer(server_args.resolved_tokenizer_path(),
+                                   server_args.chat_template)
         # The TokenizerManager binds its receivers before the components connect to them.
         manager = components.classes.tokenizer_manager(server_args, components.port_args,
                                                        components.transport, tokenizer)
@@ -95,10 +96,12 @@ def _startup_banner(args: ServerArgs, state: ServerState, base: str) -> str:
                                "max_tokens": 32}
     import json
 
+    # The key itself is never printed: the example names the variable holding it.
+    auth = " -H \"Authorization: Bearer $API_KEY\"" if args.api_key else ""
     return (
         f"framework is serving {state.model_name} at {base} "
         f"(transport {args.transport}, codec {args.codec}, "
         f"attention backend {args.attention_backend})\n"
-        f"  try: curl {base}/v1/completions -H 'Content-Type: application/json' "
+        f"  try: curl {base}/v1/completions -H 'Content-Type: application/json'{auth} "
         f"-d '{json.dumps(example)}'"
     )

@@ -192,7 +192,6 @@ def test_bad_input_is_a_400_with_an_openai_error(client: httpx.Client) -> None:
         ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
         ("/v1/completions", {"prompt": "x", "top_p": 2}, "top_p"),
         ("/v1/completions", {"max_tokens": 3}, "prompt"),
-        ("/v1/completions", {"prompt": "x", "model": "nope"}, "nope"),
         ("/v1/completions", {"prompt": []}, "empty"),
         ("/v1/completions", {"prompt": [1, "x"]}, "prompt"),
         ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
@@ -209,6 +208,10 @@ def test_bad_input_is_a_400_with_an_openai_error(client: httpx.Client) -> None:
     response = client.post("/v1/completions", content=b"{not json")
     assert response.status_code == 400
     assert "JSON" in response.json()["error"]["message"]
+    # A model this server does not serve is a 404, as OpenAI answers it.
+    response = client.post("/v1/completions", json={"prompt": "x", "model": "nope"})
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "model_not_found"
 
 
 def test_operational_endpoints(client: httpx.Client, checkpoints: tuple) -> None:

@@ -1,0 +1,201 @@
+"""API and operations on one real server: the API key, model ids, /tokenize and /detokenize,
+fields the server refuses, abort_all, and --log-requests.
+
+The server is started with ``--api-key``, ``--served-model-name`` and ``--log-requests``;
+the official ``openai`` client talks to it where it can, httpx everywhere else.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.model_fixtures import TINY_VOCAB_SIZE, make_tiny_checkpoint
+from tests.server_harness import ServerProcess, sse_events, start_server
+
+KEY = "sk-test"
+MODEL = "tiny"
+CHAT = [{"role": "user", "content": "hello"}]
+
+# (route, field, a value that asks for something the server does not do)
+UNSUPPORTED: list[tuple[str, str, Any]] = [
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("/v1/chat/completions", "tool_choice", "required"),
+    ("/v1/chat/completions", "functions", [{"name": "f"}]),
+    ("/v1/chat/completions", "function_call", "auto"),
+    ("/v1/chat/completions", "parallel_tool_calls", False),
+    ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
+    ("/v1/chat/completions", "modalities", ["text", "audio"]),
+    ("/v1/chat/completions", "prediction", {"type": "content", "content": "x"}),
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "lora_path", "adapter"),
+    ("/v1/completions", "response_format", {"type": "json_object"}),
+    ("/v1/completions", "regex", "[a-z]+"),
+    ("/v1/completions", "json_schema", "{}"),
+    ("/v1/completions", "ebnf", "root ::= \"a\""),
+    ("/v1/completions", "lora_path", "adapter"),
+    ("/v1/completions", "best_of", 2),
+    ("/v1/completions", "suffix", " end"),
+    ("/generate", "lora_path", "adapter"),
+]
+
+
+def _body(route: str, stream: bool = False, **extra: Any) -> dict[str, Any]:
+    if route == "/generate":
+        return {"text": "hello", "sampling_params": {"max_new_tokens": 2}, "stream": stream,
+                **extra}
+    key = "messages" if route == "/v1/chat/completions" else "prompt"
+    return {key: CHAT if key == "messages" else "hello", "max_tokens": 2, "stream": stream,
+            **extra}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    # A long context, so that the abort test's requests are still running when it aborts.
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama",
+                                max_position_embeddings=8192)
+    proc = start_server(ckpt, tmp_path_factory.mktemp("logs"), "--api-key", KEY,
+                        "--served-model-name", MODEL, "--log-requests", "--log-level", "info")
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oa(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0)
+
+
+def test_api_key_is_required_except_on_health(server: ServerProcess, oa: openai.OpenAI) -> None:
+    wrong = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        wrong.models.list()
+    assert info.value.status_code == 401
+    assert info.value.code == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True)
+    bare = httpx.Client(base_url=server.base_url, timeout=60)
+    for path in ("/v1/models", "/get_server_info", "/no-such-route"):
+        response = bare.get(path)
+        assert response.status_code == 401, path
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
+    assert bare.post("/tokenize", json={"text": "hi"}).status_code == 401
+    assert bare.get("/health").status_code == 200
+    assert bare.get("/health_generate").status_code == 200
+    assert oa.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+    # The key is never echoed back.
+    info_body = httpx.get(f"{server.base_url}/get_server_info",
+                          headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert KEY not in str(info_body)
+
+
+def test_served_model_name_and_unknown_models(oa: openai.OpenAI, client: httpx.Client) -> None:
+    assert [m.id for m in oa.models.list().data] == [MODEL]
+    card = oa.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    assert oa.completions.create(model=MODEL, prompt="hi", max_tokens=2).model == MODEL
+    chat = oa.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
+    assert chat.model == MODEL
+    with pytest.raises(openai.NotFoundError) as info:
+        oa.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
+    assert info.value.code == "model_not_found"
+    assert "The model `gpt-4o` does not exist" in info.value.message
+    with pytest.raises(openai.NotFoundError):
+        oa.chat.completions.create(model="gpt-4o", messages=CHAT, stream=True)  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError):
+        oa.models.retrieve("gpt-4o")
+    # An id may hold slashes (a model directory): still the route's own 404.
+    response = client.get("/v1/models/org/other-model")
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "model_not_found"
+
+
+def test_tokenize_detokenize_round_trip(client: httpx.Client) -> None:
+    text = "the quick brown fox"
+    tokens = client.post("/tokenize", json={"text": text}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    assert client.post("/tokenize", json={"prompt": text}).json()["tokens"] == tokens["tokens"]
+    # The same ids as the prompt of a completion.
+    done = client.post("/v1/completions", json={"prompt": text, "max_tokens": 1}).json()
+    assert done["usage"]["prompt_tokens"] == tokens["count"]
+    back = client.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["text"]
+    assert text in back
+    for bad in ([1, TINY_VOCAB_SIZE], [-1], ["a"]):
+        response = client.post("/detokenize", json={"tokens": bad})
+        assert response.status_code == 400
+        assert "tokens must hold integer token ids" in response.json()["error"]["message"]
+    response = client.post("/tokenize", json={"text": "a", "prompt": "b"})
+    assert response.status_code == 400 and "text" in response.json()["error"]["message"]
+
+
+def test_unimplemented_fields_are_refused_by_name(client: httpx.Client) -> None:
+    for route, field, value in UNSUPPORTED:
+        for stream in (False, True):
+            response = client.post(route, json=_body(route, stream, **{field: value}))
+            assert response.status_code == 400, (route, field, response.text)
+            error = response.json()["error"]
+            assert error["message"] == f"`{field}` is not supported by this server", error
+            assert error["param"] == field
+    # At their defaults (or what means the same) they are accepted.
+    accepted = [("/v1/completions", {"best_of": 1, "suffix": None}),
+                ("/v1/chat/completions", {"tools": None, "tool_choice": "none",
+                                          "response_format": {"type": "text"}}),
+                ("/v1/completions", {"some_unknown_field": 1})]
+    for route, extra in accepted:
+        response = client.post(route, json=_body(route, **extra))
+        assert response.status_code == 200, (route, extra, response.text)
+
+
+def test_abort_all_ends_every_running_request(client: httpx.Client) -> None:
+    body = {"prompt": "hello", "max_tokens": 8000, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as first, \
+            client.stream("POST", "/v1/completions", json=body) as second:
+        streams = [sse_events(first), sse_events(second)]
+        for events in streams:
+            assert next(events)["choices"][0]["finish_reason"] is None  # running
+        assert client.post("/abort_request", json={"abort_all": True}).json()["success"]
+        for events in streams:
+            finishes = [e["choices"][0]["finish_reason"] for e in events
+                        if e != "[DONE]" and e["choices"]]
+            assert finishes[-1] == "abort"
+    deadline = time.monotonic() + 10
+    while True:
+        info = client.get("/get_server_info").json()["scheduler"]
+        if info["kv_cache_idle_and_free"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert info["kv_cache_idle_and_free"] is True, info
+    assert info["aborted_requests"] >= 2
+
+
+def test_log_requests_logs_start_and_finish(server: ServerProcess, client: httpx.Client) -> None:
+    secret = "a prompt that must not reach the log"
+    rid = "logged-request-1"
+    out = client.post("/generate", json={"text": secret, "rid": rid,
+                                         "sampling_params": {"max_new_tokens": 3,
+                                                             "ignore_eos": True}}).json()
+    assert out["meta_info"]["id"] == rid
+    deadline = time.monotonic() + 5
+    while f"request {rid} finished" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = server.log()
+    prompt_tokens = out["meta_info"]["prompt_tokens"]
+    assert re.search(rf"request {rid} /generate: prompt_tokens={prompt_tokens} .*"
+                     r"sampling_params=\{.*\"max_new_tokens\":3", log), log
+    assert re.search(rf"request {rid} finished: reason=\{{\"type\":\"length\"\}} "
+                     rf"prompt_tokens={prompt_tokens} completion_tokens=3", log), log
+    assert secret not in log
