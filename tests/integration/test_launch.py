@@ -9,6 +9,7 @@ channel directory.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -151,14 +152,18 @@ def test_a_scheduler_that_fails_to_start_is_a_clear_error_and_leaves_nothing(
         kwargs = {"model_path": str(model_dir),
                   "scheduler_class": f"{__name__}.BrokenScheduler"}
         expected = "the scheduler failed to start: RuntimeError: broken on purpose"
-    channels = tmp_path / "channels"
-    channels.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(channels))  # where PortArgs makes its directory
-    before = own_children()
-    with pytest.raises(ComponentError, match=expected):
-        Engine(**kwargs, **QUIET)
-    assert own_children() <= before
-    assert list(channels.iterdir()) == []
+    # Where PortArgs makes its directory: a short path, as ipc:// socket paths are limited
+    # to about 107 bytes (pytest's tmp_path can be longer than that allows).
+    channels = Path(tempfile.mkdtemp(prefix="ch-"))
+    monkeypatch.setattr(tempfile, "tempdir", str(channels))
+    try:
+        before = own_children()
+        with pytest.raises(ComponentError, match=expected):
+            Engine(**kwargs, **QUIET)
+        assert own_children() <= before
+        assert list(channels.iterdir()) == []
+    finally:
+        shutil.rmtree(channels, ignore_errors=True)
 
 
 @pytest.mark.timeout(120)  # a liveness bound: the failure must come, not hang
