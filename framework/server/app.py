@@ -34,6 +34,7 @@ from framework.runtime.tokenizer_manager import (
 )
 from framework.sampling_params import SamplingParams, check_token_ids, check_top_logprobs_num
 from framework.server import openai as oai
+from framework.server.openapi_schema import RouteSpec, build_openapi
 from framework.server.sse import error_body, sse_event, sse_stream
 
 logger = logging.getLogger("framework.server")
@@ -80,8 +81,9 @@ class ApiError(Exception):
         self.status, self.code, self.param = status, code, param
 
 
-# Paths open without the API key: probes of load balancers and Prometheus scrapers.
-OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
+# Paths open without the API key: probes of load balancers and Prometheus scrapers, and the
+# API's description (it holds no secret, and client generators fetch it before any key).
+OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics", "/openapi.json"})
 
 
 class ApiKeyMiddleware:
@@ -198,18 +200,15 @@ class Routes:
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.tm = state.tokenizer_manager
+        # Set by ``build_app`` once the route table is known.
+        self.openapi_doc: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ helpers
 
     async def _prepare_all(self, prompts: list[tuple[str | None, list[int] | None]],
                            params: SamplingParams, stream: bool, logprobs: int | None,
                            ) -> list[PreparedRequest]:
-        """One checked request per prompt and choice (``n``), seeds offset per choice.
-
-        Every part is checked (and its prompt tokenized, once for all its choices)
-        before any is sent, so that one refused part refuses the whole request with
-        a 400 while none of it runs.
-        """
+        """One checked request per prompt and choice (``n``) of an OpenAI route."""
 
         def request(text: str | None, ids: list[int] | None, choice: int) -> GenerateRequest:
             return GenerateRequest(
@@ -218,12 +217,25 @@ class Routes:
                 top_logprobs_num=logprobs or 0,
             )
 
+        return await self._prepare_choices(prompts, params.n, request)
+
+    async def _prepare_choices(
+        self, prompts: list[tuple[str | None, list[int] | None]], n: int,
+        request: Callable[[str | None, list[int] | None, int], GenerateRequest],
+    ) -> list[PreparedRequest]:
+        """``request(text, ids, choice)`` for every prompt and choice, all checked first.
+
+        The order is prompt-major (prompt ``p``, choice ``c`` at ``p * n + c``). Every
+        part is checked (and its prompt tokenized, once for all its choices) before any
+        is sent, so that one refused part refuses the whole request with a 400 while
+        none of it runs.
+        """
         firsts = await gather_or_cancel([self.tm.prepare(request(text, ids, 0))
                                           for text, ids in prompts])
         out = []
         for (text, ids), first in zip(prompts, firsts):
             out.append(first)
-            for choice in range(1, params.n):
+            for choice in range(1, n):
                 req = request(text, ids, choice)
                 self.tm.check_request(req)
                 out.append(PreparedRequest(req, first.input_ids))
@@ -503,25 +515,28 @@ class Routes:
         params.verify(self.tm.vocab_size)
         # Checked even when return_logprob is off: a bad value is refused, never ignored.
         check_top_logprobs_num(body.top_logprobs_num)
-        if params.n != 1:
-            # Refused here, not in the TokenizerManager, so that a stream still gets a 400.
-            raise RequestError("n must be 1 on /generate (the OpenAI routes serve n > 1); "
-                               "send n requests with different seeds instead")
         if body.text is not None and body.input_ids is not None:
             raise RequestError("give either text or input_ids, not both")
         if body.text is None and body.input_ids is None:
             raise RequestError("give text or input_ids")
         batched = isinstance(body.text, list) or (
             bool(body.input_ids) and isinstance(body.input_ids[0], list))
+        # As in SGLang, a batch or n > 1 answers a flat list, prompt-major.
+        as_list = batched or params.n > 1
         if body.text is not None:
             prompts = oai.split_prompts(body.text, "text")
         else:
             prompts = oai.split_prompts(body.input_ids or [], "input_ids", self.tm.vocab_size)
-        # Every prompt is checked before any is sent: one bad prompt refuses the batch.
-        reqs = await gather_or_cancel([self.tm.prepare(GenerateRequest(
-            text=t, input_ids=ids, sampling_params=params, stream=body.stream,
-            return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
-            rid=None if batched else body.rid)) for t, ids in prompts])
+
+        def request(text: str | None, ids: list[int] | None, choice: int) -> GenerateRequest:
+            # A rid names one request, so it is kept only when there is one.
+            return GenerateRequest(
+                text=text, input_ids=ids, sampling_params=params.for_choice(choice),
+                stream=body.stream, return_logprob=body.return_logprob,
+                top_logprobs_num=body.top_logprobs_num, rid=None if as_list else body.rid)
+
+        # Every prompt and choice is checked before any is sent: one bad part refuses all.
+        reqs = await self._prepare_choices(prompts, params.n, request)
         if body.stream:
             async def events() -> AsyncIterator[dict[str, Any]]:
                 async for i, out in _merge([self._generate(r) for r in reqs]):
@@ -531,7 +546,11 @@ class Routes:
             return self._sse(events())
         outputs = [{k: v for k, v in o.items() if k != "delta"}
                    for o in await self._first_outputs(reqs)]
-        return JSONResponse(outputs if batched else outputs[0])
+        return JSONResponse(outputs if as_list else outputs[0])
+
+    async def openapi(self, request: Request) -> Response:
+        """``GET /openapi.json``: the API's OpenAPI document, built once with the app."""
+        return JSONResponse(self.openapi_doc)
 
     async def health(self, request: Request) -> Response:
         if self.tm.dead_reason is not None:
@@ -606,31 +625,58 @@ class Routes:
                                  headers={"Cache-Control": "no-cache"})
 
 
+def route_table(routes: Routes, server_args: ServerArgs) -> list[RouteSpec]:
+    """Every route of the app, with its request struct; /openapi.json is built from it."""
+    json_only = ("application/json",)
+    streams = ("application/json", "text/event-stream")
+    bare = ()  # answers 200 or 503 without a body
+    table = [
+        RouteSpec("/v1/completions", routes.completions, ("POST",), "OpenAI completions",
+                  oai.CompletionRequest, (400, 404, 500, 503), streams),
+        RouteSpec("/v1/chat/completions", routes.chat_completions, ("POST",),
+                  "OpenAI chat completions", oai.ChatCompletionRequest, (400, 404, 500, 503),
+                  streams),
+        RouteSpec("/v1/embeddings", routes.embeddings, ("POST",), "OpenAI embeddings",
+                  oai.EmbeddingRequest, (400, 404, 500, 503)),
+        RouteSpec("/v1/models", routes.models, ("GET",), "The served model, as a list"),
+        # :path, since a model's id is its directory when --served-model-name is not given.
+        RouteSpec("/v1/models/{model:path}", routes.retrieve_model, ("GET",),
+                  "The served model's object", errors=(404, 500, 503)),
+        RouteSpec("/tokenize", routes.tokenize, ("POST",), "Token ids of a text",
+                  oai.TokenizeBody),
+        RouteSpec("/detokenize", routes.detokenize, ("POST",), "Text of token ids",
+                  oai.DetokenizeBody),
+        RouteSpec("/generate", routes.generate, ("POST",), "SGLang's native generation",
+                  oai.GenerateRequestBody, media=streams),
+        RouteSpec("/health", routes.health, ("GET",), "Liveness of every component",
+                  errors=(), media=bare),
+        RouteSpec("/health_generate", routes.health_generate, ("GET",),
+                  "A one-token generation (or embedding)", errors=(), media=bare),
+        RouteSpec("/get_model_info", routes.get_model_info, ("GET",), "Model facts"),
+        RouteSpec("/get_server_info", routes.get_server_info, ("GET",),
+                  "Server arguments, the Scheduler's state and the last metrics"),
+        RouteSpec("/flush_cache", routes.flush_cache, ("POST",), "Free every cached prefix"),
+        RouteSpec("/abort_request", routes.abort_request, ("POST",),
+                  "Abort one request or all", oai.AbortBody),
+        RouteSpec("/update_weights_from_disk", routes.update_weights_from_disk, ("POST",),
+                  "Load new weights of the same architecture", oai.UpdateWeightsBody),
+        RouteSpec("/openapi.json", routes.openapi, ("GET",), "This document", errors=(),
+                  media=json_only),
+    ]
+    if server_args.enable_metrics:
+        table.append(RouteSpec("/metrics", routes.metrics, ("GET",), "Prometheus metrics",
+                               errors=(), media=("text/plain",)))
+    return table
+
+
 def build_app(state: ServerState) -> Starlette:
     """The Starlette application for ``state``."""
     routes = Routes(state)
-    table = [
-        ("/v1/completions", routes.completions, ["POST"]),
-        ("/v1/chat/completions", routes.chat_completions, ["POST"]),
-        ("/v1/embeddings", routes.embeddings, ["POST"]),
-        ("/v1/models", routes.models, ["GET"]),
-        # :path, since a model's id is its directory when --served-model-name is not given.
-        ("/v1/models/{model:path}", routes.retrieve_model, ["GET"]),
-        ("/tokenize", routes.tokenize, ["POST"]),
-        ("/detokenize", routes.detokenize, ["POST"]),
-        ("/generate", routes.generate, ["POST"]),
-        ("/health", routes.health, ["GET"]),
-        ("/health_generate", routes.health_generate, ["GET"]),
-        ("/get_model_info", routes.get_model_info, ["GET"]),
-        ("/get_server_info", routes.get_server_info, ["GET"]),
-        ("/flush_cache", routes.flush_cache, ["POST"]),
-        ("/abort_request", routes.abort_request, ["POST"]),
-        ("/update_weights_from_disk", routes.update_weights_from_disk, ["POST"]),
-    ]
-    if state.server_args.enable_metrics:
-        table.append(("/metrics", routes.metrics, ["GET"]))
-    app = Starlette(routes=[Route(path, _handler(fn), methods=methods)
-                            for path, fn, methods in table])
+    table = route_table(routes, state.server_args)
+    routes.openapi_doc = build_openapi(table, api_key=bool(state.server_args.api_key),
+                                       open_paths=OPEN_PATHS)
+    app = Starlette(routes=[Route(spec.path, _handler(spec.handler), methods=list(spec.methods))
+                            for spec in table])
     app.state.server = state
     if state.server_args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=state.server_args.api_key)

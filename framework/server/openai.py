@@ -245,6 +245,22 @@ class AbortBody(msgspec.Struct, kw_only=True):
     abort_all: bool = False
 
 
+class ErrorDetail(msgspec.Struct):
+    """The ``error`` object of an error answer, as OpenAI's API writes it."""
+
+    message: str
+    type: str
+    param: str | None
+    #: The HTTP status, or a name such as ``model_not_found`` or ``invalid_api_key``.
+    code: int | str | None
+
+
+class ErrorResponse(msgspec.Struct):
+    """The body of every error answer (4xx and 5xx); the schema of /openapi.json's errors."""
+
+    error: ErrorDetail
+
+
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -1,0 +1,186 @@
+"""The OpenAPI 3.1 document of the HTTP API (``GET /openapi.json``).
+
+It is generated, not written: the request bodies are the JSON Schemas of the same
+``msgspec`` structs that parse the requests, and the paths are the app's route table,
+so that a route or a field added to the code shows up here without a second edit.
+
+The structs carry no ``msgspec.Meta`` bounds, on purpose: decoding would then refuse an
+out-of-range value with msgspec's words before ``SamplingParams.verify()`` could name
+the field and its range. The ranges are added to the generated schema instead, from
+the limits in ``framework.sampling_params``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from framework.sampling_params import (
+    INT64_MAX,
+    MAX_N,
+    MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
+from framework.server import openai as oai
+
+REF = "#/components/schemas/{name}"
+ERROR_REF = {"$ref": REF.format(name="ErrorResponse")}
+
+_ERROR_TEXT = {
+    400: "Bad input: the message names the field and its range",
+    401: "Missing or wrong API key (`Authorization: Bearer <key>`)",
+    404: "The model is not served here (`code: model_not_found`)",
+    500: "Unexpected failure",
+    503: "The runtime lost a component",
+}
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """One row of the app's route table, with what the OpenAPI document says of it.
+
+    ``body`` is the struct that parses the request body (None: no body);
+    ``errors`` the statuses answered with OpenAI's error body; ``media`` the
+    content types of a 200 answer (``text/event-stream`` for routes that stream).
+    """
+
+    path: str
+    handler: Callable[..., Awaitable[Any]]
+    methods: tuple[str, ...]
+    summary: str
+    body: type[msgspec.Struct] | None = None
+    errors: tuple[int, ...] = (400, 500, 503)
+    media: tuple[str, ...] = ("application/json",)
+
+
+# ------------------------------------------------------------------------ ranges
+
+# The ranges ``SamplingParams.verify()`` and the routes enforce, as JSON Schema keywords.
+# The penalty bounds are literals in ``verify()``; tests/e2e/test_openapi.py probes
+# ``verify()`` at every bound here, so that the two cannot drift apart.
+_SAMPLING_BOUNDS: dict[str, dict[str, Any]] = {
+    "temperature": {"minimum": 0, "maximum": MAX_TEMPERATURE},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    # -1 switches top-k off; 0 is refused.
+    "top_k": {"anyOf": [{"const": -1}, {"minimum": 1, "maximum": INT64_MAX}]},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 2},
+    "n": {"minimum": 1, "maximum": MAX_N},
+    "seed": {"minimum": SEED_MIN, "maximum": SEED_MAX},
+}
+_TOKENS = {"minimum": 0, "maximum": INT64_MAX}
+_TOP_LOGPROBS = {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}
+
+# Per component: its own fields' ranges on top of the shared sampling ones.
+BOUNDS: dict[str, dict[str, dict[str, Any]]] = {
+    "CompletionRequest": {**_SAMPLING_BOUNDS, "max_tokens": _TOKENS, "min_tokens": _TOKENS,
+                          "logprobs": _TOP_LOGPROBS},
+    "ChatCompletionRequest": {**_SAMPLING_BOUNDS, "max_tokens": _TOKENS,
+                              "max_completion_tokens": _TOKENS, "min_tokens": _TOKENS,
+                              "top_logprobs": _TOP_LOGPROBS},
+    "SamplingParams": {**_SAMPLING_BOUNDS, "max_new_tokens": _TOKENS,
+                       "min_new_tokens": _TOKENS,
+                       "stream_interval": {"minimum": 1, "maximum": INT64_MAX}},
+    "GenerateRequestBody": {"top_logprobs_num": _TOP_LOGPROBS},
+}
+
+
+def add_bounds(components: dict[str, Any]) -> None:
+    """Merge ``BOUNDS`` into the properties of the generated component schemas.
+
+    Numeric keywords only constrain numbers, so a ``null`` of an optional field
+    still validates.
+    """
+    for name, fields in BOUNDS.items():
+        properties = components.get(name, {}).get("properties", {})
+        for field, bounds in fields.items():
+            if field in properties:
+                properties[field].update(bounds)
+
+
+# ------------------------------------------------------------------------ document
+
+
+def _components(bodies: Iterable[type[msgspec.Struct]]) -> dict[str, Any]:
+    """JSON Schemas of the request structs, the error body and ``SamplingParams``."""
+    types = [*dict.fromkeys(bodies), SamplingParams, oai.ErrorResponse]
+    _, components = msgspec.json.schema_components(types, ref_template=REF)
+    # /generate parses ``sampling_params`` as a dict and builds ``SamplingParams`` from it.
+    generate = components.get("GenerateRequestBody")
+    if generate is not None:
+        generate["properties"]["sampling_params"] = {
+            "anyOf": [{"$ref": REF.format(name="SamplingParams")}, {"type": "null"}],
+            "default": None}
+    add_bounds(components)
+    return components
+
+
+def openapi_path(path: str) -> tuple[str, list[str]]:
+    """Starlette's path (``/v1/models/{model:path}``) as OpenAPI's, with its parameters."""
+    params = re.findall(r"{(\w+)(?::\w+)?}", path)
+    return re.sub(r"{(\w+)(?::\w+)?}", r"{\1}", path), params
+
+
+def _operation(spec: RouteSpec, params: list[str], guarded: bool) -> dict[str, Any]:
+    """One OpenAPI operation: body by reference, the 200 answer and the error answers."""
+    op: dict[str, Any] = {
+        "summary": spec.summary,
+        "operationId": spec.handler.__name__,
+        "responses": {"200": {"description": "OK"}},
+    }
+    if spec.media:
+        op["responses"]["200"]["content"] = {media: {} for media in spec.media}
+    if spec.body is not None:
+        op["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": {"$ref": REF.format(name=spec.body.__name__)}}}}
+    if params:
+        op["parameters"] = [{"name": p, "in": "path", "required": True,
+                             "schema": {"type": "string"}} for p in params]
+    errors = [*spec.errors, 401] if guarded else list(spec.errors)
+    for status in sorted(errors):
+        op["responses"][str(status)] = {
+            "description": _ERROR_TEXT.get(status, "Error"),
+            "content": {"application/json": {"schema": ERROR_REF}}}
+    if not guarded:
+        op["security"] = []  # open even with --api-key
+    return op
+
+
+def build_openapi(specs: Iterable[RouteSpec], *, api_key: bool, open_paths: Iterable[str],
+                  title: str = "framework", version: str = "0.1.0") -> dict[str, Any]:
+    """The OpenAPI 3.1 document for the routes ``specs``.
+
+    With ``api_key`` every route outside ``open_paths`` requires the bearer scheme
+    and may answer 401.
+    """
+    specs = list(specs)
+    open_set = frozenset(open_paths)
+    paths: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        path, params = openapi_path(spec.path)
+        guarded = api_key and spec.path not in open_set
+        for method in spec.methods:
+            paths.setdefault(path, {})[method.lower()] = _operation(spec, params, guarded)
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": version,
+                 "description": "OpenAI-compatible and SGLang-native routes; see docs/api.md."},
+        "paths": paths,
+        "components": {"schemas": _components(s.body for s in specs if s.body is not None)},
+    }
+    if api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+    return doc
+
+
+__all__ = ["BOUNDS", "RouteSpec", "add_bounds", "build_openapi", "openapi_path"]

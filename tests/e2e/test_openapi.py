@@ -1,0 +1,191 @@
+"""``GET /openapi.json`` and ``n`` on ``/generate``, on one real server.
+
+The server runs with ``--api-key`` and ``--enable-metrics``, so that the document has
+every route, the bearer scheme and the 401 answers; it is checked against the route
+table of an app built in this process with the same flags.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from openapi_spec_validator import validate
+from starlette.routing import Route
+
+from framework.config import ServerArgs
+from framework.sampling_params import SamplingParams
+from framework.server.app import OPEN_PATHS, ServerState, build_app
+from framework.server.openapi_schema import BOUNDS, openapi_path
+from tests.model_fixtures import make_tiny_checkpoint
+from tests.server_harness import ServerProcess, start_server, stream_events
+
+KEY = "sk-openapi"
+PROMPT = "hello there"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
+    proc = start_server(ckpt, tmp_path_factory.mktemp("logs"), "--api-key", KEY,
+                        "--enable-metrics")
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=120,
+                      headers={"Authorization": f"Bearer {KEY}"}) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def document(server: ServerProcess) -> dict[str, Any]:
+    # No key: the document is open, like /health.
+    response = httpx.get(f"{server.base_url}/openapi.json", timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _app_routes() -> dict[str, set[str]]:
+    """Path -> methods of an app built here with the server's flags."""
+    args = ServerArgs(model_path="unused", api_key=KEY, enable_metrics=True)
+    state = ServerState(tokenizer_manager=None, server_args=args,  # type: ignore[arg-type]
+                        model_name="m", model_path="unused", context_len=16,
+                        is_embedding=False)
+    out = {}
+    for route in build_app(state).routes:
+        assert isinstance(route, Route)
+        # Starlette adds HEAD to every GET route by itself; it is not part of the table.
+        out[openapi_path(route.path)[0]] = {m.lower() for m in route.methods or ()} - {"head"}
+    return out
+
+
+def test_openapi_document_is_valid_and_covers_every_route(document: dict[str, Any]) -> None:
+    validate(document)
+    routes = _app_routes()
+    assert {p: set(ops) for p, ops in document["paths"].items()} == routes
+    assert document["components"]["securitySchemes"] == {
+        "bearer": {"type": "http", "scheme": "bearer"}}
+    for path, ops in document["paths"].items():
+        for op in ops.values():
+            if path in OPEN_PATHS:
+                assert op["security"] == [] and "401" not in op["responses"], path
+            else:
+                error = op["responses"]["401"]["content"]["application/json"]["schema"]
+                assert error == {"$ref": "#/components/schemas/ErrorResponse"}, path
+    body = document["paths"]["/v1/completions"]["post"]["requestBody"]
+    assert body["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/CompletionRequest"}
+    assert document["paths"]["/v1/models/{model}"]["get"]["parameters"][0]["name"] == "model"
+    error = document["components"]["schemas"]["ErrorDetail"]
+    assert set(error["required"]) == {"message", "type", "param", "code"}
+
+
+def test_request_schemas_carry_the_ranges(document: dict[str, Any]) -> None:
+    schemas = document["components"]["schemas"]
+    for name in ("CompletionRequest", "ChatCompletionRequest", "SamplingParams"):
+        props = schemas[name]["properties"]
+        assert props["temperature"]["minimum"] == 0 and props["temperature"]["maximum"] == 100
+        assert props["top_p"]["exclusiveMinimum"] == 0 and props["top_p"]["maximum"] == 1
+        assert props["n"]["minimum"] == 1 and props["n"]["maximum"] == 128
+        assert props["seed"]["minimum"] == -(2**63) and props["seed"]["maximum"] == 2**64 - 1
+        assert props["presence_penalty"]["maximum"] == 2
+    assert schemas["CompletionRequest"]["properties"]["logprobs"]["maximum"] == 20
+    assert schemas["ChatCompletionRequest"]["properties"]["top_logprobs"]["maximum"] == 20
+    generate = schemas["GenerateRequestBody"]["properties"]
+    assert {"$ref": "#/components/schemas/SamplingParams"} in (
+        generate["sampling_params"]["anyOf"])
+
+
+def _accepts(field: str, value: float) -> bool:
+    try:
+        SamplingParams(**{field: value}).verify()
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("field", sorted(BOUNDS["SamplingParams"]))
+def test_schema_bounds_match_verify(field: str) -> None:
+    """Every bound in the schema is where ``verify()`` starts refusing."""
+    bounds = BOUNDS["SamplingParams"][field]
+    is_int = isinstance(getattr(SamplingParams(), field) or 0, int)
+    step = 1 if is_int else 1e-3
+    if "anyOf" in bounds:  # top_k: -1, or from 1 up
+        assert _accepts(field, -1) and not _accepts(field, 0) and _accepts(field, 1)
+        bounds = bounds["anyOf"][1]
+    if "minimum" in bounds:
+        assert _accepts(field, bounds["minimum"])
+        assert not _accepts(field, bounds["minimum"] - step)
+    if "exclusiveMinimum" in bounds:
+        assert not _accepts(field, bounds["exclusiveMinimum"])
+        assert _accepts(field, bounds["exclusiveMinimum"] + step)
+    if field == "min_new_tokens":
+        return  # its maximum is max_new_tokens, checked below with that field
+    assert _accepts(field, bounds["maximum"])
+    assert not _accepts(field, bounds["maximum"] + step)
+
+
+# ------------------------------------------------------------------ n on /generate
+
+
+def _wait_idle(client: httpx.Client) -> None:
+    for _ in range(200):  # a liveness bound, not a timing
+        info = client.get("/get_server_info").json()["scheduler"]
+        if info["kv_cache_idle_and_free"]:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the KV cache is not idle: {info}")
+
+
+def _generate(client: httpx.Client, **sampling: Any) -> Any:
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 6, "ignore_eos": True,
+                                                "n": 3, **sampling}}
+    response = client.post("/generate", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_generate_n_returns_n_outputs(client: httpx.Client) -> None:
+    greedy = _generate(client, temperature=0)
+    assert isinstance(greedy, list) and len(greedy) == 3
+    assert len({tuple(o["output_ids"]) for o in greedy}) == 1
+    assert all(o["meta_info"]["completion_tokens"] == 6 for o in greedy)
+    sampled = _generate(client, temperature=1.0, seed=7)
+    assert len(sampled) == 3
+    # Each choice samples with seed + its index, so the choices differ from one another...
+    assert len({tuple(o["output_ids"]) for o in sampled}) > 1
+    # ...and the same seed gives the same choices again.
+    again = _generate(client, temperature=1.0, seed=7)
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in sampled]
+    # A batch of 2 prompts x n=2 is a flat list of 4, prompt-major.
+    batch = client.post("/generate", json={
+        "text": [PROMPT, "another prompt"],
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0, "n": 2}}).json()
+    assert len(batch) == 4 and batch[0]["output_ids"] == batch[1]["output_ids"]
+    _wait_idle(client)
+
+
+def test_generate_n_streams_every_index(client: httpx.Client) -> None:
+    body = {"text": PROMPT, "stream": True,
+            "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "n": 3,
+                                "temperature": 1.0, "seed": 3}}
+    events = stream_events(client, "/generate", body)
+    assert events[-1] == "[DONE]"
+    data = events[:-1]
+    assert {e["index"] for e in data} == {0, 1, 2}
+    finished = {e["index"] for e in data if e["meta_info"]["finish_reason"] is not None}
+    assert finished == {0, 1, 2}
+    _wait_idle(client)
+
+
+def test_generate_n_out_of_range_is_refused(client: httpx.Client) -> None:
+    response = client.post("/generate", json={"text": PROMPT, "stream": True,
+                                              "sampling_params": {"n": 129}})
+    assert response.status_code == 400
+    assert "n must be in [1, 128]" in response.json()["error"]["message"]
