@@ -24,6 +24,8 @@ MAX_TOP_LOGPROBS = 20
 # Choices of one OpenAI request; each is a full request in the Scheduler.
 MAX_N = 128
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+MAX_PENALTY = 2.0  # frequency and presence penalties lie in [-MAX_PENALTY, MAX_PENALTY]
+MAX_REPETITION_PENALTY = 2.0  # the repetition penalty lies in (0, MAX_REPETITION_PENALTY]
 # Seeds travel as msgpack integers and seed torch generators; both take this range.
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
@@ -180,16 +182,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
             (
-                -2.0 <= self.frequency_penalty <= 2.0,
-                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+                -MAX_PENALTY <= self.frequency_penalty <= MAX_PENALTY,
+                f"frequency_penalty must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got "
+                f"{self.frequency_penalty}",
             ),
             (
-                -2.0 <= self.presence_penalty <= 2.0,
-                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+                -MAX_PENALTY <= self.presence_penalty <= MAX_PENALTY,
+                f"presence_penalty must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got "
+                f"{self.presence_penalty}",
             ),
             (
-                0.0 < self.repetition_penalty <= 2.0,
-                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+                0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got "
+                f"{self.repetition_penalty}",
             ),
         ]
         _raise_first(checks)

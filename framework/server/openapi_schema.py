@@ -22,6 +22,8 @@ import msgspec
 from framework.sampling_params import (
     INT64_MAX,
     MAX_N,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_TEMPERATURE,
     MAX_TOP_LOGPROBS,
     SEED_MAX,
@@ -71,9 +73,9 @@ _SAMPLING_BOUNDS: dict[str, dict[str, Any]] = {
     # -1 switches top-k off; 0 is refused.
     "top_k": {"anyOf": [{"const": -1}, {"minimum": 1, "maximum": INT64_MAX}]},
     "min_p": {"minimum": 0, "maximum": 1},
-    "frequency_penalty": {"minimum": -2, "maximum": 2},
-    "presence_penalty": {"minimum": -2, "maximum": 2},
-    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 2},
+    "frequency_penalty": {"minimum": -MAX_PENALTY, "maximum": MAX_PENALTY},
+    "presence_penalty": {"minimum": -MAX_PENALTY, "maximum": MAX_PENALTY},
+    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY},
     "n": {"minimum": 1, "maximum": MAX_N},
     "seed": {"minimum": SEED_MIN, "maximum": SEED_MAX},
 }
