@@ -53,6 +53,10 @@ class ServerArgs:
                                        "transport")
     use_tcp: bool = _opt(False, "use tcp:// channels on 127.0.0.1 instead of ipc://",
                          "transport")
+    curve_key_dir: str | None = _opt(None, "directory with server.key_secret and "
+                                     "client.key_secret (zmq.auth.create_certificates) for "
+                                     "tcp:// CURVE authentication (default: keys made at "
+                                     "start-up)", "transport")
     # runtime
     device: str = _opt("auto", "cpu, cuda, or auto (cuda when available)", "runtime")
     attention_backend: str = _opt("torch", "attention backend (see `framework plugins`)",
@@ -130,7 +134,7 @@ class ServerArgs:
 
 
 def _metavar(name: str, kind: type) -> str:
-    if name.endswith("_path"):
+    if name.endswith(("_path", "_dir")):
         return "DIR"
     if name.endswith("_class"):
         return "DOTTED.PATH"

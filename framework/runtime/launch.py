@@ -181,6 +181,17 @@ def set_torch_threads(count: int, *, own_process: bool, needs_torch: bool) -> No
         torch.set_num_threads(count)
 
 
+def transport_options(server_args: ServerArgs) -> dict[str, Any]:
+    """The constructor options of the chosen transport; key files go to zmq only."""
+    options: dict[str, Any] = {"allow_insecure_pickle": server_args.allow_insecure_pickle}
+    if server_args.curve_key_dir is not None:
+        if server_args.transport != "zmq":
+            raise ValueError(f"curve_key_dir is for the zmq transport, not "
+                             f"{server_args.transport!r}")
+        options["curve_key_dir"] = server_args.curve_key_dir
+    return options
+
+
 def apply_scheduler_info(manager: Any, info: Mapping[str, Any]) -> None:
     """Tell the TokenizerManager what the Scheduler found: context length and vocabulary size."""
     manager.context_len = info["context_len"]
@@ -461,7 +472,7 @@ class ComponentTree:
         self.server_args = server_args
         self.classes = component_classes(server_args)
         self.transport = create_transport(server_args.transport,
-                                          allow_insecure_pickle=server_args.allow_insecure_pickle)
+                                          **transport_options(server_args))
         if server_args.launch_mode == "process":
             _check_crosses_processes(self.transport, server_args.transport)
         self.specs = plan_components(server_args, num_ranks)

@@ -302,3 +302,19 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_curve_key_dir_reaches_the_runtime_s_transport(tmp_path: Path) -> None:
+    from framework.config import ServerArgs
+    from framework.registry import create_transport
+    from framework.runtime.launch import transport_options
+
+    key_dir = tmp_path / "keys"
+    key_dir.mkdir(mode=0o700)
+    for name in ("server", "client"):
+        zmq.auth.create_certificates(key_dir, name)
+    args = ServerArgs(use_tcp=True, curve_key_dir=str(key_dir))
+    transport = create_transport("zmq", **transport_options(args))
+    assert transport.curve_keys == ZmqTransport(curve_key_dir=str(key_dir)).curve_keys
+    with pytest.raises(ValueError, match="curve_key_dir is for the zmq transport"):
+        transport_options(args.replace(transport="shm"))
