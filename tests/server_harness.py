@@ -107,3 +107,22 @@ def stream_events(client: httpx.Client, path: str, body: dict[str, Any]) -> list
         assert response.status_code == 200, response.read()
         assert response.headers["content-type"].startswith("text/event-stream")
         return list(sse_events(response))
+
+
+def scheduler_info(client: httpx.Client) -> dict[str, Any]:
+    """The Scheduler's part of ``/get_server_info``."""
+    return client.get("/get_server_info").json()["scheduler"]
+
+
+def wait_until_idle(client: httpx.Client, timeout: float = 30.0) -> dict[str, Any]:
+    """The Scheduler's info once nothing is in flight and every KV slot is free.
+
+    At the deadline (a liveness bound, not a timing) the last info is returned
+    as it is, for the caller's assertion to show.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        info = scheduler_info(client)
+        if info["kv_cache_idle_and_free"] or time.monotonic() > deadline:
+            return info
+        time.sleep(0.05)

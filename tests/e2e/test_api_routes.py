@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from tests.model_fixtures import TINY_VOCAB_SIZE, make_tiny_checkpoint
-from tests.server_harness import ServerProcess, sse_events, start_server
+from tests.server_harness import ServerProcess, sse_events, start_server, wait_until_idle
 
 KEY = "sk-test"
 MODEL = "tiny"
@@ -172,12 +172,7 @@ def test_abort_all_ends_every_running_request(client: httpx.Client) -> None:
             finishes = [e["choices"][0]["finish_reason"] for e in events
                         if e != "[DONE]" and e["choices"]]
             assert finishes[-1] == "abort"
-    deadline = time.monotonic() + 10
-    while True:
-        info = client.get("/get_server_info").json()["scheduler"]
-        if info["kv_cache_idle_and_free"] or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    info = wait_until_idle(client)
     assert info["kv_cache_idle_and_free"] is True, info
     assert info["aborted_requests"] >= 2
 

@@ -9,7 +9,6 @@ client leaves a fanned-out stream, every part is aborted and its KV freed.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +16,7 @@ import httpx
 import pytest
 
 from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import ServerProcess, start_server
+from tests.server_harness import ServerProcess, start_server, wait_until_idle
 
 CONTEXT = 64
 SHORT_IDS = [5, 6, 7]
@@ -28,9 +27,6 @@ CHAT_LONG = [{"role": "user", "content": LONG_TEXT}]
 SLOW = {"max_tokens": 10_000, "ignore_eos": True, "temperature": 0}
 # Scheduler counters that move once any part of a request reaches it.
 TOUCHED = ("extend_steps", "decode_steps", "aborted_requests", "failed_requests")
-# A liveness bound only: idleness is polled and seen as soon as it holds.
-IDLE_DEADLINE_S = 30.0
-
 # (route, body): one part of each is too long for the context.
 ONE_PART_TOO_LONG: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"prompt": [SHORT_IDS, LONG_IDS], **SLOW}),
@@ -63,32 +59,17 @@ def client(server: ServerProcess) -> Iterator[httpx.Client]:
         yield c
 
 
-def _scheduler(client: httpx.Client) -> dict[str, Any]:
-    return client.get("/get_server_info").json()["scheduler"]
-
-
-def _wait_idle(client: httpx.Client) -> dict[str, Any]:
-    """The Scheduler's info once it is idle with every KV slot free (or at the deadline)."""
-    deadline = time.monotonic() + IDLE_DEADLINE_S
-    while True:
-        info = _scheduler(client)
-        idle = info["kv_cache_idle_and_free"] and info["num_running_reqs"] == 0
-        if (idle and info["num_waiting_reqs"] == 0) or time.monotonic() > deadline:
-            return info
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize(("path", "body"), ONE_PART_TOO_LONG,
                          ids=[f"{p} n={b.get('n', 1)} stream={b.get('stream', False)}"
                               for p, b in ONE_PART_TOO_LONG])
 def test_one_part_too_long_refuses_the_whole_request(client: httpx.Client, path: str,
                                                      body: dict[str, Any]) -> None:
-    before = _wait_idle(client)
+    before = wait_until_idle(client)
     response = client.post(path, json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert f"context length is {CONTEXT}" in error["message"], error
-    after = _wait_idle(client)
+    after = wait_until_idle(client)
     assert after["kv_cache_idle_and_free"] is True, after
     assert after["num_running_reqs"] == 0, after
     # No part reached the Scheduler: nothing was prefilled, decoded or had to be aborted.
@@ -96,7 +77,7 @@ def test_one_part_too_long_refuses_the_whole_request(client: httpx.Client, path:
 
 
 def test_leaving_a_fanned_out_stream_aborts_every_part(client: httpx.Client) -> None:
-    before = _wait_idle(client)["aborted_requests"]
+    before = wait_until_idle(client)["aborted_requests"]
     body = {"prompt": [SHORT_IDS, [8, 9]], "n": 2, "stream": True, **SLOW}
     seen: set[int] = set()
     with client.stream("POST", "/v1/completions", json=body) as response:
@@ -106,7 +87,7 @@ def test_leaving_a_fanned_out_stream_aborts_every_part(client: httpx.Client) -> 
                 seen.update(c["index"] for c in json.loads(line[6:])["choices"])
             if len(seen) == 4:
                 break  # every part is running; the connection closes here
-    info = _wait_idle(client)
+    info = wait_until_idle(client)
     assert info["kv_cache_idle_and_free"] is True, info
     assert info["num_running_reqs"] == 0, info
     assert info["aborted_requests"] == before + 4
@@ -118,5 +99,5 @@ def test_the_server_still_serves_whole_requests(client: httpx.Client) -> None:
     reply = client.post("/v1/completions", json=body)
     assert reply.status_code == 200, reply.text
     assert sorted(c["index"] for c in reply.json()["choices"]) == [0, 1, 2, 3]
-    assert _wait_idle(client)["kv_cache_idle_and_free"] is True
+    assert wait_until_idle(client)["kv_cache_idle_and_free"] is True
 

@@ -7,7 +7,6 @@ table of an app built in this process with the same flags.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +20,7 @@ from framework.sampling_params import SamplingParams
 from framework.server.app import OPEN_PATHS, ServerState, build_app
 from framework.server.openapi_schema import BOUNDS, openapi_path
 from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import ServerProcess, start_server, stream_events
+from tests.server_harness import ServerProcess, start_server, stream_events, wait_until_idle
 
 KEY = "sk-openapi"
 PROMPT = "hello there"
@@ -134,15 +133,6 @@ def test_schema_bounds_match_verify(field: str) -> None:
 # ------------------------------------------------------------------ n on /generate
 
 
-def _wait_idle(client: httpx.Client) -> None:
-    for _ in range(200):  # a liveness bound, not a timing
-        info = client.get("/get_server_info").json()["scheduler"]
-        if info["kv_cache_idle_and_free"]:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the KV cache is not idle: {info}")
-
-
 def _generate(client: httpx.Client, **sampling: Any) -> Any:
     body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 6, "ignore_eos": True,
                                                 "n": 3, **sampling}}
@@ -168,7 +158,7 @@ def test_generate_n_returns_n_outputs(client: httpx.Client) -> None:
         "text": [PROMPT, "another prompt"],
         "sampling_params": {"max_new_tokens": 3, "temperature": 0, "n": 2}}).json()
     assert len(batch) == 4 and batch[0]["output_ids"] == batch[1]["output_ids"]
-    _wait_idle(client)
+    assert wait_until_idle(client)["kv_cache_idle_and_free"] is True
 
 
 def test_generate_n_streams_every_index(client: httpx.Client) -> None:
@@ -181,7 +171,7 @@ def test_generate_n_streams_every_index(client: httpx.Client) -> None:
     assert {e["index"] for e in data} == {0, 1, 2}
     finished = {e["index"] for e in data if e["meta_info"]["finish_reason"] is not None}
     assert finished == {0, 1, 2}
-    _wait_idle(client)
+    assert wait_until_idle(client)["kv_cache_idle_and_free"] is True
 
 
 def test_generate_n_out_of_range_is_refused(client: httpx.Client) -> None:

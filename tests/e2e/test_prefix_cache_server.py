@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -10,7 +9,7 @@ import openai
 import pytest
 
 from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import ServerProcess, start_server
+from tests.server_harness import ServerProcess, start_server, wait_until_idle
 
 SHARED = ("The scheduler picks which requests run next; the tokenizer turns text into ids. "
           "Paged memory splits the cache into slots so that requests of any length fit "
@@ -73,10 +72,6 @@ def test_flush_is_refused_while_a_request_runs(server: ServerProcess) -> None:
         assert refused.status_code == 400
         assert "in flight" in refused.json()["message"]
     # The stream was left early: its request is aborted and everything is freed.
-    for _ in range(200):  # a liveness bound, not a timing
-        info = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()["scheduler"]
-        if info["kv_cache_idle_and_free"]:
-            break
-        time.sleep(0.05)
-    assert info["kv_cache_idle_and_free"] is True
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        assert wait_until_idle(client)["kv_cache_idle_and_free"] is True
 

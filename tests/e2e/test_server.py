@@ -17,7 +17,13 @@ import pytest
 
 from framework import Engine
 from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import ServerProcess, child_pids, start_server, stream_events
+from tests.server_harness import (
+    ServerProcess,
+    child_pids,
+    start_server,
+    stream_events,
+    wait_until_idle,
+)
 
 PROMPTS = [
     "hello world",
@@ -229,15 +235,6 @@ def test_operational_endpoints(client: httpx.Client, checkpoints: tuple) -> None
     assert client.post("/abort_request", json={"rid": "no-such-request"}).status_code == 200
 
 
-def _wait_idle(client: httpx.Client, timeout: float = 10.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = client.get("/get_server_info").json()["scheduler"]
-        if info["kv_cache_idle_and_free"] or time.monotonic() > deadline:
-            return info
-        time.sleep(0.05)
-
-
 def test_client_disconnect_aborts_and_frees_kv(client: httpx.Client) -> None:
     before = client.get("/get_server_info").json()["scheduler"]["aborted_requests"]
     body = {"prompt": PROMPTS[0], "max_tokens": 100000, "temperature": 0, "ignore_eos": True,
@@ -247,7 +244,7 @@ def test_client_disconnect_aborts_and_frees_kv(client: httpx.Client) -> None:
         got = [line for line, _ in zip(lines, range(4))]
         assert any(line.startswith("data: ") for line in got)
     # The connection is closed mid-stream; the request must be aborted and its slots freed.
-    info = _wait_idle(client)
+    info = wait_until_idle(client)
     assert info["kv_cache_idle_and_free"] is True, info
     assert info["aborted_requests"] == before + 1
 
