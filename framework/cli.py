@@ -53,6 +53,18 @@ def _cmd_bench_serving(args: argparse.Namespace) -> int:
     return run_from_cli(args)
 
 
+def _cmd_bench_structured(args: argparse.Namespace) -> int:
+    from framework.bench.structured import run_from_cli
+
+    return run_from_cli(args)
+
+
+def _cmd_bench_soak(args: argparse.Namespace) -> int:
+    from framework.bench.soak import run_from_cli
+
+    return run_from_cli(args)
+
+
 def _formatter(prog: str) -> argparse.HelpFormatter:
     # A fixed width keeps --help (and the generated reference) the same on every terminal.
     return argparse.HelpFormatter(prog, width=100, max_help_position=32)
@@ -109,6 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serving_args(serving)
     serving.set_defaults(handler=_cmd_bench_serving)
+    structured = bench_sub.add_parser(
+        "structured", help="output tokens/s with JSON-schema constraints vs without")
+    from framework.bench.structured import add_cli_args as add_structured_args
+
+    add_structured_args(structured)
+    structured.set_defaults(handler=_cmd_bench_structured)
+    soak = bench_sub.add_parser(
+        "soak", help="minutes of mixed traffic: flat memory, no error, no leaked slot")
+    from framework.bench.soak import add_cli_args as add_soak_args
+
+    add_soak_args(soak)
+    soak.set_defaults(handler=_cmd_bench_soak)
     return parser
 
 

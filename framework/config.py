@@ -42,6 +42,11 @@ class ServerArgs:
     host: str = _opt("127.0.0.1", "HTTP host to listen on", "server")
     port: int = _opt(30000, "HTTP port to listen on", "server")
     stream_interval: int = _opt(2, "send a streamed chunk every N tokens", "server")
+    max_request_bytes: int = _opt(32 * 1024 * 1024, "largest request body accepted; a larger "
+                                  "one gets 413", "server")
+    graceful_shutdown_timeout: float = _opt(5.0, "on SIGTERM or SIGINT, seconds to let "
+                                            "requests in flight finish (no new ones are "
+                                            "taken) before the rest are aborted", "server")
     api_key: str | None = _opt(None, "require `Authorization: Bearer KEY` on every route but "
                                "/health, /health_generate and /metrics", "server")
     enable_metrics: bool = _opt(False, "serve Prometheus metrics at GET /metrics", "server")
@@ -62,6 +67,9 @@ class ServerArgs:
     attention_backend: str = _opt("torch", "attention backend (see `framework plugins`)",
                                   "runtime")
     max_running_requests: int = _opt(64, "most requests in the running batch", "runtime")
+    max_queued_requests: int | None = _opt(None, "most requests in flight beyond the running "
+                                           "batches; a request past it gets 503 with "
+                                           "Retry-After at once (default: no limit)", "runtime")
     max_total_tokens: int | None = _opt(None, "KV cache size in tokens (default: from "
                                         "--mem-fraction)", "runtime")
     mem_fraction: float = _opt(0.8, "fraction of free device memory for the KV cache (GPU)",
@@ -72,7 +80,24 @@ class ServerArgs:
                                 choices=("fcfs", "lpm"))
     disable_radix_cache: bool = _opt(False, "do not reuse the KV of shared prefixes", "runtime")
     random_seed: int = _opt(0, "seed for sampling without a per-request seed", "runtime")
-    tp_size: int = _opt(1, "tensor-parallel size", "runtime")
+    grammar_backend: str = _opt("xgrammar", "backend of structured outputs (json_schema, regex, "
+                                "ebnf, response_format), or none to refuse them (see "
+                                "`framework plugins`)", "runtime")
+    tp_size: int = _opt(1, "tensor-parallel size: ranks splitting each layer (heads, MLP "
+                        "columns, vocabulary), over torch.distributed", "runtime")
+    pp_size: int = _opt(1, "pipeline-parallel size: stages splitting the layers", "runtime")
+    nnodes: int = _opt(1, "machines the tp_size × pp_size ranks are spread over", "runtime")
+    node_rank: int = _opt(0, "this machine's index among --nnodes (node 0 serves HTTP)",
+                          "runtime")
+    dist_init_addr: str | None = _opt(None, "host:port where the ranks meet (rank 0's "
+                                      "machine; a private network only); default: a free "
+                                      "port on 127.0.0.1, one node", "runtime")
+    dp_size: int = _opt(1, "data-parallel size: scheduler replicas, each holding the whole "
+                        "model, behind one HTTP front", "runtime")
+    load_balance_method: str = _opt("round_robin", "how the front picks the replica of each "
+                                    "request with --dp-size above 1: in turn, or the one with "
+                                    "the fewest tokens in flight", "runtime",
+                                    choices=("round_robin", "shortest_queue"))
     launch_mode: str = _opt("process", "run the Scheduler and the Detokenizer as processes, or "
                             "as threads of the main process (for tests and debugging; the "
                             "inproc transport needs threads)", "runtime",
@@ -138,6 +163,8 @@ def _metavar(name: str, kind: type) -> str:
         return "DIR"
     if name.endswith("_class"):
         return "DOTTED.PATH"
+    if name.endswith("_addr"):
+        return "HOST:PORT"
     if name.endswith("_template"):
         return "FILE"
     if name.endswith("_key"):

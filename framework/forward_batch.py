@@ -57,11 +57,29 @@ class ForwardBatch:
     extend_prefix_lens_cpu: list[int] | None = None
     extend_seq_lens_cpu: list[int] | None = None
     req_pool_indices_cpu: list[int] | None = None
+    # [m] int64, EXTEND only: packed rows whose logits are wanted as well, for the
+    # logprobs of prompt tokens (the model returns them after the B last-token rows).
+    prompt_logprob_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         """Number of new tokens in the batch."""
         return int(self.input_ids.shape[0])
+
+    def last_token_rows(self) -> torch.Tensor | None:
+        """Row of each request's last new token in the packed batch (``None``: every row)."""
+        if self.forward_mode.is_decode():
+            return None
+        if self.extend_seq_lens is None:
+            raise ValueError("an EXTEND batch needs extend_seq_lens")
+        return torch.cumsum(self.extend_seq_lens, dim=0) - 1
+
+    def logits_rows(self) -> torch.Tensor | None:
+        """Rows a causal LM turns into logits: the last-token rows, then ``prompt_logprob_rows``."""
+        rows = self.last_token_rows()
+        if rows is None or self.prompt_logprob_rows is None:
+            return rows
+        return torch.cat([rows, self.prompt_logprob_rows])
 
     def fill_cpu_lengths(self) -> None:
         """Fill the host copies of the lengths that are still ``None`` (one sync each)."""

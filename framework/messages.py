@@ -91,6 +91,24 @@ class RequestConstants(msgspec.Struct, array_like=True):
     context_ids: list[int] = msgspec.field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    #: Seconds from the Scheduler's intake to the request's first admission.
+    queue_seconds: float = 0.0
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """The logprobs of a request's prompt tokens from position ``start`` on.
+
+    ``token_ids[k]`` is the prompt's token at ``start + k`` and ``values[k]`` its
+    logprob given the tokens before it (``None`` at position 0, which has none);
+    ``top_values[k]`` / ``top_ids[k]`` are that position's top alternatives
+    (empty at position 0, or when none were asked for).
+    """
+
+    start: int
+    token_ids: list[int]
+    values: list[float | None]
+    top_values: list[list[float]]
+    top_ids: list[list[int]]
 
 
 class BatchTokenIDOutput(Message):
@@ -106,7 +124,9 @@ class BatchTokenIDOutput(Message):
 
     * ``finished_indices[k]`` finished for ``finished_reasons[k]``;
     * ``new_indices[k]`` has its first output here, and ``new_constants[k]``
-      holds what the Detokenizer keeps for it until it finishes.
+      holds what the Detokenizer keeps for it until it finishes;
+    * ``prompt_logprob_indices[k]`` asked for its prompt's logprobs, which come
+      with its first output as ``prompt_logprobs[k]``.
 
     Logprobs, when some request of the batch asked for them (else ``None`` and
     empty lists), are aligned with ``output_ids``: ``output_token_logprobs``
@@ -127,6 +147,8 @@ class BatchTokenIDOutput(Message):
     output_token_logprobs: np.ndarray | None = None
     output_top_logprobs_val: list[list[float]] = msgspec.field(default_factory=list)
     output_top_logprobs_idx: list[list[int]] = msgspec.field(default_factory=list)
+    prompt_logprob_indices: list[int] = msgspec.field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = msgspec.field(default_factory=list)
 
     def ids_of(self, i: int) -> list[int]:
         """Request ``i``'s new ids."""
@@ -174,7 +196,11 @@ class BatchTokenIDOutput(Message):
 
 
 class BatchStrOutput(Message):
-    """New text of a batch of requests: Detokenizer → TokenizerManager."""
+    """New text of a batch of requests: Detokenizer → TokenizerManager.
+
+    ``prompt_logprob_indices`` / ``prompt_logprobs`` are passed on from
+    ``BatchTokenIDOutput`` as they came.
+    """
 
     rids: list[str]
     finished_reasons: list[FinishReason | None]
@@ -183,10 +209,13 @@ class BatchStrOutput(Message):
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
+    queue_seconds: list[float] = msgspec.field(default_factory=list)
     output_token_logprobs_val: list[list[float]] = msgspec.field(default_factory=list)
     output_token_logprobs_idx: list[list[int]] = msgspec.field(default_factory=list)
     output_top_logprobs_val: list[list[list[float]]] = msgspec.field(default_factory=list)
     output_top_logprobs_idx: list[list[list[int]]] = msgspec.field(default_factory=list)
+    prompt_logprob_indices: list[int] = msgspec.field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = msgspec.field(default_factory=list)
 
 
 class BatchEmbeddingOutput(Message):

@@ -117,6 +117,9 @@ CODECS: Registry[Any] = Registry("codec", "framework.codecs")
 # Attention backends are classes built once per rank as ``ATTENTION_BACKENDS.get(name)(args)``
 # with an ``AttentionBackendArgs`` (see framework/layers/attention/base.py).
 ATTENTION_BACKENDS: Registry[Any] = Registry("attention backend", "framework.attention_backends")
+# Grammar backends are ``GrammarBackend`` subclasses (framework/constrained/base.py), built once
+# per Scheduler on the first constrained request.
+GRAMMAR_BACKENDS: Registry[Any] = Registry("grammar backend", "framework.grammar_backends")
 
 TRANSPORTS.register("zmq", "framework.comm.zmq:ZmqTransport")
 TRANSPORTS.register("inproc", "framework.comm.inproc:InprocTransport")
@@ -127,8 +130,9 @@ CODECS.register("json", "framework.comm.codec:JsonCodec")
 ATTENTION_BACKENDS.register(
     "torch", "framework.layers.attention.torch_native:TorchNativeAttnBackend"
 )
+GRAMMAR_BACKENDS.register("xgrammar", "framework.constrained.xgrammar_backend:XGrammarBackend")
 
-REGISTRIES: tuple[Registry[Any], ...] = (TRANSPORTS, CODECS, ATTENTION_BACKENDS)
+REGISTRIES: tuple[Registry[Any], ...] = (TRANSPORTS, CODECS, ATTENTION_BACKENDS, GRAMMAR_BACKENDS)
 
 
 def create_transport(name: str, **options: Any) -> Any:

@@ -6,6 +6,7 @@ routes, the Engine, the TokenizerManager) refuses the same values with the same 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 
@@ -31,6 +32,8 @@ SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 # Other integer fields must fit a signed 64-bit integer (msgpack, torch tensors).
 INT64_MAX = 2**63 - 1
+# The structured-output constraints (SGLang's names); a request may set one of them.
+CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf")
 
 
 def _is_int(value: object) -> bool:
@@ -100,6 +103,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream_interval: int | None = None
     #: Token id (as a string, as OpenAI's JSON keys are) -> value added to its logit.
     logit_bias: dict[str, float] | None = None
+    #: Structured outputs (at most one): the output follows a JSON schema (as a JSON string),
+    #: fully matches a regular expression, or is a sentence of an EBNF grammar (rule root).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, params: dict | None) -> SamplingParams:
@@ -107,6 +115,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         params = dict(params or {})
         if isinstance(params.get("stop"), str):
             params["stop"] = [params["stop"]]
+        if isinstance(params.get("json_schema"), dict):
+            params["json_schema"] = json.dumps(params["json_schema"])
         try:
             return msgspec.convert(params, cls, strict=False)
         except msgspec.ValidationError as exc:
@@ -122,6 +132,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def is_greedy(self) -> bool:
         """True when sampling reduces to argmax (a temperature below 1e-5, or top_k == 1)."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    def constraint(self) -> tuple[str, str] | None:
+        """``(field name, text)`` of the structured-output constraint, or None."""
+        for name in CONSTRAINT_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of choice ``index`` of an ``n > 1`` request: n=1, seed + index."""
@@ -141,6 +159,22 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("stop must be a list of non-empty strings")
         check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
         self._verify_logit_bias(vocab_size)
+        self._verify_constraint()
+
+    def _verify_constraint(self) -> None:
+        """At most one constraint, a non-empty string; whether it compiles is checked later."""
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of {', '.join(CONSTRAINT_FIELDS)}; got "
+                             f"{' and '.join(given)}")
+        if not given:
+            return
+        name = given[0]
+        if not isinstance(getattr(self, name), str) or not getattr(self, name):
+            raise ValueError(f"{name} must be a non-empty string")
+        if self.min_new_tokens:
+            # The grammar decides where the output ends; a ban on ending could leave no token.
+            raise ValueError(f"min_new_tokens cannot be combined with {name}")
 
     def _verify_logit_bias(self, vocab_size: int | None) -> None:
         if not self.logit_bias:

@@ -23,7 +23,12 @@ from framework.config import PortArgs, ServerArgs
 from framework.forward_batch import ForwardBatch
 from framework.layers.sampler import Sampler
 from framework.mem_cache.memory_pool import KVCachePools
-from framework.messages import BatchEmbeddingOutput, BatchTokenIDOutput, TokenizedGenerateReqInput
+from framework.messages import (
+    BatchEmbeddingOutput,
+    BatchTokenIDOutput,
+    PromptLogprobs,
+    TokenizedGenerateReqInput,
+)
 from framework.model_executor.model_runner import LogitsOutput
 from framework.runtime.scheduler import Scheduler
 from framework.sampling_params import SamplingParams
@@ -89,7 +94,25 @@ class FakeModelRunner:
             if self.fail_if is not None and self.fail_if(tokens):
                 raise RuntimeError("the fake model failed on this request")
             logits[i, next_token(tokens)] = 30.0
-        return LogitsOutput(next_token_logits=logits)
+        return LogitsOutput(next_token_logits=logits, prompt_logits=self._prompt_logits(batch))
+
+    def _prompt_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """One-hot logits at each of ``prompt_logprob_rows``, read from the fake KV cache."""
+        if batch.prompt_logprob_rows is None:
+            return None
+        starts = [0]
+        for n in batch.extend_seq_lens_cpu or []:
+            starts.append(starts[-1] + n)
+        rows = batch.prompt_logprob_rows.tolist()
+        logits = torch.full((len(rows), TINY_VOCAB_SIZE), -30.0)
+        req_to_token = self.pools.req_to_token_pool.req_to_token
+        for k, packed in enumerate(rows):
+            i = max(j for j, start in enumerate(starts[:-1]) if start <= packed)
+            position = (batch.extend_prefix_lens_cpu or [])[i] + packed - starts[i]
+            pool_row = int(batch.req_pool_indices[i])
+            tokens = self.slot_tokens[req_to_token[pool_row, :position + 1]].tolist()
+            logits[k, next_token(tokens)] = 30.0
+        return logits
 
     def sample(self, logits: torch.Tensor, info: Any, top_logprobs_nums: Any = None) -> Any:
         return self.sampler(logits, info, top_logprobs_nums)
@@ -108,7 +131,9 @@ class Outcome:
     top_logprobs: list[list[float]] = field(default_factory=list)
     finished_reason: Any = None
     cached_tokens: int = 0
+    queue_seconds: float = 0.0
     messages: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class SchedulerHarness:
@@ -132,13 +157,12 @@ class SchedulerHarness:
 
     def submit(self, rid: str, input_ids: list[int], **params: Any) -> None:
         """Send one generation request (it is taken in at the next step)."""
-        return_logprob = params.pop("return_logprob", False)
-        top_logprobs_num = params.pop("top_logprobs_num", 0)
+        logprob_options = {key: params.pop(key) for key in (
+            "return_logprob", "top_logprobs_num", "logprob_start_len") if key in params}
         self.outcomes[rid] = Outcome()
         self.to_scheduler.send_nowait(TokenizedGenerateReqInput(
             rid=rid, input_text="", input_ids=input_ids,
-            sampling_params=SamplingParams(**params), return_logprob=return_logprob,
-            top_logprobs_num=top_logprobs_num))
+            sampling_params=SamplingParams(**params), **logprob_options))
 
     def send(self, msg: Any) -> None:
         """Send any message to the Scheduler's request channel."""
@@ -155,6 +179,7 @@ class SchedulerHarness:
             assert isinstance(msg, BatchTokenIDOutput)
             reasons = msg.finished_reason_list()
             new = msg.new_constants_by_index()
+            prompts = dict(zip(msg.prompt_logprob_indices, msg.prompt_logprobs))
             for i, rid in enumerate(msg.rids):
                 outcome = self.outcomes.setdefault(rid, Outcome())
                 assert outcome.finished_reason is None, f"{rid} got output after it finished"
@@ -162,6 +187,10 @@ class SchedulerHarness:
                 assert (i in new) == (outcome.messages == 0), f"{rid}: constants misplaced"
                 if i in new:
                     outcome.cached_tokens = new[i].cached_tokens
+                    outcome.queue_seconds = new[i].queue_seconds
+                # The prompt's logprobs come with the first output, and only with it.
+                assert i not in prompts or i in new, f"{rid}: prompt logprobs misplaced"
+                outcome.prompt_logprobs = prompts.get(i, outcome.prompt_logprobs)
                 outcome.output_ids.extend(msg.ids_of(i))
                 outcome.logprobs.extend(msg.logprobs_of(i))
                 outcome.top_logprobs.extend(msg.top_logprobs_of(i)[0])
@@ -216,3 +245,8 @@ def reference_output(prompt: list[int], max_new_tokens: int, ignore_eos: bool = 
         if token == EOS_TOKEN_ID and not ignore_eos:
             break
     return out
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    """A deterministic prompt of ``length`` ids in [3, 500)."""
+    return [3 + (seed * 131 + i * 17) % 497 for i in range(length)]

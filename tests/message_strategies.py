@@ -11,7 +11,12 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from framework.messages import BatchTokenIDOutput, FinishReason, RequestConstants
+from framework.messages import (
+    BatchTokenIDOutput,
+    FinishReason,
+    PromptLogprobs,
+    RequestConstants,
+)
 
 _text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=20)
 _int = st.integers(min_value=-(2**63), max_value=2**63 - 1)
@@ -91,6 +96,10 @@ def token_id_outputs(draw: st.DrawFn) -> BatchTokenIDOutput:
         new_indices=new,
         new_constants=[draw(struct_strategy(RequestConstants)) for _ in new],
     )
+    # Prompt logprobs come with some of the first outputs.
+    prompt_indices = [i for i in new if draw(st.booleans())]
+    msg.prompt_logprob_indices = prompt_indices
+    msg.prompt_logprobs = [draw(struct_strategy(PromptLogprobs)) for _ in prompt_indices]
     if any(asked):
         values: list[float] = []
         for ids, wants in zip(per_request, asked):

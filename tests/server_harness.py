@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from framework.bench.soak import process_tree
 from framework.comm.zmq import free_tcp_port
 
 
@@ -49,19 +50,7 @@ class ServerProcess:
 
 def child_pids(pid: int) -> list[int]:
     """Direct children of ``pid``, read from /proc."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # The command name may hold spaces; the parent pid is the 2nd field after it.
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == pid:
-            out.append(int(entry.name))
-    return out
+    return process_tree(pid)[1:]
 
 
 def start_server(model_dir: Path, log_dir: Path, *extra: str, timeout: float = 180.0,
@@ -126,3 +115,40 @@ def wait_until_idle(client: httpx.Client, timeout: float = 30.0) -> dict[str, An
         if info["kv_cache_idle_and_free"] or time.monotonic() > deadline:
             return info
         time.sleep(0.05)
+
+
+def still_running(pids: list[int], wait: float = 10.0) -> list[int]:
+    """The pids still running after up to ``wait`` seconds (zombies count as gone)."""
+    deadline = time.monotonic() + wait
+    while True:
+        running = []
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                running.append(pid)
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.1)
+
+
+def private_tmp(tmp_path: Path) -> dict[str, str]:
+    """An environment whose TMPDIR is a fresh directory, to see what a server leaves there."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    return {"TMPDIR": str(tmp)}
+
+
+def own_children() -> set[int]:
+    """Child processes of this test process, but Python's resource tracker (one per process)."""
+    pids = set()
+    for pid in child_pids(os.getpid()):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"resource_tracker" not in cmdline:
+            pids.add(pid)
+    return pids

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.layers.linear import require_single_rank
+from framework.layers.linear import TensorParallelGroup, bound_tp_group
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -14,7 +14,8 @@ class VocabParallelEmbedding(nn.Module):
 
     The vocabulary is padded up to a multiple of ``tp_size``; padding rows are
     zero. Each rank holds rows ``[tp_rank * rows_per_rank, (tp_rank + 1) *
-    rows_per_rank)`` of the padded table.
+    rows_per_rank)`` of the padded table. With ``tp_size`` above 1, lookups are
+    summed and logits gathered over the group bound by ``bind_tp_group``.
     """
 
     def __init__(
@@ -33,6 +34,7 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(self.rows_per_rank, embedding_dim), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.tp_group: TensorParallelGroup | None = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
@@ -53,9 +55,14 @@ class VocabParallelEmbedding(nn.Module):
         param.data[real_rows:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Embed token ids; needs ``tp_size == 1`` until the all-reduce exists."""
-        require_single_rank(self, self.tp_size)
-        return F.embedding(input_ids, self.weight)
+        """Embed token ids; each rank looks up its own rows, the rest are summed in."""
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.rows_per_rank)
+        out = F.embedding(local.clamp(0, self.rows_per_rank - 1), self.weight)
+        out = out * mine.unsqueeze(-1).to(out.dtype)
+        return bound_tp_group(self).all_reduce(out)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Use the table as an output projection: logits ``[n, num_embeddings]``.
@@ -63,8 +70,10 @@ class VocabParallelEmbedding(nn.Module):
         This is how a model with tied embeddings projects onto the vocabulary.
         The result is in the weight dtype.
         """
-        require_single_rank(self, self.tp_size)
-        return F.linear(hidden_states, self.weight)[:, : self.num_embeddings]
+        logits = F.linear(hidden_states, self.weight)
+        if self.tp_size > 1:
+            logits = bound_tp_group(self).all_gather(logits, dim=-1)
+        return logits[:, : self.num_embeddings]
 
     def extra_repr(self) -> str:
         return (

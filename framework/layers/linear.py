@@ -13,15 +13,17 @@ the same files at any ``tp_size``:
   partial outputs need a sum over ranks.
 
 Parameters are created with the default dtype and device, so a model builds
-them under ``torch.device(...)`` and ``default_dtype(...)``. Only ``tp_size=1``
-runs a forward pass for now: the all-reduce of ``RowParallelLinear`` arrives
-with the distributed layer.
+them under ``torch.device(...)`` and ``default_dtype(...)``. With ``tp_size``
+above 1 the layers that need a collective (``RowParallelLinear`` here, the
+vocabulary-parallel embedding and head) run only once a tensor-parallel group
+is bound to them (``bind_tp_group``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -65,13 +67,38 @@ def default_weight_loader(
     param.data.copy_(loaded_weight)
 
 
-def require_single_rank(layer: nn.Module, tp_size: int) -> None:
-    """Raise ``NotImplementedError`` for a forward pass that needs collectives over ranks."""
-    if tp_size > 1:
+class TensorParallelGroup(Protocol):
+    """The collectives a layer needs from its tensor-parallel group."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the group's ranks."""
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim``, in rank order."""
+
+
+def bound_tp_group(layer: nn.Module) -> TensorParallelGroup:
+    """The group bound to ``layer``; ``NotImplementedError`` when it has none.
+
+    Without a group, a layer split over ranks cannot compute its forward pass.
+    """
+    group = getattr(layer, "tp_group", None)
+    if group is None:
         raise NotImplementedError(
-            f"{type(layer).__name__} with tp_size={tp_size} needs the tensor-parallel "
-            "collectives, which are not available yet"
+            f"{type(layer).__name__} with tp_size={getattr(layer, 'tp_size', '?')} needs a "
+            "tensor-parallel group: bind one with bind_tp_group"
         )
+    return group
+
+
+def bind_tp_group(model: nn.Module, group: TensorParallelGroup) -> int:
+    """Give every layer of ``model`` that sums or gathers over ranks ``group``; count them."""
+    bound = 0
+    for module in model.modules():
+        if hasattr(module, "tp_group"):
+            module.tp_group = group
+            bound += 1
+    return bound
 
 
 class LinearBase(nn.Module):
@@ -274,6 +301,7 @@ class RowParallelLinear(LinearBase):
     ) -> None:
         local_input = divide(input_size, tp_size, "input features")
         super().__init__(local_input, output_size, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
+        self.tp_group: TensorParallelGroup | None = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
@@ -297,6 +325,9 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the layer; needs ``tp_size == 1`` until the all-reduce exists."""
-        require_single_rank(self, self.tp_size)
-        return F.linear(x, self.weight, self.bias)
+        """Apply the layer: this rank's partial product, summed over the ranks."""
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = bound_tp_group(self).all_reduce(F.linear(x, self.weight))
+        # The bias is added once, after the sum, not once per rank.
+        return out if self.bias is None else out + self.bias

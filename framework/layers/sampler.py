@@ -8,7 +8,7 @@ The order of operations on a row's logits is fixed:
    ones multiplied), then frequency and presence (OpenAI: counts of the output tokens only),
    then ``logit_bias`` (added to the logits of the named tokens);
 3. the ``min_new_tokens`` ban: tokens that would end the request get ``-inf`` until enough
-   output exists;
+   output exists, and tokens a row's grammar forbids (structured outputs) get ``-inf``;
 4. greedy rows (``temperature == 0`` or ``top_k == 1``) take the argmax; the others divide by
    their temperature, take the softmax, keep the top-k, then the nucleus (top-p, measured on
    what top-k kept), then drop tokens under ``min_p`` times the largest probability, and draw
@@ -77,6 +77,21 @@ def _token_mask(
     if tokens.numel():
         mask[rows, tokens] = True
     return mask
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` with ``-inf`` wherever the packed ``bitmask`` has a clear bit.
+
+    One batched operation for the whole batch: the int32 words ``[B, W]`` are unpacked
+    into ``[B, 32 W]`` booleans; columns past ``32 W`` (a vocabulary padded beyond the
+    mask) are disallowed.
+    """
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+    vocab = logits.shape[-1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    return logits.masked_fill(~allowed[:, :vocab], float("-inf"))
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
@@ -204,6 +219,9 @@ class SamplingBatchInfo:
     output_counts: torch.Tensor | None = None  # [B, vocab] float32: occurrences in the output
     banned_mask: torch.Tensor | None = None  # [B, vocab] bool: banned by min_new_tokens
     logit_bias: torch.Tensor | None = None  # [B, vocab] float32: added to the logits
+    # [B, ceil(vocab / 32)] int32, packed: bit t % 32 of word t // 32 set = token t allowed
+    # by the row's grammar (all bits set on rows without one). Set by the caller.
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -365,6 +383,21 @@ def _top_logprobs(
     )
 
 
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, top_logprobs_nums: Sequence[int]
+) -> tuple[torch.Tensor, list[list[float]], list[list[int]]]:
+    """Log-probabilities of ``token_ids[i]`` under row ``i`` of the raw ``logits``.
+
+    Returns the chosen tokens' logprobs ``[rows]`` (float32) and, per row, the
+    ``top_logprobs_nums[i]`` largest logprobs with their token ids. Used for the
+    sampled tokens and for the prompt's own tokens (prompt logprobs) alike.
+    """
+    raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = raw_logprobs.gather(1, token_ids.view(-1, 1)).squeeze(1)
+    top_values, top_ids = _top_logprobs(raw_logprobs, top_logprobs_nums)
+    return chosen, top_values, top_ids
+
+
 class Sampler:
     """Picks the next token of every row of a batch (see the module docstring for the rules).
 
@@ -395,15 +428,13 @@ class Sampler:
             raise ValueError("top_logprobs_nums must hold one non-negative count per row")
 
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
         processed = self.process_logits(logits, info)
         next_token_ids = processed.argmax(dim=-1)
         if not info.all_greedy:
             self._sample_rows(processed, info, next_token_ids)
         self._calls += 1
 
-        chosen = raw_logprobs.gather(1, next_token_ids.unsqueeze(1)).squeeze(1)
-        top_values, top_ids = _top_logprobs(raw_logprobs, top_logprobs_nums)
+        chosen, top_values, top_ids = token_logprobs(logits, next_token_ids, top_logprobs_nums)
         return SampleOutput(
             next_token_ids=next_token_ids,
             logprobs=chosen,
@@ -432,6 +463,8 @@ class Sampler:
             logits = logits + info.logit_bias
         if info.banned_mask is not None:
             logits = logits.masked_fill(info.banned_mask, float("-inf"))
+        if info.grammar_bitmask is not None:
+            logits = apply_token_bitmask(logits, info.grammar_bitmask)
         return logits
 
     def _sample_rows(

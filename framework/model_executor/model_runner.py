@@ -16,14 +16,18 @@ CPU ``min(context_len * max_running_requests, 65536)`` tokens.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from framework.distributed.config import stage_layers
+from framework.distributed.step_sync import announce_forward, announce_weight_update
 from framework.layers.attention.base import AttentionBackend, AttentionBackendArgs
 from framework.layers.attention.radix_attention import bind_attention_backend
+from framework.layers.linear import bind_tp_group
 from framework.mem_cache.memory_pool import (
     KVCachePools,
     decide_max_total_tokens,
@@ -40,6 +44,7 @@ from framework.registry import ATTENTION_BACKENDS
 
 if TYPE_CHECKING:
     from framework.config import ServerArgs
+    from framework.distributed.parallel_state import ParallelContext
     from framework.forward_batch import ForwardBatch
     from framework.layers.sampler import SampleOutput, SamplingBatchInfo
 
@@ -56,6 +61,8 @@ class LogitsOutput:
 
     next_token_logits: torch.Tensor | None  # [B, vocab] float32 at each request's last new token
     embeddings: torch.Tensor | None = None  # [B, hidden] float32, embedding models only
+    # [m, vocab] float32 at the batch's ``prompt_logprob_rows``, when it has any.
+    prompt_logits: torch.Tensor | None = None
 
 
 def resolve_device(device: str, tp_rank: int = 0) -> torch.device:
@@ -77,18 +84,28 @@ class ModelRunner:
     ``pools`` (a ``KVCachePools``) and ``max_total_num_tokens`` are what the
     scheduler allocates from; ``attn_backend`` is bound to the model's
     attention layers and reaches the same pools.
+
+    With tensor or pipeline parallelism, ``parallel`` is this rank's place
+    among the ranks: the model and the KV cache hold only its share (its
+    slice of each layer, its stage's layers), and the runner of global rank 0
+    announces each step and weight update to the others before running it
+    (``framework.distributed.step_sync``). With pipeline parallelism, only
+    that runner's ``forward`` returns the logits, sent back by the last stage.
     """
 
-    def __init__(self, server_args: ServerArgs, model_path: str, *, tp_rank: int = 0) -> None:
-        if server_args.tp_size != 1:
-            raise ValueError(
-                f"tensor parallelism (tp_size={server_args.tp_size}) is not supported yet"
-            )
+    def __init__(self, server_args: ServerArgs, model_path: str, *, tp_rank: int = 0,
+                 parallel: ParallelContext | None = None) -> None:
+        if (server_args.tp_size != 1 or server_args.pp_size != 1) and parallel is None:
+            raise ValueError(f"tp_size={server_args.tp_size}, pp_size={server_args.pp_size} "
+                             "needs the ranks' process groups (start the server or the "
+                             "Engine, which makes them)")
         check_load_format(server_args.load_format)
         self.server_args = server_args
-        self.tp_rank = tp_rank
+        self.parallel = parallel
+        self.tp_rank = tp_rank if parallel is None else parallel.tp_rank
         self.tp_size = server_args.tp_size
-        self.device = resolve_device(server_args.device, tp_rank)
+        self.device = resolve_device(server_args.device, self.tp_rank) if parallel is None \
+            else parallel.device
         self.model_config = ModelConfig.from_pretrained(
             model_path,
             dtype=server_args.dtype,
@@ -96,6 +113,12 @@ class ModelRunner:
             context_length=server_args.context_length,
             is_embedding=server_args.is_embedding,
         )
+        self.pp_rank = 0 if parallel is None else parallel.pp_rank
+        self.pp_size = server_args.pp_size
+        if self.pp_size > 1 and self.model_config.is_embedding:
+            raise ValueError("pp_size above 1 is not supported for embedding models")
+        self.start_layer, self.end_layer = stage_layers(
+            self.model_config.num_layers, self.pp_rank, self.pp_size)
         self.dtype = self.model_config.dtype
         self.model_path = model_path
         self.load_format = server_args.load_format
@@ -104,9 +127,13 @@ class ModelRunner:
             self.device,
             self.load_format,
             seed=server_args.random_seed,
-            tp_rank=tp_rank,
+            tp_rank=self.tp_rank,
             tp_size=self.tp_size,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
         )
+        if parallel is not None:
+            bind_tp_group(self.model, parallel.tp)
         # Sized after the weights are loaded: on CUDA the KV cache takes a
         # fraction of the memory they leave free.
         self.max_total_num_tokens = self._decide_kv_cache_tokens()
@@ -114,6 +141,8 @@ class ModelRunner:
         self.attn_backend = self._build_attention_backend(server_args.attention_backend)
         bound = bind_attention_backend(self.model, self.attn_backend)
         self._sampler: Any = None
+        #: Each rank's pid and bytes of parameters and of KV cache, in global rank order.
+        self.rank_info: list[dict[str, int]] = self._gather_rank_info()
         logger.info(
             "loaded %s (%s) on %s in %s; KV cache %d tokens; attention backend %s on %d layers",
             model_path, self.model_config.architecture, self.device, self.dtype,
@@ -128,7 +157,7 @@ class ModelRunner:
             bytes_per_token=kv_cache_bytes_per_token(
                 config.num_kv_heads_per_rank(self.tp_size),
                 config.head_dim,
-                config.num_layers,
+                self.end_layer - self.start_layer,  # this stage's layers
                 self.dtype,
             ),
             context_len=config.context_len,
@@ -145,7 +174,7 @@ class ModelRunner:
             dtype=self.dtype,
             num_kv_heads=config.num_kv_heads_per_rank(self.tp_size),
             head_dim=config.head_dim,
-            num_layers=config.num_layers,
+            num_layers=self.end_layer - self.start_layer,
             device=self.device,
         )
 
@@ -166,18 +195,86 @@ class ModelRunner:
         )
         return ATTENTION_BACKENDS.get(name)(args)
 
+    def _gather_rank_info(self) -> list[dict[str, int]]:
+        pool = self.pools.token_to_kv_pool
+        mine = {
+            "pid": os.getpid(),
+            "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            "kv_cache_bytes": sum(b.numel() * b.element_size()
+                                  for b in (*pool.k_buffers, *pool.v_buffers)),
+        }
+        if self.parallel is None:
+            return [mine]
+        return self.parallel.control.all_gather_object(mine)
+
+    def ranks_info(self) -> dict[str, int]:
+        """Each rank's pid, parameter and KV cache bytes, as flat ``/get_server_info`` fields."""
+        info: dict[str, int] = {}
+        for rank, fields in enumerate(self.rank_info):
+            for key, value in fields.items():
+                info[f"{key}_rank_{rank}"] = value
+        return info
+
+    def _announces(self) -> bool:
+        """Whether this runner drives other ranks (it is global rank 0 of several)."""
+        return (self.parallel is not None and self.parallel.is_driver
+                and self.parallel.config.is_parallel)
+
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> LogitsOutput:
         """Run one step; the new tokens' keys and values land in the KV cache."""
+        if self._announces():
+            assert self.parallel is not None
+            announce_forward(self.parallel.control, batch,
+                             self.pools.req_to_token_pool.req_to_token)
         self.attn_backend.init_forward_metadata(batch)
         if not self.model_config.is_embedding:
-            logits = self.model(batch.input_ids, batch.positions, batch)
-            return LogitsOutput(next_token_logits=logits.float())
+            logits = self._logits(batch)
+            if logits is None:  # a pipeline stage that does not hold the result
+                return LogitsOutput(next_token_logits=None)
+            if batch.prompt_logprob_rows is None:
+                return LogitsOutput(next_token_logits=logits)
+            return LogitsOutput(next_token_logits=logits[:batch.batch_size],
+                                prompt_logits=logits[batch.batch_size:])
         if self.model_config.is_native_embedding:
             embeddings = self.model(batch.input_ids, batch.positions, batch)
         else:
             embeddings = self.model(batch.input_ids, batch.positions, batch, get_embedding=True)
         return LogitsOutput(next_token_logits=None, embeddings=embeddings.float())
+
+    def _logits(self, batch: ForwardBatch) -> torch.Tensor | None:
+        if self.pp_size == 1:
+            return self.model(batch.input_ids, batch.positions, batch).float()
+        return self._pipeline_logits(batch)
+
+    def _pipeline_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """This stage's part of the step; the logits on the first stage, else None.
+
+        Each stage receives the previous one's hidden states and residual and
+        sends its own to the next; the last stage's logits go back to the first,
+        whose Scheduler samples (only along tensor rank 0, the driver's).
+        """
+        assert self.parallel is not None
+        pp = self.parallel.pp
+        intermediate = None
+        if not pp.is_first:
+            shape = (batch.num_tokens, self.model_config.hidden_size)
+            intermediate = (pp.recv(shape, self.dtype, self.device, src=pp.rank - 1),
+                            pp.recv(shape, self.dtype, self.device, src=pp.rank - 1))
+        out = self.model(batch.input_ids, batch.positions, batch, intermediate=intermediate)
+        returns_logits = self.parallel.tp_rank == 0
+        if isinstance(out, tuple):
+            for tensor in out:
+                pp.send(tensor, dst=pp.rank + 1)
+            if not (pp.is_first and returns_logits):
+                return None
+            rows = batch.batch_size + (0 if batch.prompt_logprob_rows is None
+                                       else int(batch.prompt_logprob_rows.shape[0]))
+            return pp.recv((rows, self.model_config.vocab_size), torch.float32, self.device,
+                           src=pp.size - 1)
+        if returns_logits:
+            pp.send(out, dst=0)
+        return None
 
     def sample(
         self,
@@ -205,6 +302,9 @@ class ModelRunner:
         weights (RoPE, norms' epsilon, ...) stay those of the running model.
         Returns ``(success, message)``; on failure the old weights keep serving.
         """
+        if self._announces():
+            assert self.parallel is not None
+            announce_weight_update(self.parallel.control, model_path, load_format)
         try:
             check_load_format(load_format)
             new_config = ModelConfig.from_pretrained(

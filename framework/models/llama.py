@@ -10,6 +10,11 @@ L2-normalized hidden state.
 Model-class contract (shared with the other models): ``cls(config, dtype,
 device, *, tp_rank=0, tp_size=1)``, ``forward(input_ids, positions,
 forward_batch, get_embedding=False)`` and ``load_weights(weights)``.
+
+Pipeline parallelism (``pp_rank``, ``pp_size``): a stage builds and loads only
+its layers (the embedding on the first stage, the final norm and the head on
+the last); a stage but the last returns its ``(hidden, residual)`` for the
+next one, which passes them in as ``intermediate``.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from framework.distributed.config import stage_layers
 from framework.layers.activation import GatedActivation
 from framework.layers.attention.radix_attention import RadixAttention
 from framework.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -187,42 +193,69 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, the decoder layers and the final norm."""
+    """Embedding, the decoder layers and the final norm (of one pipeline stage: its share)."""
 
     def __init__(
-        self, config: Any, options: AttentionOptions, *, tp_rank: int, tp_size: int
+        self, config: Any, options: AttentionOptions, *, tp_rank: int, tp_size: int,
+        pp_rank: int = 0, pp_size: int = 1,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
-        )
+        self.is_first_stage = pp_rank == 0
+        self.is_last_stage = pp_rank == pp_size - 1
+        self.start_layer, self.end_layer = (0, config.num_hidden_layers) if pp_size == 1 \
+            else stage_layers(config.num_hidden_layers, pp_rank, pp_size)
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        if self.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
+            )
+        # Layers of other stages are empty placeholders, so that parameter names keep the
+        # checkpoint's layer numbers; a layer's KV lives in this stage's pool at its index
+        # among the stage's layers.
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, layer_id, options, tp_rank=tp_rank, tp_size=tp_size)
+            LlamaDecoderLayer(config, layer_id - self.start_layer, options, tp_rank=tp_rank,
+                              tp_size=tp_size)
+            if self.start_layer <= layer_id < self.end_layer else nn.Identity()
             for layer_id in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm: RMSNorm | None = None
+        if self.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def holds(self, name: str) -> bool:
+        """Whether the parameter ``name`` (relative to this module) belongs to this stage."""
+        head, _, rest = name.partition(".")
+        if head == "layers":
+            return self.start_layer <= int(rest.partition(".")[0]) < self.end_layer
+        if head == "embed_tokens":
+            return self.is_first_stage
+        return self.is_last_stage if head == "norm" else True
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        """Final hidden states ``[n, hidden]`` of the batch's new tokens."""
-        hidden_states = self.embed_tokens(input_ids)
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states ``[n, hidden]`` of the batch's new tokens.
+
+        A stage but the last returns ``(hidden, residual)`` after its layers; a
+        stage but the first starts from the previous one's (``intermediate``).
+        """
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        if intermediate is not None:
+            hidden_states, residual = intermediate
+        else:
+            assert self.embed_tokens is not None  # the first stage holds the embedding
+            hidden_states = self.embed_tokens(input_ids)
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        if not self.is_last_stage:
+            assert residual is not None  # every stage holds at least one layer
+            return hidden_states, residual
+        assert self.norm is not None
         if residual is None:  # a model without layers
             return self.norm(hidden_states)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
-
-
-def last_token_rows(forward_batch: ForwardBatch) -> torch.Tensor | None:
-    """Row of each request's last new token in the packed batch (``None``: every row)."""
-    if forward_batch.forward_mode.is_decode():
-        return None
-    if forward_batch.extend_seq_lens is None:
-        raise ValueError("an EXTEND batch needs extend_seq_lens")
-    return torch.cumsum(forward_batch.extend_seq_lens, dim=0) - 1
 
 
 class LlamaForCausalLM(nn.Module):
@@ -242,17 +275,23 @@ class LlamaForCausalLM(nn.Module):
         *,
         tp_rank: int = 0,
         tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
     ) -> None:
         super().__init__()
         self.config = config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         with torch.device(device), default_dtype(dtype):
             self.model = LlamaModel(
-                config, self.attention_options(config), tp_rank=tp_rank, tp_size=tp_size
+                config, self.attention_options(config), tp_rank=tp_rank, tp_size=tp_size,
+                pp_rank=pp_rank, pp_size=pp_size,
             )
-            if self.tie_word_embeddings:
-                self.lm_head: VocabParallelEmbedding = self.model.embed_tokens
-            else:
+            self.lm_head: VocabParallelEmbedding | None = None
+            if self.tie_word_embeddings and self.model.embed_tokens is not None:
+                self.lm_head = self.model.embed_tokens
+            elif self.model.is_last_stage:
+                # Tied on a last stage without the embedding: a head of its own, loaded
+                # from the embedding table.
                 self.lm_head = ParallelLMHead(
                     config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
                 )
@@ -263,18 +302,28 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         forward_batch: ForwardBatch,
         get_embedding: bool = False,
-    ) -> torch.Tensor:
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One row per request: float32 next-token logits ``[B, vocab]``.
 
-        With ``get_embedding``, the L2-normalized final hidden state of each
+        When the batch asks for prompt logprobs, the logits of its
+        ``prompt_logprob_rows`` follow (``[B + m, vocab]``). With
+        ``get_embedding``, the L2-normalized final hidden state of each
         request's last token ``[B, hidden]`` instead (last-token pooling).
+        A pipeline stage but the last returns ``(hidden, residual)`` instead.
         """
-        hidden_states = self.model(input_ids, positions, forward_batch)
-        rows = last_token_rows(forward_batch)
+        hidden_states = self.model(input_ids, positions, forward_batch, intermediate)
+        if isinstance(hidden_states, tuple):
+            return hidden_states
+        if get_embedding:
+            rows = forward_batch.last_token_rows()
+            if rows is not None:
+                hidden_states = hidden_states[rows]
+            return F.normalize(hidden_states.float(), p=2.0, dim=-1)
+        rows = forward_batch.logits_rows()
         if rows is not None:
             hidden_states = hidden_states[rows]
-        if get_embedding:
-            return F.normalize(hidden_states.float(), p=2.0, dim=-1)
+        assert self.lm_head is not None  # the last stage holds the head
         return self.lm_head.compute_logits(hidden_states).float()
 
     @torch.no_grad()
@@ -293,6 +342,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             param_name, shard_id = self._stacked_target(name)
             param = params.get(param_name)
+            if param is None and not self._held_by_this_stage(param_name):
+                continue  # another pipeline stage loads it
             if param is None:
                 raise ValueError(f"checkpoint weight {checkpoint_name!r} matches no parameter")
             loader = getattr(param, "weight_loader", default_weight_loader)
@@ -315,7 +366,15 @@ class LlamaForCausalLM(nn.Module):
             return None  # derived buffer some old checkpoints store
         if self.tie_word_embeddings and checkpoint_name == "lm_head.weight":
             return None  # tied: the head is the embedding table
+        if (self.tie_word_embeddings and checkpoint_name == "model.embed_tokens.weight"
+                and self.model.embed_tokens is None and self.lm_head is not None):
+            return "lm_head.weight"  # a last stage's own copy of the tied table
         return checkpoint_name
+
+    def _held_by_this_stage(self, name: str) -> bool:
+        if name.startswith("model."):
+            return self.model.holds(name.removeprefix("model."))
+        return self.lm_head is not None
 
     @staticmethod
     def _stacked_target(name: str) -> tuple[str, str | int | None]:

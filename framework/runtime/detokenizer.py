@@ -200,6 +200,9 @@ class Detokenizer:
             prompt_tokens=[c.prompt_tokens for c in kept],
             completion_tokens=batch.completion_tokens.tolist(),
             cached_tokens=[c.cached_tokens for c in kept],
+            queue_seconds=[c.queue_seconds for c in kept],
+            prompt_logprob_indices=batch.prompt_logprob_indices,
+            prompt_logprobs=batch.prompt_logprobs,
         )
         if batch.output_token_logprobs is not None:
             _copy_logprobs(batch, ids, out)
@@ -223,11 +226,16 @@ class Detokenizer:
     async def run(self, receiver: Receiver, sender: Sender) -> None:
         """Serve forever: receive from the Scheduler, send text to the TokenizerManager.
 
-        A frame that does not decode is logged and skipped; a closed channel
-        (``TransportError``) or cancellation ends the loop.
+        A frame that does not decode, or a message that cannot be handled, is logged
+        and skipped; a closed channel (``TransportError``) or cancellation ends the loop.
         """
         while True:
-            reply = self.handle_message(await receiver.recv_valid())
+            msg = await receiver.recv_valid()
+            try:
+                reply = self.handle_message(msg)
+            except Exception:  # a malformed message is dropped; the loop serves everyone
+                logger.exception("detokenizer dropped a malformed %s", type(msg).__name__)
+                continue
             if reply is not None:
                 await sender.send(reply)
 
@@ -267,7 +275,8 @@ def _check_layout(batch: BatchTokenIDOutput) -> None:
     if len(batch.completion_tokens) != size:
         problems.append(f"completion_tokens has {len(batch.completion_tokens)} entries")
     for indices, values in (("finished_indices", "finished_reasons"),
-                            ("new_indices", "new_constants")):
+                            ("new_indices", "new_constants"),
+                            ("prompt_logprob_indices", "prompt_logprobs")):
         index_list = getattr(batch, indices)
         if len(index_list) != len(getattr(batch, values)):
             problems.append(f"{indices} and {values} differ in length")

@@ -69,6 +69,9 @@ class Engine:
         if kwargs.get("launch_mode") == "thread":
             kwargs.setdefault("transport", "inproc")
         self.server_args = ServerArgs(model_path=model_path, **kwargs)
+        if self.server_args.node_rank > 0:
+            raise ValueError("node_rank above 0 runs scheduler ranks only: start that node "
+                             "with `framework serve`, and the Engine on node 0")
         # Checks the launch settings (a ValueError) before anything is made.
         self.components = ComponentTree(self.server_args)
         self.transport = self.components.transport
@@ -98,7 +101,7 @@ class Engine:
         args, components = self.server_args, self.components
         tokenizer = load_tokenizer(args.resolved_tokenizer_path(), args.chat_template)
         # The TokenizerManager binds its receivers before the components connect to them.
-        manager = components.classes.tokenizer_manager(args, components.port_args,
+        manager = components.classes.tokenizer_manager(args, components.tokenizer_port_args,
                                                        components.transport, tokenizer)
         self.tokenizer_manager = manager
         apply_scheduler_info(manager, components.start())
@@ -145,12 +148,16 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         stream: bool = False,
+        logprob_start_len: int = -1,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict back) or a list of prompts (a list back).
 
         Each result has ``text``, ``output_ids`` and ``meta_info`` (``prompt_tokens``,
         ``completion_tokens``, ``cached_tokens``, ``finish_reason``, logprobs when asked).
-        All prompts of one call run together in the continuous batch.
+        All prompts of one call run together in the continuous batch. With
+        ``return_logprob`` and ``logprob_start_len >= 0``, ``meta_info`` also has the
+        prompt's logprobs from that position on (``input_token_logprobs``, and
+        ``input_top_logprobs`` with ``top_logprobs_num``).
 
         With ``stream=True`` it returns an iterator of chunks as they are made: each
         chunk's ``text`` and ``output_ids`` are the *new* text and ids (so the chunks
@@ -160,8 +167,9 @@ class Engine:
         checked before this returns (a ``ValueError``); leaving the iteration early
         (``break``, ``close()``) aborts the requests and frees their KV slots.
         """
-        prepared, single = self._run(self._prepare(prompt, sampling_params, input_ids,
-                                                   return_logprob, top_logprobs_num, stream))
+        prepared, single = self._run(self._prepare(
+            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream,
+            logprob_start_len))
         if stream:
             return self._sync_stream(self._stream(prepared, single))
         results = self._run(gather_or_cancel([self._manager.generate_one(p) for p in prepared]))
@@ -175,6 +183,7 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         stream: bool = False,
+        logprob_start_len: int = -1,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """``generate`` for code in an event loop: same arguments, same results, awaited.
 
@@ -184,9 +193,9 @@ class Engine:
         ``contextlib.aclosing``) aborts the requests and frees their KV slots.
         Cancelling the awaiting task aborts the requests too.
         """
-        prepared, single = await self._arun(self._prepare(prompt, sampling_params, input_ids,
-                                                          return_logprob, top_logprobs_num,
-                                                          stream))
+        prepared, single = await self._arun(self._prepare(
+            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream,
+            logprob_start_len))
         if stream:
             return self._async_stream(self._stream(prepared, single))
         results = await self._arun(
@@ -324,12 +333,14 @@ class Engine:
         return_logprob: bool,
         top_logprobs_num: int,
         stream: bool,
+        logprob_start_len: int,
     ) -> tuple[list[PreparedRequest], bool]:
         """Check and tokenize every request before any is sent (the HTTP layer's checks)."""
         single, requests = self._requests(prompt, input_ids, sampling_params)
         for req in requests:
             req.return_logprob = return_logprob
             req.top_logprobs_num = top_logprobs_num
+            req.logprob_start_len = logprob_start_len
             req.stream = stream
         manager = self._manager
         return await gather_or_cancel([manager.prepare(r) for r in requests]), single

@@ -20,10 +20,15 @@ and the parent learns of a dead child through its process sentinel. With
 ``--launch-mode thread`` (for tests and debugging) they are daemon threads of
 the calling process, which the ``inproc`` transport needs.
 
+With ``--dp-size N`` there are N replicas, each with its own scheduler
+rank(s), its own Detokenizer and its own channels (one ``PortArgs`` per
+replica, see ``framework/runtime/data_parallel.py``); they are named
+"scheduler replica k" and "detokenizer replica k" in logs and errors.
+
 Each scheduler rank runs torch on ``--torch-threads`` threads, by default
-``max(1, (usable cores - 1) // ranks)``: one core is left to the HTTP
-process and the Detokenizer, which use one torch thread each, so that the
-processes of one machine do not oversubscribe its cores.
+``max(1, (usable cores - 1) // (ranks × replicas))``: one core is left to the
+HTTP process and the Detokenizers, which use one torch thread each, so that
+the processes of one machine do not oversubscribe its cores.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, NoReturn
 
 from framework.config import PortArgs, ServerArgs
+from framework.distributed.config import ParallelConfig
 from framework.registry import create_transport, import_dotted
 
 logger = logging.getLogger("framework.launch")
@@ -93,9 +99,12 @@ class ComponentSpec:
     """One component to start: its kind, its rank among the components of that kind, its name."""
 
     kind: str  # "scheduler" or "detokenizer"
-    name: str  # in messages and logs: "scheduler", "scheduler rank 1", "detokenizer"
+    # In messages and logs: "scheduler", "scheduler rank 1", "detokenizer",
+    # "scheduler replica 1", "detokenizer replica 1"
+    name: str
     rank: int
     torch_threads: int
+    replica: int = 0  # which data-parallel replica (whose channels) it belongs to
 
 
 def usable_cores() -> int:
@@ -118,28 +127,35 @@ def torch_threads_per_rank(cores: int, num_ranks: int) -> int:
 
 
 def num_scheduler_ranks(server_args: ServerArgs) -> int:
-    """How many scheduler processes to start.
-
-    Tensor and pipeline parallelism will run one per TP×PP rank; until the
-    Scheduler takes a rank, one process serves the whole model.
-    """
-    return 1
+    """How many scheduler processes this node starts: its share of the TP×PP ranks."""
+    return ParallelConfig.from_server_args(server_args).ranks_per_node
 
 
 def plan_components(server_args: ServerArgs, num_ranks: int | None = None,
                     cores: int | None = None) -> list[ComponentSpec]:
-    """The components to start: every scheduler rank, then the Detokenizer."""
+    """The components to start: for each replica, every scheduler rank, then its Detokenizer."""
     ranks = num_scheduler_ranks(server_args) if num_ranks is None else num_ranks
+    replicas = server_args.dp_size
     threads = server_args.torch_threads
     if threads is None:
-        threads = torch_threads_per_rank(usable_cores() if cores is None else cores, ranks)
-    schedulers = [
-        ComponentSpec("scheduler", "scheduler" if ranks == 1 else f"scheduler rank {rank}",
-                      rank, threads)
-        for rank in range(ranks)
-    ]
-    # The Detokenizer does no heavy torch work: one thread keeps it off the schedulers' cores.
-    return [*schedulers, ComponentSpec("detokenizer", "detokenizer", 0, 1)]
+        threads = torch_threads_per_rank(usable_cores() if cores is None else cores,
+                                         ranks * replicas)
+    specs = []
+    # Ranks are global: node k runs the k-th run of ``ranks`` consecutive ones.
+    first = server_args.node_rank * ranks
+    for replica in range(replicas):
+        suffix = "" if replicas == 1 else f" replica {replica}"
+        specs += [
+            ComponentSpec("scheduler", f"scheduler{suffix}" if ranks == server_args.nnodes == 1
+                          else f"scheduler{suffix} rank {rank}", rank, threads, replica)
+            for rank in range(first, first + ranks)
+        ]
+        if server_args.node_rank > 0:
+            continue  # only node 0 turns token ids into text
+        # A Detokenizer does no heavy torch work: one thread keeps it off the schedulers'
+        # cores.
+        specs.append(ComponentSpec("detokenizer", f"detokenizer{suffix}", 0, 1, replica))
+    return specs
 
 
 def check_launch_args(server_args: ServerArgs) -> None:
@@ -149,6 +165,29 @@ def check_launch_args(server_args: ServerArgs) -> None:
                          f"got {server_args.launch_mode!r}")
     if server_args.torch_threads is not None and server_args.torch_threads < 1:
         raise ValueError(f"torch_threads must be at least 1, got {server_args.torch_threads}")
+    if server_args.dp_size < 1:
+        raise ValueError(f"dp_size must be at least 1, got {server_args.dp_size}")
+    _check_parallel_args(server_args)
+    if server_args.max_queued_requests is not None and server_args.max_queued_requests < 0:
+        raise ValueError(f"max_queued_requests must be at least 0, "
+                         f"got {server_args.max_queued_requests}")
+    # Imported here: a child imports this module before it sets its thread counts, and the
+    # router's messages bring numpy.
+    from framework.runtime.data_parallel import make_load_balancer
+
+    make_load_balancer(server_args.load_balance_method)  # a ValueError naming the field
+
+
+def _check_parallel_args(server_args: ServerArgs) -> None:
+    parallel = ParallelConfig.from_server_args(server_args)
+    parallel.check()
+    if not parallel.is_parallel:
+        return
+    if server_args.launch_mode != "process":
+        raise ValueError("tp_size or pp_size above 1 needs launch_mode 'process': each rank "
+                         "is a process of its own")
+    if server_args.dp_size > 1:
+        raise ValueError("dp_size above 1 cannot be combined with tp_size or pp_size above 1")
 
 
 def _check_crosses_processes(transport: Any, name: str) -> None:
@@ -198,6 +237,44 @@ def apply_scheduler_info(manager: Any, info: Mapping[str, Any]) -> None:
     manager.vocab_size = info["vocab_size"]
 
 
+class _StopRequested(Exception):
+    """SIGINT or SIGTERM reached a node that runs scheduler ranks only."""
+
+
+def run_ranks_only(server_args: ServerArgs) -> int:
+    """Run this node's scheduler ranks (``--node-rank`` above 0) until stopped or one ends.
+
+    A node other than 0 serves no HTTP and runs no TokenizerManager or
+    Detokenizer: its ranks follow the steps of rank 0, on node 0. Returns 0
+    after SIGINT or SIGTERM, 1 when a rank ended (node 0's going down ends them).
+    """
+    set_torch_threads(1, own_process=True, needs_torch=False)
+    tree = ComponentTree(server_args)
+    signals = (signal.SIGINT, signal.SIGTERM)
+
+    def request_stop(*_: Any) -> None:
+        for sig in signals:  # once: a second signal must not interrupt the stopping
+            signal.signal(sig, signal.SIG_IGN)
+        raise _StopRequested
+
+    for sig in signals:
+        signal.signal(sig, request_stop)
+    reason: str | None = None
+    try:
+        tree.start()
+        logger.info("node %d: scheduler ranks %s are following node 0", server_args.node_rank,
+                    ", ".join(str(spec.rank) for spec in tree.specs))
+        reason = tree.wait_for_death()
+    except _StopRequested:
+        pass
+    finally:
+        tree.stop()
+    if reason is None:
+        return 0
+    logger.error("%s; shutting down", reason)
+    return 1
+
+
 # --------------------------------------------------------------------------- components
 
 
@@ -209,6 +286,9 @@ class RunningComponent:
     run: Callable[[], None]
     stop: Callable[[], None]  # thread-safe, and safe in a signal handler
     close: Callable[[], None]
+    # A rank that follows rank 0 waits inside collectives, where no Python signal handler
+    # runs: SIGTERM ends its process at once (it holds no sockets or files to clean up).
+    exit_on_sigterm: bool = False
 
 
 def build_component(spec: ComponentSpec, server_args: ServerArgs, port_args: PortArgs,
@@ -226,9 +306,16 @@ def build_component(spec: ComponentSpec, server_args: ServerArgs, port_args: Por
 
 def _build_scheduler(cls: type, spec: ComponentSpec, server_args: ServerArgs,
                      port_args: PortArgs, transport: Any) -> RunningComponent:
+    parallel = ParallelConfig.from_server_args(server_args)
+    if parallel.is_parallel:
+        return _build_parallel_rank(cls, spec, parallel, server_args, port_args, transport)
+    scheduler = cls(server_args, port_args, transport)
+    return _scheduler_component(scheduler, spec)
+
+
+def _scheduler_component(scheduler: Any, spec: ComponentSpec) -> RunningComponent:
     import torch
 
-    scheduler = cls(server_args, port_args, transport)
     info = {
         "context_len": scheduler.context_len,
         "is_embedding": scheduler.model_config.is_embedding,
@@ -238,6 +325,55 @@ def _build_scheduler(cls: type, spec: ComponentSpec, server_args: ServerArgs,
         "torch_threads": torch.get_num_threads(),
     }
     return RunningComponent(info, scheduler.event_loop, scheduler.stop, scheduler.close)
+
+
+def _build_parallel_rank(cls: type, spec: ComponentSpec, parallel: ParallelConfig,
+                         server_args: ServerArgs, port_args: PortArgs,
+                         transport: Any) -> RunningComponent:
+    """Join the other ranks; global rank 0 runs the Scheduler, the others follow its steps."""
+    import torch
+
+    from framework.distributed.parallel_state import (
+        destroy_parallel,
+        init_parallel,
+        start_heartbeat,
+    )
+    from framework.distributed.step_sync import Follower
+    from framework.model_executor.model_runner import ModelRunner, resolve_device
+
+    local_index = spec.rank - parallel.local_ranks().start  # the GPU of this rank on its node
+    device = resolve_device(server_args.device, local_index)
+    if device.type == "cuda" and torch.cuda.device_count() < parallel.ranks_per_node:
+        # NCCL refuses two ranks on one GPU.
+        raise ValueError(f"{parallel.ranks_per_node} scheduler ranks per node need as many "
+                         f"GPUs; this node has {torch.cuda.device_count()}")
+    context = init_parallel(parallel, spec.rank, device)
+    runner = ModelRunner(server_args, server_args.resolved_model_path(), parallel=context)
+    if context.heartbeat is not None:
+        start_heartbeat(context.heartbeat, _exit_on_lost_rank)
+    if context.is_driver:
+        scheduler = cls(server_args, port_args, transport, model_runner=runner)
+        component = _scheduler_component(scheduler, spec)
+        close = component.close
+
+        def close_all() -> None:
+            close()
+            destroy_parallel()
+
+        component.close = close_all
+        return component
+    follower = Follower(context.control, runner, runner.pools.req_to_token_pool.req_to_token)
+    info = {"rank": spec.rank, "pid": os.getpid(), "torch_threads": torch.get_num_threads()}
+    return RunningComponent(info, follower.run, lambda: None, destroy_parallel,
+                            exit_on_sigterm=True)
+
+
+def _exit_on_lost_rank(reason: str) -> NoReturn:
+    # Called from the heartbeat thread: the whole process goes, so that this node's
+    # launcher sees it and takes the rest down.
+    logger.error("%s; exiting", reason)
+    logging.shutdown()
+    os._exit(1)
 
 
 def _start_failure_message(name: str, exc: Exception) -> str:
@@ -296,7 +432,10 @@ def run_component_process(spec: ComponentSpec, server_args: ServerArgs, port_arg
         component = build_component(spec, server_args, port_args, transport)
     except Exception as exc:
         _report_start_failure(ready, spec.name, exc)
-    signal.signal(signal.SIGTERM, lambda *_: component.stop())
+    if component.exit_on_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: component.stop())
     ready.send(("ready", component.info))
     try:
         component.run()
@@ -476,10 +615,21 @@ class ComponentTree:
         if server_args.launch_mode == "process":
             _check_crosses_processes(self.transport, server_args.transport)
         self.specs = plan_components(server_args, num_ranks)
-        self.port_args = PortArgs.create(self.transport,
-                                         tcp_host="127.0.0.1" if server_args.use_tcp else None)
+        if ParallelConfig.from_server_args(server_args).is_parallel \
+                and server_args.dist_init_addr is None:
+            # One node: the ranks meet on a port of the loopback interface.
+            from framework.comm.zmq import free_tcp_port
+
+            server_args = server_args.replace(dist_init_addr=f"127.0.0.1:{free_tcp_port()}")
+            self.server_args = server_args
+        tcp_host = "127.0.0.1" if server_args.use_tcp else None
+        # Each replica has channels of its own: no address has two senders.
+        self.replica_port_args = [PortArgs.create(self.transport, tcp_host=tcp_host)
+                                  for _ in range(server_args.dp_size)]
+        self.port_args = self.replica_port_args[0]
         self.handles: list[_ProcessHandle | _ThreadHandle] = []
-        self.scheduler_infos: dict[int, dict[str, Any]] = {}
+        # Each scheduler's ready message, by (replica, rank).
+        self.scheduler_infos: dict[tuple[int, int], dict[str, Any]] = {}
         self._wake_reader, self._wake_writer = mp.Pipe(duplex=False)
         self._stop_lock = threading.Lock()
         self._stopping = False  # set first, so that wait_for_death reads a stop as no death
@@ -488,7 +638,12 @@ class ComponentTree:
     @property
     def scheduler_info(self) -> dict[str, Any]:
         """Scheduler rank 0's ready message: ``context_len``, ``is_embedding``, ``vocab_size``."""
-        return self.scheduler_infos.get(0, {})
+        return self.scheduler_infos.get((0, 0), {})
+
+    @property
+    def tokenizer_port_args(self) -> PortArgs | list[PortArgs]:
+        """What the TokenizerManager is built on: the channels, or each replica's."""
+        return self.port_args if len(self.replica_port_args) == 1 else self.replica_port_args
 
     def start(self) -> dict[str, Any]:
         """Start every component and wait until all are ready; return rank 0's ready message.
@@ -496,12 +651,14 @@ class ComponentTree:
         Raises ``ComponentError`` naming the first component that failed, after
         stopping the others.
         """
-        args = (self.server_args, self.port_args, self.transport)
+        def args(spec: ComponentSpec) -> tuple[Any, ...]:
+            return self.server_args, self.replica_port_args[spec.replica], self.transport
+
         if self.server_args.launch_mode == "process":
             ctx = mp.get_context("spawn")
-            self.handles = [_ProcessHandle(ctx, spec, args) for spec in self.specs]
+            self.handles = [_ProcessHandle(ctx, spec, args(spec)) for spec in self.specs]
         else:
-            self.handles = [_ThreadHandle(spec, args) for spec in self.specs]
+            self.handles = [_ThreadHandle(spec, args(spec)) for spec in self.specs]
         try:
             for handle in self.handles:
                 handle.start()
@@ -539,7 +696,7 @@ class ComponentTree:
         if status != "ready":
             raise ComponentError(f"the {handle.spec.name} failed to start: {payload}")
         if handle.spec.kind == "scheduler":
-            self.scheduler_infos[handle.spec.rank] = payload
+            self.scheduler_infos[handle.spec.replica, handle.spec.rank] = payload
         return True
 
     def wait_for_death(self) -> str | None:
@@ -574,4 +731,5 @@ class ComponentTree:
                     handle.force_stop()
             for handle in self.handles:
                 handle.close()
-            self.port_args.cleanup()
+            for port_args in self.replica_port_args:
+                port_args.cleanup()

@@ -17,11 +17,10 @@ What one request records (the rules the docs and tests rely on):
 - ``time_per_output_token_seconds``: once per request with tokens after its
   first output: (last output − first output) / those tokens.
 - ``e2e_request_latency_seconds``: arrival → end, once per request.
-- ``queue_time_seconds``: the Scheduler does not report admission times, so
-  this is an estimate: TTFT minus the request's time per output token (one
-  decode step stands for its prefill step), or the whole TTFT for a request
-  with one output; an upper bound on the time it waited. Once per request that
-  got an output.
+- ``queue_time_seconds``: measured by the Scheduler, from taking the request in
+  to its first admission into a prefill batch, and sent with its first output;
+  once per generation request that got an output (embedding requests are not
+  counted).
 - Counters: generation tokens as they arrive; prompt and cached tokens and the
   request (by finish reason) when it ends. A request whose caller left before
   its end counts as ``abort``.
@@ -60,6 +59,7 @@ class _Timing:
     first_tokens: int = 0  # tokens of the first output
     completion_tokens: int = 0
     cached_tokens: int = 0
+    queue_seconds: float | None = None  # as the Scheduler measured it
 
 
 class RequestMetrics:
@@ -124,6 +124,16 @@ class RequestMetrics:
         self.gen_throughput = Gauge(PREFIX + "gen_throughput",
                                     "Generated tokens per second in the last report window",
                                     registry=reg)
+        # With --dp-size above 1 the gauges above sum the replicas; these show each one.
+        self.replica_running_reqs = Gauge(PREFIX + "replica_num_running_reqs",
+                                          "Requests in one replica's running batch",
+                                          ["replica"], registry=reg)
+        self.replica_queue_reqs = Gauge(PREFIX + "replica_num_queue_reqs",
+                                        "Requests waiting for admission in one replica",
+                                        ["replica"], registry=reg)
+        self.replica_token_usage = Gauge(PREFIX + "replica_token_usage",
+                                         "Used over total KV cache slots of one replica",
+                                         ["replica"], registry=reg)
 
     # ------------------------------------------------------------------ recording
 
@@ -132,11 +142,17 @@ class RequestMetrics:
         self._open[rid] = _Timing(arrival=self.clock(), prompt_tokens=prompt_tokens)
 
     def output(self, rid: str, completion_tokens: int, cached_tokens: int,
-               finish_reason: str | None) -> None:
-        """An output of ``rid`` arrived: its token counts so far and its finish reason, if any."""
+               finish_reason: str | None, queue_seconds: float | None = None) -> None:
+        """An output of ``rid`` arrived: its token counts so far and its finish reason, if any.
+
+        ``queue_seconds`` is the Scheduler's measure of the request's wait, with its
+        first output (None where there is none, e.g. embeddings).
+        """
         timing = self._open.get(rid)
         if timing is None:
             return  # not started here (or already ended): nothing to measure against
+        if timing.queue_seconds is None:
+            timing.queue_seconds = queue_seconds
         now = self.clock()
         new_tokens = max(completion_tokens - timing.completion_tokens, 0)
         self.generation_tokens.inc(new_tokens)
@@ -169,11 +185,10 @@ class RequestMetrics:
         if timing.first_output is None or timing.last_output is None:
             return
         later_tokens = timing.completion_tokens - timing.first_tokens
-        per_token = 0.0
         if later_tokens > 0:
-            per_token = (timing.last_output - timing.first_output) / later_tokens
-            self.tpot.observe(per_token)
-        self.queue_time.observe(max(timing.first_output - timing.arrival - per_token, 0.0))
+            self.tpot.observe((timing.last_output - timing.first_output) / later_tokens)
+        if timing.queue_seconds is not None:
+            self.queue_time.observe(timing.queue_seconds)
 
     def scheduler_metrics(self, metrics: SchedulerMetrics) -> None:
         """Copy the Scheduler's load report into the gauges."""
@@ -182,6 +197,13 @@ class RequestMetrics:
         self.token_usage.set(metrics.token_usage)
         self.cache_hit_rate.set(metrics.cache_hit_rate)
         self.gen_throughput.set(metrics.gen_throughput)
+
+    def replica_metrics(self, index: int, metrics: SchedulerMetrics) -> None:
+        """Copy data-parallel replica ``index``'s own load report into its labelled gauges."""
+        replica = str(index)
+        self.replica_running_reqs.labels(replica).set(metrics.num_running_reqs)
+        self.replica_queue_reqs.labels(replica).set(metrics.num_waiting_reqs)
+        self.replica_token_usage.labels(replica).set(metrics.token_usage)
 
     def render(self) -> bytes:
         """Every metric in Prometheus' text format."""
@@ -197,13 +219,16 @@ class NoMetrics:
         """Nothing to record."""
 
     def output(self, rid: str, completion_tokens: int, cached_tokens: int,
-               finish_reason: str | None) -> None:
+               finish_reason: str | None, queue_seconds: float | None = None) -> None:
         """Nothing to record."""
 
     def request_released(self, rid: str) -> None:
         """Nothing to record."""
 
     def scheduler_metrics(self, metrics: SchedulerMetrics) -> None:
+        """Nothing to record."""
+
+    def replica_metrics(self, index: int, metrics: SchedulerMetrics) -> None:
         """Nothing to record."""
 
 

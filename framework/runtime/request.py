@@ -30,6 +30,8 @@ class Req:
     is_embedding: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    #: First prompt position whose logprob is returned (-1: the prompt's are not).
+    logprob_start_len: int = -1
     stream_interval: int = 2
 
     output_ids: list[int] = field(default_factory=list)
@@ -40,16 +42,27 @@ class Req:
     #: Prompt tokens found in the prefix cache when the request was first admitted.
     cached_tokens: int = 0
     admitted: bool = False
+    #: When the Scheduler took the request in (``time.monotonic()``), and how long it
+    #: then waited for its first admission.
+    queued_at: float = 0.0
+    queue_seconds: float = 0.0
     #: Finds stop strings in the decoded output; made on the first check that needs it.
     stop_matcher: Any = None
     #: The penalties' view of the tokens, updated as tokens come (``PenaltyHistory``).
     penalty_history: Any = None
+    #: The structured-output matcher (``GrammarMatcher``), given when its grammar is
+    #: compiled; kept through retraction, dropped when the request ends.
+    grammar: Any = None
     finished_reason: FinishReason | None = None
     #: ``output_ids[:sent_len]`` have been sent to the Detokenizer already.
     sent_len: int = 0
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs_val: list[list[float]] = field(default_factory=list)
     output_top_logprobs_idx: list[list[int]] = field(default_factory=list)
+    #: Logprobs of the prompt's tokens computed so far, from ``prompt_logprob_first``.
+    input_logprobs: list[float] = field(default_factory=list)
+    input_top_logprobs_val: list[list[float]] = field(default_factory=list)
+    input_top_logprobs_idx: list[list[int]] = field(default_factory=list)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -65,6 +78,33 @@ class Req:
     def extend_remaining(self) -> int:
         """Tokens still to prefill before the next token can be sampled."""
         return self.seq_len - self.kv_len
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether the prompt's own logprobs are returned."""
+        return self.return_logprob and self.logprob_start_len >= 0
+
+    @property
+    def prompt_logprob_first(self) -> int:
+        """The first prompt position with a logprob (position 0 has nothing before it)."""
+        return max(self.logprob_start_len, 1)
+
+    def prompt_logprobs_todo(self) -> range:
+        """Prompt positions whose logprobs are still to compute (empty when not asked)."""
+        if not self.wants_prompt_logprobs:
+            return range(0)
+        return range(self.prompt_logprob_first + len(self.input_logprobs),
+                     len(self.origin_input_ids))
+
+    def prefix_limit(self) -> int:
+        """The most leading tokens that may come from the prefix cache.
+
+        All but the last (its logits give the next token); and a prompt position
+        whose logprob is still to compute needs the logits of the position before
+        it, so that one must be computed, not reused.
+        """
+        todo = self.prompt_logprobs_todo()
+        return min(self.seq_len - 1, todo.start - 1) if todo else self.seq_len - 1
 
     @property
     def finished(self) -> bool:

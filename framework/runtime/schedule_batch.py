@@ -27,6 +27,33 @@ class ScheduledBatch:
         """New tokens of the whole step."""
         return sum(self.extend_lens)
 
+    def prompt_logprob_spans(self) -> list[range]:
+        """Per request, the prompt positions whose logprobs this step computes.
+
+        The logprob of position ``p`` comes from the logits at ``p - 1``, so a step
+        that computes positions ``[kv_len, kv_len + n)`` gives positions up to
+        ``kv_len + n``. ``Req.prefix_limit`` keeps the first one missing in reach.
+        """
+        if not self.mode.is_extend():
+            return [range(0)] * len(self.reqs)
+        spans = []
+        for req, n in zip(self.reqs, self.extend_lens):
+            todo = req.prompt_logprobs_todo()
+            if todo and todo.start <= req.kv_len:
+                raise RuntimeError(f"the logprob of prompt position {todo.start} needs the "
+                                   f"logits at {todo.start - 1}, which are not recomputed")
+            spans.append(range(todo.start, min(todo.stop, req.kv_len + n + 1)))
+        return spans
+
+    def prompt_logprob_rows(self) -> list[int]:
+        """Packed rows whose logits give the positions of ``prompt_logprob_spans``."""
+        rows: list[int] = []
+        offset = 0
+        for req, n, span in zip(self.reqs, self.extend_lens, self.prompt_logprob_spans()):
+            rows.extend(offset + p - 1 - req.kv_len for p in span)
+            offset += n
+        return rows
+
     def to_forward_batch(
         self, req_to_token: torch.Tensor, out_cache_loc: torch.Tensor, device: torch.device
     ) -> ForwardBatch:
@@ -54,6 +81,7 @@ class ScheduledBatch:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
         rows = [r.req_pool_idx for r in self.reqs]
+        logprob_rows = self.prompt_logprob_rows() if extend else []
 
         return ForwardBatch(
             forward_mode=self.mode,
@@ -69,4 +97,5 @@ class ScheduledBatch:
             extend_prefix_lens_cpu=prefix_lens if extend else None,
             extend_seq_lens_cpu=list(self.extend_lens) if extend else None,
             req_pool_indices_cpu=rows,
+            prompt_logprob_rows=tensor(logprob_rows) if logprob_rows else None,
         )

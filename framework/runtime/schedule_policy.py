@@ -14,6 +14,7 @@ of the Scheduler.
 from __future__ import annotations
 
 import enum
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -65,11 +66,8 @@ class SchedulePolicy:
 
 
 def admission_key(req: Req) -> list[int]:
-    """The tokens whose cached prefix a request may reuse: all but the last.
-
-    The last token is always computed, since its logits give the next token.
-    """
-    return req.fill_ids[: req.seq_len - 1]
+    """The tokens whose cached prefix a request may reuse (``Req.prefix_limit``)."""
+    return req.fill_ids[: req.prefix_limit()]
 
 
 class PrefillAdder:
@@ -144,6 +142,7 @@ class PrefillAdder:
         if not req.admitted:
             req.admitted = True
             req.cached_tokens = prefix_len
+            req.queue_seconds = time.monotonic() - req.queued_at
         self._take(req, chunk)
         return Admission.ADDED
 

@@ -33,6 +33,7 @@ import torch
 
 from framework.comm.transport import Receiver, RpcServer, Sender, Transport
 from framework.config import PortArgs, ServerArgs
+from framework.constrained.manager import GrammarManager
 from framework.forward_batch import ForwardBatch, ForwardMode
 from framework.mem_cache.prefix_cache import ChunkCache, PrefixCache
 from framework.messages import (
@@ -50,6 +51,7 @@ from framework.messages import (
     UpdateWeightsFromDiskReqOutput,
 )
 from framework.registry import create_codec
+from framework.runtime.heap import HeapTrimmer
 from framework.runtime.request import Req
 from framework.runtime.schedule_batch import ScheduledBatch
 from framework.runtime.schedule_policy import (
@@ -69,6 +71,8 @@ from framework.sampling_params import SamplingParams
 logger = logging.getLogger("framework.scheduler")
 
 _IDLE_WAIT_S = 0.05
+# With nothing to run but grammars compiling, wait this long on them before polling again.
+_GRAMMAR_WAIT_S = 0.01
 _METRICS_INTERVAL_S = 1.0
 _EMBEDDING_PARAMS = SamplingParams(max_new_tokens=0)
 
@@ -83,6 +87,17 @@ class StepResult:
     logprobs: list[float] | None = None
     top_logprobs_val: list[list[float]] | None = None
     top_logprobs_idx: list[list[int]] | None = None
+    #: Per request of the batch: logprobs of the prompt positions the step computed.
+    prompt_logprobs: list[PromptLogprobChunk] | None = None
+
+
+@dataclass
+class PromptLogprobChunk:
+    """The logprobs of some prompt positions of one request, with their top alternatives."""
+
+    values: list[float]
+    top_values: list[list[float]]
+    top_ids: list[list[int]]
 
 
 class Scheduler:
@@ -109,6 +124,8 @@ class Scheduler:
         self.tokenizer = self._load_tokenizer()
         self.context_len = self.model_config.context_len
         self.eos_token_ids: set[int] = set(self.model_config.eos_token_ids)
+        self.grammars = GrammarManager(server_args.grammar_backend, self.tokenizer,
+                                       self.model_config.vocab_size, sorted(self.eos_token_ids))
 
         codec = server_args.codec
         self.recv_from_tokenizer: Receiver = transport.receiver(
@@ -126,6 +143,7 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self._stop = threading.Event()
         self.stats = SchedulerStats()
+        self.heap_trimmer = HeapTrimmer()
         self.steps = {mode.name.lower(): 0 for mode in ForwardMode}
 
     def build_prefix_cache(self) -> PrefixCache:
@@ -156,13 +174,19 @@ class Scheduler:
         """One scheduling step; returns whether there was any work."""
         started = time.perf_counter()
         for msg in self.recv_from_tokenizer.drain():
-            self.handle_request(msg)
+            try:
+                self.handle_request(msg)
+            except Exception:  # a malformed message is dropped; the loop serves everyone
+                logger.exception("scheduler dropped a malformed %s", type(msg).__name__)
         self.handle_rpc()
         batch = self.get_next_batch_to_run()
         if batch is not None:
             self.run_batch(batch)
             self.stats.step_seconds += time.perf_counter() - started
+        elif self.grammars.compiling():
+            self.grammars.wait(_GRAMMAR_WAIT_S)  # rather than spinning until one is ready
         self.maybe_send_metrics()
+        self.heap_trimmer.maybe_trim()
         return batch is not None or bool(self.waiting)
 
     def close(self) -> None:
@@ -170,6 +194,7 @@ class Scheduler:
         for end in (self.recv_from_tokenizer, self.rpc_server, self.send_to_detokenizer,
                     self.send_to_tokenizer, self.send_metrics):
             end.close()
+        self.grammars.close()
 
     # ------------------------------------------------------------------ input
 
@@ -191,7 +216,7 @@ class Scheduler:
         req = Req(
             rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=params,
             stream=msg.stream, return_logprob=msg.return_logprob,
-            top_logprobs_num=msg.top_logprobs_num,
+            top_logprobs_num=msg.top_logprobs_num, logprob_start_len=msg.logprob_start_len,
             stream_interval=params.stream_interval or self.server_args.stream_interval,
         )
         room = self.capacity - len(req.origin_input_ids)
@@ -200,6 +225,7 @@ class Scheduler:
             # KV cache can hold for a request alone).
             params.max_new_tokens = max(room, 0)
             params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
+        self.grammars.prefetch(params)  # compiles while the request waits
         self.add_request(req)
 
     @property
@@ -214,6 +240,7 @@ class Scheduler:
             req.finished_reason = FinishReason("abort", message=problem)
             self.send_outputs([req])
             return
+        req.queued_at = time.monotonic()
         self.waiting.append(req)
 
     def validate(self, req: Req) -> str | None:
@@ -235,6 +262,8 @@ class Scheduler:
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in req.origin_input_ids):
             return f"token ids must be in [0, {vocab})"
+        if req.logprob_start_len >= n:
+            return f"logprob_start_len must be below the prompt's length {n}"
         return None
 
     def abort(self, msg: AbortReq) -> None:
@@ -306,8 +335,17 @@ class Scheduler:
                                               num_paused_requests=paused)
 
     def get_info(self) -> dict[str, str | int | float | bool | None]:
-        """State for ``/get_server_info`` and for KV-leak checks."""
+        """State for ``/get_server_info`` and for KV-leak checks.
+
+        With a runner that reports them (``ranks_info``), each rank's pid and bytes of
+        parameters and of KV cache too: ``pid_rank_K``, ``param_bytes_rank_K``,
+        ``kv_cache_bytes_rank_K``.
+        """
+        ranks_info = getattr(self.model_runner, "ranks_info", dict)
         return {
+            **ranks_info(),
+            "tp_size": self.server_args.tp_size,
+            "pp_size": self.server_args.pp_size,
             "pid": os.getpid(),
             "scheduler_class": f"{type(self).__module__}.{type(self).__qualname__}",
             "aborted_requests": self.stats.aborted_requests,
@@ -337,6 +375,7 @@ class Scheduler:
             "attention_backend": self.server_args.attention_backend,
             "device": str(self.model_runner.device),
             "dtype": str(self.model_runner.dtype).removeprefix("torch."),
+            "torch_threads": torch.get_num_threads(),
         }
 
     def memory_is_free(self) -> bool:
@@ -378,6 +417,10 @@ class Scheduler:
         deferred: list[Req] = []
         while self.waiting:
             req = self.waiting.popleft()
+            if not self.grammar_ready(req):
+                if not req.finished:
+                    deferred.append(req)  # its grammar is compiling; the others go on
+                continue
             first = not req.admitted
             admission = adder.add(req)
             if admission is Admission.FULL:
@@ -390,6 +433,14 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         self.chunked_req = adder.chunked
         return adder.batch()
+
+    def grammar_ready(self, req: Req) -> bool:
+        """Whether ``req``'s grammar (if any) is compiled; one that fails to compile ends it."""
+        try:
+            return self.grammars.ready(req)
+        except Exception as exc:  # the edge validates first; this is the last line
+            self.end_request(req, FinishReason("abort", message=str(exc)))
+            return False
 
     def make_room_for_decode(self) -> None:
         """Retract requests, least progress first, until every running one gets a KV slot.
@@ -462,6 +513,8 @@ class Scheduler:
             result = StepResult(sampled=sampled)
             if sampled:
                 self.sample(batch, output.next_token_logits, result)
+            if output.prompt_logits is not None:
+                result.prompt_logprobs = self.prompt_logprobs(batch, output.prompt_logits)
             return result
         except BaseException:
             self.allocator.free(out_cache_loc)
@@ -490,12 +543,37 @@ class Scheduler:
             self.model_config.vocab_size, logits.device, self.server_args.random_seed,
             histories=[self.penalty_history(r, logits.device) for r in reqs],
         )
+        info.grammar_bitmask = self.grammars.bitmask([r.grammar for r in reqs], logits.device)
         top_n = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
         out = self.model_runner.sample(logits, info, top_n)
         result.next_ids = out.next_token_ids.tolist()
         result.logprobs = out.logprobs.tolist()
         result.top_logprobs_val = out.top_logprobs_val
         result.top_logprobs_idx = out.top_logprobs_idx
+
+    def prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor
+                        ) -> list[PromptLogprobChunk]:
+        """The logprobs of the prompt positions the step computed, split per request.
+
+        ``logits`` has one row per position of ``batch.prompt_logprob_spans()``, in
+        order; each position's logprob is that of the prompt's own token there.
+        """
+        from framework.layers.sampler import token_logprobs
+
+        spans = batch.prompt_logprob_spans()
+        targets = [t for req, span in zip(batch.reqs, spans)
+                   for t in req.origin_input_ids[span.start:span.stop]]
+        top_n = [req.top_logprobs_num for req, span in zip(batch.reqs, spans) for _ in span]
+        chosen, top_values, top_ids = token_logprobs(
+            logits, torch.tensor(targets, device=logits.device), top_n)
+        values = chosen.tolist()
+        chunks, start = [], 0
+        for span in spans:
+            end = start + len(span)
+            chunks.append(PromptLogprobChunk(values[start:end], top_values[start:end],
+                                             top_ids[start:end]))
+            start = end
+        return chunks
 
     def penalty_history(self, req: Req, device: torch.device) -> Any:
         """The request's ``PenaltyHistory`` brought up to date, or None without penalties."""
@@ -515,6 +593,10 @@ class Scheduler:
         """Apply a successful step to its requests, then send outputs and move requests on."""
         for req, n in zip(batch.reqs, batch.extend_lens):
             req.kv_len += n
+        for req, chunk in zip(batch.reqs, result.prompt_logprobs or []):
+            req.input_logprobs += chunk.values
+            req.input_top_logprobs_val += chunk.top_values
+            req.input_top_logprobs_idx += chunk.top_ids
         if result.embeddings is not None:
             self.finish_embeddings(batch, result.embeddings)
             return
@@ -543,7 +625,10 @@ class Scheduler:
             self._finish(req, FinishReason("length"))
             return
         assert result.next_ids is not None and result.logprobs is not None  # set by sample()
-        req.output_ids.append(result.next_ids[k])
+        token = result.next_ids[k]
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            raise RuntimeError(f"token {token} is not allowed by the request's grammar")
+        req.output_ids.append(token)
         if req.return_logprob:
             req.output_logprobs.append(result.logprobs[k])
             req.output_top_logprobs_val.append((result.top_logprobs_val or [])[k])
@@ -557,6 +642,8 @@ class Scheduler:
         """Why the last token ends the request, or None."""
         params = req.sampling_params
         last = req.output_ids[-1]
+        if req.grammar is not None and req.grammar.is_terminated():
+            return FinishReason("stop", matched=last)  # the output is complete
         if (not params.ignore_eos and last in self.eos_token_ids) or (
             last in params.stop_token_ids
         ):
@@ -608,6 +695,7 @@ class Scheduler:
     def _finish(self, req: Req, reason: FinishReason) -> None:
         """Set the finish reason, free the slots and take ``req`` out of every queue."""
         req.finished_reason = reason
+        req.grammar = None
         self._release(req)
         if req is self.chunked_req:
             self.chunked_req = None

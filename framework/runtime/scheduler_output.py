@@ -16,6 +16,7 @@ from framework.messages import (
     BatchEmbeddingOutput,
     BatchTokenIDOutput,
     FinishReason,
+    PromptLogprobs,
     RequestConstants,
     SchedulerMetrics,
 )
@@ -43,6 +44,20 @@ def request_constants(req: Req) -> RequestConstants:
         context_ids=context_ids(req),
         prompt_tokens=len(req.origin_input_ids),
         cached_tokens=req.cached_tokens,
+        queue_seconds=req.queue_seconds,
+    )
+
+
+def prompt_logprobs(req: Req) -> PromptLogprobs:
+    """The logprobs of ``req``'s prompt from its ``logprob_start_len`` (sent once)."""
+    start = req.logprob_start_len
+    head = 1 if start == 0 else 0  # position 0: no logprob, no alternatives
+    return PromptLogprobs(
+        start=start,
+        token_ids=req.origin_input_ids[start:],
+        values=[None] * head + req.input_logprobs,
+        top_values=[[]] * head + req.input_top_logprobs_val,
+        top_ids=[[]] * head + req.input_top_logprobs_idx,
     )
 
 
@@ -61,10 +76,15 @@ def token_id_output(reqs: list[Req]) -> BatchTokenIDOutput:
     new_constants: list[RequestConstants] = []
     finished_indices: list[int] = []
     finished_reasons: list[FinishReason] = []
+    prompt_indices: list[int] = []
+    prompts: list[PromptLogprobs] = []
     for i, req in enumerate(reqs):
         if req.sent_len == 0:
             new_indices.append(i)
             new_constants.append(request_constants(req))
+            if req.wants_prompt_logprobs:
+                prompt_indices.append(i)
+                prompts.append(prompt_logprobs(req))
         if req.finished_reason is not None:
             finished_indices.append(i)
             finished_reasons.append(req.finished_reason)
@@ -85,6 +105,8 @@ def token_id_output(reqs: list[Req]) -> BatchTokenIDOutput:
         output_token_logprobs=logprobs,
         output_top_logprobs_val=top_val,
         output_top_logprobs_idx=top_idx,
+        prompt_logprob_indices=prompt_indices,
+        prompt_logprobs=prompts,
     )
 
 

@@ -16,32 +16,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from framework.comm.codec import CodecError
 from framework.comm.transport import Receiver, Transport, TransportError
 from framework.config import PortArgs, ServerArgs
+from framework.constrained.validation import check_constraint
 from framework.messages import (
     AbortReq,
     BatchEmbeddingOutput,
     BatchStrOutput,
-    ErrorReply,
     FinishReason,
     FlushCacheReqInput,
     GetInfoReqInput,
     GetInfoReqOutput,
     Message,
+    PromptLogprobs,
     SchedulerMetrics,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     UpdateWeightsFromDiskReqInput,
 )
-from framework.registry import create_codec
+from framework.runtime.data_parallel import (
+    DataParallelRouter,
+    ReplicaChannels,
+    check_replies,
+    make_load_balancer,
+    merge_replies,
+    replica_port_args,
+)
 from framework.runtime.metrics import make_metrics
 from framework.sampling_params import SamplingParams, check_token_ids, check_top_logprobs_num
 
@@ -62,6 +71,17 @@ class RequestError(ValueError):
     """A request the runtime cannot serve (bad input); the API answers 400 with its message."""
 
 
+class OverloadedError(RuntimeError):
+    """The runtime holds as many requests as ``--max-queued-requests`` allows (HTTP 503).
+
+    ``retry_after`` is a hint, in seconds, of when to try again.
+    """
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 @dataclass
 class GenerateRequest:
     """A generation request as the API (or the Engine) hands it over."""
@@ -72,6 +92,9 @@ class GenerateRequest:
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    #: With ``return_logprob``: the first prompt position whose logprob is returned
+    #: (-1: none of the prompt's).
+    logprob_start_len: int = -1
     rid: str | None = None
 
 
@@ -116,6 +139,7 @@ class ReqState:
     embedding: Any = None
     logprobs: list[tuple[float, int]] = field(default_factory=list)
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
     chunks: deque[Chunk] = field(default_factory=deque)
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -123,6 +147,18 @@ class ReqState:
     def finished(self) -> bool:
         """True once the request has a finish reason."""
         return self.finished_reason is not None
+
+
+def prompt_logprob_meta(prompt: PromptLogprobs) -> dict[str, list[Any]]:
+    """SGLang's ``input_token_logprobs`` ([logprob, id] per prompt position from the start
+    asked for; no logprob at position 0) and ``input_top_logprobs`` (None there)."""
+    tops: list[Any] = [
+        None if value is None else [[v, t] for v, t in zip(vals, ids)]
+        for value, vals, ids in zip(prompt.values, prompt.top_values, prompt.top_ids)]
+    return {
+        "input_token_logprobs": [[v, t] for v, t in zip(prompt.values, prompt.token_ids)],
+        "input_top_logprobs": tops,
+    }
 
 
 class SchedulerOutbox:
@@ -253,7 +289,7 @@ class TokenizerManager:
     def __init__(
         self,
         server_args: ServerArgs,
-        port_args: PortArgs,
+        port_args: PortArgs | Sequence[PortArgs],
         transport: Transport,
         tokenizer: Any,
         context_len: int | None = None,
@@ -263,15 +299,18 @@ class TokenizerManager:
         self.context_len = context_len
         # Set at start-up from the Scheduler's ready info; bounds token ids at the edge.
         self.vocab_size: int | None = None
-        codec = server_args.codec
-        # Bind first: the Scheduler and the Detokenizer connect to these.
-        self.recv_from_detokenizer = transport.receiver(port_args.tokenizer_input,
-                                                        create_codec(codec))
-        self.recv_from_scheduler = transport.receiver(port_args.embedding_output,
-                                                      create_codec(codec))
-        self.recv_metrics = transport.receiver(port_args.metrics, create_codec(codec))
-        self.send_to_scheduler = transport.sender(port_args.scheduler_input, create_codec(codec))
-        self.rpc = transport.client(port_args.rpc, create_codec(codec))
+        # Bind first: the Schedulers and the Detokenizers connect to these. With --dp-size
+        # N, ``port_args`` holds one PortArgs per replica, each replica its own channels.
+        self.replicas = [ReplicaChannels.open(i, transport, p, server_args.codec)
+                         for i, p in enumerate(replica_port_args(port_args))]
+        self.router = self.make_router(self.replicas)
+        # Replica 0's ends (with one replica, the only ones), for code that sends directly.
+        first = self.replicas[0]
+        self.recv_from_detokenizer = first.recv_from_detokenizer
+        self.recv_from_scheduler = first.recv_from_scheduler
+        self.recv_metrics = first.recv_metrics
+        self.send_to_scheduler = first.send_to_scheduler
+        self.rpc = first.rpc
         self.rid_to_state: dict[str, ReqState] = {}
         self.last_metrics: SchedulerMetrics | None = None
         # Prometheus metrics (no-ops unless --enable-metrics), measured from our own timestamps.
@@ -286,11 +325,14 @@ class TokenizerManager:
 
     def start(self) -> None:
         """Start the receive loops on the running event loop."""
-        handlers: list[tuple[Receiver, Callable[[Message], None]]] = [
-            (self.recv_from_detokenizer, self.handle_output),
-            (self.recv_from_scheduler, self.handle_output),
-            (self.recv_metrics, self.handle_output),
-        ]
+        handlers: list[tuple[Receiver, Callable[[Message], None]]] = []
+        for replica in self.replicas:
+            handlers += [
+                (replica.recv_from_detokenizer, self.handle_output),
+                (replica.recv_from_scheduler, self.handle_output),
+                (replica.recv_metrics, functools.partial(self.handle_replica_metrics,
+                                                         replica.index)),
+            ]
         self._tasks = [asyncio.create_task(self._receive_loop(r, h)) for r, h in handlers]
         self.outbox.start()
 
@@ -300,7 +342,16 @@ class TokenizerManager:
                 msg = await receiver.recv_valid()
             except TransportError:
                 return  # closed during shutdown
-            handle(msg)
+            try:
+                handle(msg)
+            except Exception:  # a malformed message must not end the loop that serves all
+                logger.exception("tokenizer manager dropped a malformed %s", type(msg).__name__)
+
+    def _raise_if_died(self, chunk: Chunk) -> None:
+        """A request ended because a component died is an error (503), not an output."""
+        reason = chunk.finished_reason
+        if reason is not None and self.dead_reason is not None and reason.type == "abort":
+            raise RuntimeError(f"the runtime is down: {self.dead_reason}")
 
     def fail_all(self, reason: str) -> None:
         """Finish every request in flight with an abort (a component died)."""
@@ -321,9 +372,13 @@ class TokenizerManager:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for end in (self.recv_from_detokenizer, self.recv_from_scheduler, self.recv_metrics,
-                    self.send_to_scheduler, self.rpc):
-            end.close()
+        for replica in self.replicas:
+            replica.close()
+
+    def make_router(self, replicas: list[ReplicaChannels]) -> DataParallelRouter:
+        """The router of messages to the replicas (override to balance load another way)."""
+        return DataParallelRouter(replicas,
+                                  make_load_balancer(self.server_args.load_balance_method))
 
     # ------------------------------------------------------------------ requests
 
@@ -369,19 +424,49 @@ class TokenizerManager:
             raise RequestError(str(exc)) from None
         if not isinstance(req.return_logprob, bool):
             raise RequestError(f"return_logprob must be true or false, got {req.return_logprob!r}")
+        start = req.logprob_start_len
+        if type(start) is not int or start < -1:
+            raise RequestError(f"logprob_start_len must be -1 (no prompt logprobs) or a prompt "
+                               f"position >= 0, got {start!r}")
+        if start >= 0 and not req.return_logprob:
+            raise RequestError("logprob_start_len needs return_logprob set to true")
         if req.sampling_params.n != 1:
             # The OpenAI routes fan n out into n requests; one request is one sequence.
             raise RequestError("n > 1 is served by /v1/completions and /v1/chat/completions; "
                                "send n requests (with different seeds) instead")
 
+    def check_capacity(self) -> None:
+        """Refuse (``OverloadedError``) a new request when the queue allowed is full.
+
+        The queue is what is in flight beyond the running batches (``max_running_requests``
+        per replica): counted here, where every request passes, so the refusal is immediate.
+        """
+        limit = self.server_args.max_queued_requests
+        if limit is None:
+            return
+        running = self.server_args.max_running_requests * self.server_args.dp_size
+        if len(self.rid_to_state) >= running + limit:
+            raise OverloadedError(
+                f"the server is overloaded: {len(self.rid_to_state)} requests are in flight "
+                f"({running} running at most, {limit} queued); try again later")
+
     async def prepare(self, req: GenerateRequest) -> PreparedRequest:
         """Check ``req`` and tokenize its prompt; every refusal happens here, before sending."""
         self._check_alive()
+        self.check_capacity()
         self.check_request(req)
         if req.rid is not None and req.rid in self.rid_to_state:
             # Checked again when it is registered; here it is refused before any part is sent.
             raise RequestError(f"request id {req.rid!r} is already in use")
-        return PreparedRequest(req, await self._input_ids(req.text, req.input_ids))
+        if req.sampling_params.constraint() is not None:
+            # Parsing a schema or grammar may take a while: off the event loop.
+            await asyncio.to_thread(check_constraint, req.sampling_params,
+                                    self.server_args.grammar_backend)
+        ids = await self._input_ids(req.text, req.input_ids)
+        if req.logprob_start_len >= len(ids):
+            raise RequestError(f"logprob_start_len must be below the prompt's length "
+                               f"{len(ids)}, got {req.logprob_start_len}")
+        return PreparedRequest(req, ids)
 
     async def generate(self, req: GenerateRequest | PreparedRequest
                        ) -> AsyncIterator[dict[str, Any]]:
@@ -402,6 +487,7 @@ class TokenizerManager:
                     rid=rid, input_text=req.text or "", input_ids=prepared.input_ids,
                     sampling_params=req.sampling_params, stream=req.stream,
                     return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
+                    logprob_start_len=req.logprob_start_len,
                 ))
             except CodecError:
                 reached = False  # it failed to encode: nothing was written
@@ -411,6 +497,7 @@ class TokenizerManager:
                 state.event.clear()
                 while state.chunks:
                     chunk = state.chunks.popleft()
+                    self._raise_if_died(chunk)
                     if req.stream or chunk.finished_reason is not None:
                         yield self.output_dict(rid, state, chunk)
                     if chunk.finished_reason is not None:
@@ -429,6 +516,7 @@ class TokenizerManager:
                     input_ids: list[int] | None = None) -> dict[str, Any]:
         """The embedding of one input."""
         self._check_alive()
+        self.check_capacity()
         ids = await self._input_ids(text, input_ids)
         rid = uuid.uuid4().hex
         state = self._register(rid, len(ids))
@@ -463,7 +551,9 @@ class TokenizerManager:
             del self.rid_to_state[rid]
             self.metrics.request_released(rid)
         if reached and not state.finished:
-            self.abort_nowait(rid, _GONE)
+            self.abort_nowait(rid, _GONE)  # routed to its replica, which it then leaves
+        else:
+            self.router.forget(rid)
 
     async def dispatch(self, msg: Message) -> None:
         """Send ``msg`` to the Scheduler after every request and abort handed over before it."""
@@ -482,13 +572,13 @@ class TokenizerManager:
             asyncio.get_running_loop()
         except RuntimeError:
             # No event loop in this thread, so nothing to hold up: send right here.
-            self.send_to_scheduler.send_nowait(msg)
+            self.router.send_nowait(msg)
             return
         self.outbox.put_nowait(msg)
 
     async def _send_to_scheduler(self, msg: Message) -> None:
         """The outbox's one way out (override to observe or reroute what is sent)."""
-        await self.send_to_scheduler.send(msg)
+        await self.router.send(msg)
 
     # ------------------------------------------------------------------ outputs
 
@@ -512,8 +602,19 @@ class TokenizerManager:
         else:
             logger.warning("tokenizer manager ignored an unexpected %s", type(msg).__name__)
 
+    def handle_replica_metrics(self, index: int, msg: Message) -> None:
+        """Keep replica ``index``'s load report; the server's metrics are the sum of all."""
+        if isinstance(msg, SchedulerMetrics):
+            if len(self.replicas) > 1:
+                self.metrics.replica_metrics(index, msg)
+            msg = self.router.record_metrics(index, msg)
+        self.handle_output(msg)
+
     def _apply_text(self, msg: BatchStrOutput) -> None:
         logprobs = bool(msg.output_token_logprobs_val)
+        for i, prompt in zip(msg.prompt_logprob_indices, msg.prompt_logprobs):
+            if (state := self.rid_to_state.get(msg.rids[i])) is not None:
+                state.prompt_logprobs = prompt
         for i, rid in enumerate(msg.rids):
             state = self.rid_to_state.get(rid)
             if state is None:
@@ -535,7 +636,8 @@ class TokenizerManager:
             ))
             reason = msg.finished_reasons[i]
             self.metrics.output(rid, msg.completion_tokens[i], msg.cached_tokens[i],
-                                reason.type if reason else None)
+                                reason.type if reason else None,
+                                msg.queue_seconds[i] if msg.queue_seconds else None)
             state.event.set()
 
     def meta_info(self, rid: str, state: ReqState, chunk: Chunk | None) -> dict[str, Any]:
@@ -548,6 +650,8 @@ class TokenizerManager:
             "cached_tokens": chunk.cached_tokens if chunk else 0,
             "finish_reason": reason.to_json() if reason else None,
         }
+        if state.prompt_logprobs is not None:
+            meta.update(prompt_logprob_meta(state.prompt_logprobs))
         if chunk and chunk.logprobs_len:
             end = chunk.logprobs_len
             meta["output_token_logprobs"] = [list(p) for p in state.logprobs[:end]]
@@ -566,15 +670,19 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ RPC
 
-    async def _call(self, msg: Message, timeout: float = 600.0) -> Message:
+    async def _call_all(self, msg: Message, timeout: float = 600.0) -> list[Message]:
+        """``msg`` to every replica's Scheduler; their replies, in replica order."""
         self._check_alive()
         if self._rpc_lock is None:
             self._rpc_lock = asyncio.Lock()
         async with self._rpc_lock:
-            reply = await self.rpc.call(msg, timeout)
-        if isinstance(reply, ErrorReply):
-            raise RuntimeError(reply.message)
-        return reply
+            replies = await self.router.call_all(msg, timeout)
+        check_replies(replies)  # an ErrorReply becomes a RuntimeError naming its replica
+        return replies
+
+    async def _call(self, msg: Message, timeout: float = 600.0) -> Message:
+        """``msg`` to every replica; one reply that names each replica's answer."""
+        return merge_replies(await self._call_all(msg, timeout))
 
     async def flush_cache(self) -> Any:
         """Ask the Scheduler to flush its prefix cache."""
@@ -586,11 +694,19 @@ class TokenizerManager:
                                                               load_format=load_format))
 
     async def get_scheduler_info(self) -> dict[str, Any]:
-        """The Scheduler's state (memory, queues, configuration)."""
-        reply = await self._call(GetInfoReqInput(), timeout=60.0)
-        if not isinstance(reply, GetInfoReqOutput):
-            raise RuntimeError(f"unexpected reply {type(reply).__name__}")
-        return dict(reply.info)
+        """The Scheduler's state (memory, queues, configuration).
+
+        With several replicas: each one's state and load under ``replicas``, and
+        the whole server's (``kv_cache_idle_and_free`` of all, summed queues) on top.
+        """
+        replies = await self._call_all(GetInfoReqInput(), timeout=60.0)
+        for reply in replies:
+            if not isinstance(reply, GetInfoReqOutput):
+                raise RuntimeError(f"unexpected reply {type(reply).__name__}")
+        infos = [dict(reply.info) for reply in replies]  # type: ignore[attr-defined]
+        if len(infos) == 1:
+            return infos[0]
+        return self.router.merged_info(infos, self.server_args.load_balance_method)
 
 
 async def gather_or_cancel(coros: list[Awaitable[T]]) -> list[T]:
@@ -611,8 +727,9 @@ async def gather_or_cancel(coros: list[Awaitable[T]]) -> list[T]:
             task.cancel()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
-    # exception() also marks every failure as retrieved, so none is logged as lost.
-    failures = [t.exception() for t in tasks if not t.cancelled()]
+        # exception() marks every failure as retrieved, so none is logged as lost (also
+        # when this call itself is cancelled and raises from here).
+        failures = [t.exception() for t in tasks if t.done() and not t.cancelled()]
     first = next((exc for exc in failures if exc is not None), None)
     if first is not None:
         raise first

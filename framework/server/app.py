@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -27,6 +28,7 @@ from framework.config import ServerArgs
 from framework.messages import AbortReq
 from framework.runtime.tokenizer_manager import (
     GenerateRequest,
+    OverloadedError,
     PreparedRequest,
     RequestError,
     TokenizerManager,
@@ -116,9 +118,31 @@ class ApiKeyMiddleware:
         return hmac.compare_digest(given, self.expected)
 
 
+async def read_body(request: Request) -> bytes:
+    """The request body, refused with 413 once it passes ``--max-request-bytes``.
+
+    A declared ``Content-Length`` past the limit is refused before anything is read;
+    a body sent in chunks is read only up to the limit.
+    """
+    limit = request.app.state.server.server_args.max_request_bytes
+    too_large = ApiError(f"the request body is larger than the {limit} bytes this server "
+                         f"accepts", 413, "request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def parse_body(request: Request, schema: type[S]) -> S:
     """Decode and validate the JSON body; a bad body is a ``RequestError`` (400)."""
-    body = await request.body()
+    body = await read_body(request)
     try:
         return msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as exc:
@@ -143,6 +167,10 @@ def _handler(fn: Handler) -> Handler:
             return error_response(str(exc), exc.status, exc.param, exc.code)
         except (RequestError, ValueError) as exc:
             return error_response(str(exc), 400, getattr(exc, "param", None))
+        except OverloadedError as exc:
+            response = error_response(str(exc), 503, code="overloaded")
+            response.headers["Retry-After"] = str(exc.retry_after)
+            return response
         except RuntimeError as exc:
             logger.exception("request failed")
             return error_response(str(exc), 503)
@@ -207,14 +235,18 @@ class Routes:
 
     async def _prepare_all(self, prompts: list[tuple[str | None, list[int] | None]],
                            params: SamplingParams, stream: bool, logprobs: int | None,
-                           ) -> list[PreparedRequest]:
-        """One checked request per prompt and choice (``n``) of an OpenAI route."""
+                           prompt_logprobs: bool = False) -> list[PreparedRequest]:
+        """One checked request per prompt and choice (``n``) of an OpenAI route.
+
+        With ``prompt_logprobs`` (and ``logprobs``), the prompt's logprobs come back too.
+        """
 
         def request(text: str | None, ids: list[int] | None, choice: int) -> GenerateRequest:
             return GenerateRequest(
                 text=text, input_ids=ids, sampling_params=params.for_choice(choice),
                 stream=stream, return_logprob=logprobs is not None,
                 top_logprobs_num=logprobs or 0,
+                logprob_start_len=0 if prompt_logprobs and logprobs is not None else -1,
             )
 
         return await self._prepare_choices(prompts, params.n, request)
@@ -309,18 +341,22 @@ class Routes:
         params = body.sampling_params(body.max_tokens, 16)
         params.verify(self.tm.vocab_size)
         prompts = oai.split_prompts(body.prompt, "prompt", self.tm.vocab_size)
-        reqs = await self._prepare_all(prompts, params, body.stream, body.top_logprobs_num())
-        prefix = [p[0] or "" for p in prompts] if body.echo else None
+        reqs = await self._prepare_all(prompts, params, body.stream, body.top_logprobs_num(),
+                                       prompt_logprobs=body.echo)
+        prefix = [self._prompt_text(r) for r in reqs[::params.n]] if body.echo else None
         if body.stream:
             return self._stream_completions(body, reqs, prefix, params.n)
         outputs = await self._first_outputs(reqs)
         choices = []
         for i, out in enumerate(outputs):
             meta = out["meta_info"]
-            text = (prefix[i // params.n] if prefix else "") + out["text"]
+            echoed = prefix[i // params.n] if prefix else ""
+            logprobs = oai.completion_logprobs(meta, self.tm.tokenizer, 0, len(echoed))
+            if prefix and body.logprobs is not None:
+                logprobs = oai.join_logprobs(oai.prompt_logprobs(meta, self.tm.tokenizer),
+                                             logprobs)
             choices.append({
-                "index": i, "text": text,
-                "logprobs": oai.completion_logprobs(meta, self.tm.tokenizer, 0, 0),
+                "index": i, "text": echoed + out["text"], "logprobs": logprobs,
                 "finish_reason": oai.finish_reason_name(meta),
             })
         return JSONResponse({
@@ -328,6 +364,11 @@ class Routes:
             "model": self.state.model_name, "choices": choices,
             "usage": self._usage(outputs, params.n),
         })
+
+    def _prompt_text(self, prepared: PreparedRequest) -> str:
+        """The prompt as ``echo`` shows it: its text, or its token ids decoded."""
+        req = prepared.req
+        return req.text if req.text is not None else self.tm.tokenizer.decode(prepared.input_ids)
 
     def _usage(self, outputs: list[dict[str, Any]], n: int) -> dict[str, Any]:
         metas = [o["meta_info"] for o in outputs]
@@ -341,17 +382,26 @@ class Routes:
         cid, created = oai.new_id("cmpl"), oai.now()
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
+        # With logprobs, a choice's echo waits for its first output, which brings the
+        # prompt's logprobs; without, every echo goes out at once.
+        echo_at_once = bool(prefix) and body.logprobs is None
+
         async def events() -> AsyncIterator[dict[str, Any]]:
             last: dict[int, dict[str, Any]] = {}
             sent_tokens: dict[int, int] = {}
             for i in range(len(reqs)):
-                if prefix:
+                if prefix and echo_at_once:
                     yield self._completion_chunk(cid, created, i, prefix[i // n], None, None)
             async for i, out in _merge([self._generate(r) for r in reqs]):
                 meta = out["meta_info"]
+                if prefix and not echo_at_once and i not in last:
+                    yield self._completion_chunk(
+                        cid, created, i, prefix[i // n],
+                        oai.prompt_logprobs(meta, self.tm.tokenizer), None)
                 start = sent_tokens.get(i, 0)
-                logprobs = oai.completion_logprobs(meta, self.tm.tokenizer, start,
-                                                   len(out["text"]) - len(out["delta"]))
+                echoed = len(prefix[i // n]) if prefix else 0
+                logprobs = oai.completion_logprobs(meta, self.tm.tokenizer, start, echoed + len(
+                    out["text"]) - len(out["delta"]))
                 sent_tokens[i] = meta["completion_tokens"]
                 last[i] = out
                 yield self._completion_chunk(cid, created, i, out["delta"], logprobs,
@@ -533,7 +583,8 @@ class Routes:
             return GenerateRequest(
                 text=text, input_ids=ids, sampling_params=params.for_choice(choice),
                 stream=body.stream, return_logprob=body.return_logprob,
-                top_logprobs_num=body.top_logprobs_num, rid=None if as_list else body.rid)
+                top_logprobs_num=body.top_logprobs_num,
+                logprob_start_len=body.logprob_start_len, rid=None if as_list else body.rid)
 
         # Every prompt and choice is checked before any is sent: one bad part refuses all.
         reqs = await self._prepare_choices(prompts, params.n, request)
@@ -597,9 +648,7 @@ class Routes:
 
     async def flush_cache(self, request: Request) -> Response:
         reply = await self.tm.flush_cache()
-        status = 200 if reply.success else 400
-        return JSONResponse({"success": reply.success, "message": reply.message},
-                            status_code=status)
+        return _operation_reply(reply.success, reply.message)
 
     async def abort_request(self, request: Request) -> Response:
         body = await parse_body(request, oai.AbortBody)
@@ -612,10 +661,8 @@ class Routes:
     async def update_weights_from_disk(self, request: Request) -> Response:
         body = await parse_body(request, oai.UpdateWeightsBody)
         reply = await self.tm.update_weights_from_disk(body.model_path, body.load_format)
-        status = 200 if reply.success else 400
-        return JSONResponse({"success": reply.success, "message": reply.message,
-                             "num_paused_requests": reply.num_paused_requests},
-                            status_code=status)
+        return _operation_reply(reply.success, reply.message,
+                                num_paused_requests=reply.num_paused_requests)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -669,6 +716,27 @@ def route_table(routes: Routes, server_args: ServerArgs) -> list[RouteSpec]:
     return table
 
 
+def _operation_reply(success: bool, message: str, **extra: Any) -> JSONResponse:
+    """SGLang's ``{"success", "message"}`` answer; a refusal is a 400 with OpenAI's error too."""
+    body: dict[str, Any] = {"success": success, "message": message, **extra}
+    if not success:
+        body.update(error_body(message, 400))
+    return JSONResponse(body, status_code=200 if success else 400)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (no such route, wrong method) in OpenAI's error body too."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    detail = exc.detail if isinstance(exc, HTTPException) else str(exc)
+    if status == 404:
+        detail = f"no route {request.method} {request.url.path}"
+    elif status == 405:
+        detail = f"{request.url.path} does not take {request.method}"
+    response = error_response(detail, status)
+    response.headers.update(getattr(exc, "headers", None) or {})
+    return response
+
+
 def build_app(state: ServerState) -> Starlette:
     """The Starlette application for ``state``."""
     routes = Routes(state)
@@ -676,7 +744,8 @@ def build_app(state: ServerState) -> Starlette:
     routes.openapi_doc = build_openapi(table, api_key=bool(state.server_args.api_key),
                                        open_paths=OPEN_PATHS)
     app = Starlette(routes=[Route(spec.path, _handler(spec.handler), methods=list(spec.methods))
-                            for spec in table])
+                            for spec in table],
+                    exception_handlers={HTTPException: _http_error})
     app.state.server = state
     if state.server_args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=state.server_args.api_key)

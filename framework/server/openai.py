@@ -7,12 +7,14 @@ OpenAI names onto ``SamplingParams``.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, ClassVar, Union
 
 import msgspec
 
+from framework.constrained.base import InvalidConstraintError
 from framework.sampling_params import SamplingParams, check_token_ids, check_top_logprobs_num
 
 # A string, a list of strings, token ids or lists of token ids; msgspec unions allow one list
@@ -52,14 +54,37 @@ def _is_one_of(value: Any, candidates: tuple[Any, ...]) -> bool:
 
 
 # Fields of both OpenAI routes (OpenAI's, and SGLang's and vLLM's extensions) that ask
-# for something this server does not do: grammars and LoRA adapters.
+# for something this server does not do: LoRA adapters.
 _UNSUPPORTED_SAMPLING: dict[str, tuple[Any, ...]] = {
     "lora_path": (None,),
-    "response_format": (None, {"type": "text"}),
-    "regex": (None,),
-    "json_schema": (None,),
-    "ebnf": (None,),
 }
+# What ``response_format: {"type": "json_object"}`` asks for: any JSON object.
+_ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+def response_format_schema(response_format: dict[str, Any] | None) -> str | None:
+    """The JSON schema (as a string) that OpenAI's ``response_format`` asks for, or None.
+
+    ``{"type": "text"}`` asks for nothing, ``{"type": "json_object"}`` for any JSON
+    object, ``{"type": "json_schema", "json_schema": {"schema": {...}}}`` for that schema.
+    """
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _ANY_JSON_OBJECT
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidConstraintError(
+                "response_format", "a json_schema response_format needs "
+                "json_schema.schema, a JSON schema object")
+        return json.dumps(schema)
+    raise InvalidConstraintError(
+        "response_format", f"type must be text, json_object or json_schema, got {kind!r}")
 
 
 class StreamOptions(msgspec.Struct):
@@ -91,14 +116,30 @@ class _SamplingFields(_RefusesUnsupported, kw_only=True):
     skip_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
     no_stop_trim: bool = False
-    # The next five are known but not implemented (see UNSUPPORTED): typed Any, so that
-    # any value set gets the same 400 naming the field.
+    # Known but not implemented (see UNSUPPORTED): typed Any, so that any value set gets
+    # the same 400 naming the field.
     lora_path: Any = None
-    response_format: Any = None
-    regex: Any = None
-    json_schema: Any = None
-    ebnf: Any = None
     logit_bias: dict[str, float] | None = None
+    # Structured outputs: OpenAI's response_format, or SGLang's constraint fields.
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None
+
+    def constraint_fields(self) -> dict[str, str]:
+        """The ``SamplingParams`` constraint fields set by this request (at most one)."""
+        fields = {name: getattr(self, name) for name in ("json_schema", "regex", "ebnf")
+                  if getattr(self, name) is not None}
+        if isinstance(fields.get("json_schema"), dict):
+            fields["json_schema"] = json.dumps(fields["json_schema"])
+        schema = response_format_schema(self.response_format)
+        if schema is not None:
+            if fields:
+                raise InvalidConstraintError(
+                    "response_format", f"give either response_format or {', '.join(fields)}, "
+                    "not both")
+            fields["json_schema"] = schema
+        return fields
 
     def sampling_params(self, max_tokens: int | None, default_max: int) -> SamplingParams:
         """The runtime's ``SamplingParams`` for this request."""
@@ -111,7 +152,7 @@ class _SamplingFields(_RefusesUnsupported, kw_only=True):
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim,
-            seed=self.seed, n=self.n, logit_bias=self.logit_bias,
+            seed=self.seed, n=self.n, logit_bias=self.logit_bias, **self.constraint_fields(),
         )
 
 
@@ -205,6 +246,7 @@ class GenerateRequestBody(_RefusesUnsupported, kw_only=True):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1
     rid: str | None = None
     lora_path: Any = None
 
@@ -342,6 +384,40 @@ def completion_logprobs(meta: dict[str, Any], tokenizer: Any, start: int,
         ],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(meta: dict[str, Any], tokenizer: Any) -> dict[str, Any] | None:
+    """The legacy completions ``logprobs`` object for the prompt (``echo``).
+
+    As OpenAI's API answers, the first token has ``null`` for its logprob and
+    top logprobs: nothing comes before it.
+    """
+    pairs = meta.get("input_token_logprobs")
+    if pairs is None:
+        return None
+    tops = meta.get("input_top_logprobs") or [None for _ in pairs]
+    tokens = [tokenizer.decode([tid]) for _, tid in pairs]
+    offsets, offset = [], 0
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _ in pairs],
+        "top_logprobs": [
+            None if row is None else {tokenizer.decode([tid]): lp for lp, tid in row}
+            for row in tops
+        ],
+        "text_offset": offsets,
+    }
+
+
+def join_logprobs(first: dict[str, Any] | None, then: dict[str, Any] | None
+                  ) -> dict[str, Any] | None:
+    """Two legacy ``logprobs`` objects one after the other (the prompt's, then the output's)."""
+    if first is None or then is None:
+        return first if then is None else then
+    return {key: first[key] + then[key] for key in then}
 
 
 def chat_logprobs(meta: dict[str, Any], tokenizer: Any, start: int) -> dict[str, Any] | None:

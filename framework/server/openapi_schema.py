@@ -92,7 +92,8 @@ BOUNDS: dict[str, dict[str, dict[str, Any]]] = {
     "SamplingParams": {**_SAMPLING_BOUNDS, "max_new_tokens": _TOKENS,
                        "min_new_tokens": _TOKENS,
                        "stream_interval": {"minimum": 1, "maximum": INT64_MAX}},
-    "GenerateRequestBody": {"top_logprobs_num": _TOP_LOGPROBS},
+    "GenerateRequestBody": {"top_logprobs_num": _TOP_LOGPROBS,
+                            "logprob_start_len": {"minimum": -1, "maximum": INT64_MAX}},
 }
 
 

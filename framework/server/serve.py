@@ -12,7 +12,12 @@ from hypercorn.config import Config as HypercornConfig
 
 from framework.config import ServerArgs
 from framework.runtime.hf_tokenizer import load_tokenizer
-from framework.runtime.launch import ComponentTree, apply_scheduler_info, set_torch_threads
+from framework.runtime.launch import (
+    ComponentTree,
+    apply_scheduler_info,
+    run_ranks_only,
+    set_torch_threads,
+)
 from framework.server.app import ServerState, build_app
 
 logger = logging.getLogger("framework.serve")
@@ -22,6 +27,8 @@ def run_server(server_args: ServerArgs) -> int:
     """Serve until SIGINT/SIGTERM (exit 0) or until a component dies (exit 1)."""
     logging.basicConfig(level=server_args.log_level.upper(),
                         format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+    if server_args.node_rank > 0:
+        return run_ranks_only(server_args)  # only node 0 serves HTTP
     # The HTTP process does no heavy torch work; its cores belong to the schedulers.
     set_torch_threads(1, own_process=True, needs_torch=False)
     return asyncio.run(_serve(server_args))
@@ -36,7 +43,7 @@ async def _serve(server_args: ServerArgs) -> int:
         tokenizer = load_tokenizer(server_args.resolved_tokenizer_path(),
                                    server_args.chat_template)
         # The TokenizerManager binds its receivers before the components connect to them.
-        manager = components.classes.tokenizer_manager(server_args, components.port_args,
+        manager = components.classes.tokenizer_manager(server_args, components.tokenizer_port_args,
                                                        components.transport, tokenizer)
         info = await asyncio.to_thread(components.start)
         apply_scheduler_info(manager, info)
@@ -75,7 +82,9 @@ async def _run_http(server_args: ServerArgs, state: ServerState,
     config = HypercornConfig()
     config.bind = [f"{_host(server_args.host)}:{server_args.port}"]
     config.accesslog = None
-    config.graceful_timeout = 1.0
+    # On shutdown Hypercorn stops listening at once and waits this long for the requests in
+    # flight; the components run until it returns, so those requests can finish.
+    config.graceful_timeout = server_args.graceful_shutdown_timeout
     config.loglevel = "WARNING"
     base = f"http://{_host(server_args.host)}:{server_args.port}"
     print(_startup_banner(server_args, state, base), flush=True)

@@ -21,13 +21,16 @@ async def sse_stream(events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
     """Encode every payload of ``events`` as an SSE event, then send ``[DONE]``.
 
     An error raised while streaming becomes an OpenAI-style error event before
-    ``[DONE]``, since the status line has already gone out.
+    ``[DONE]``, since the status line has already gone out: bad input (``ValueError``)
+    as a 400, a runtime that went down (``RuntimeError``) as a 503.
     """
     try:
         async for payload in events:
             yield sse_event(payload)
     except ValueError as exc:
         yield sse_event(error_body(str(exc), 400))
+    except RuntimeError as exc:
+        yield sse_event(error_body(str(exc), 503))
     yield DONE
 
 

@@ -68,6 +68,26 @@ BAD_JSON: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": 3}, "frequency_penalty"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_new_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2**64}, "max_new_tokens"),
+    # Structured outputs: a constraint that does not compile, or two at once.
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     'invalid json_schema: Unsupported type "foo"'),
+    ("/v1/chat/completions", {"messages": CHAT, "stream": True, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x"}}},
+     "invalid response_format: a json_schema response_format needs json_schema.schema"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "yaml"}},
+     "invalid response_format: type must be text, json_object or json_schema"),
+    ("/v1/completions", {"prompt": "hi", "regex": "a", "response_format": {
+        "type": "json_object"}}, "give either response_format or regex, not both"),
+    ("/v1/completions", {"prompt": "hi", "regex": "a(b"},
+     "invalid regex: Regex parsing error at position 4: The parenthesis is not closed"),
+    ("/generate", {"text": "hi", "sampling_params": {"ebnf": "root ::= foo"}},
+     'invalid ebnf: EBNF parser error at line 1, column 10: Rule "foo" is not defined'),
+    ("/generate", {"text": "hi", "stream": True, "sampling_params": {
+        "json_schema": {"type": "object"}, "regex": "a+"}},
+     "give at most one of json_schema, regex, ebnf; got json_schema and regex"),
+    ("/generate", {"text": "hi", "sampling_params": {"json_schema": "{not json"}},
+     "invalid json_schema: Failed to parse JSON"),
 ]
 
 # Bodies that JSON encoders write but strict JSON has no number for.

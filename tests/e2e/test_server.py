@@ -20,7 +20,9 @@ from tests.model_fixtures import make_tiny_checkpoint
 from tests.server_harness import (
     ServerProcess,
     child_pids,
+    private_tmp,
     start_server,
+    still_running,
     stream_events,
     wait_until_idle,
 )
@@ -285,42 +287,19 @@ def test_update_weights_from_disk(server: ServerProcess, client: httpx.Client, e
     assert restored.json()["success"] is True
 
 
-def _alive(pids: list[int], wait: float = 5.0) -> list[int]:
-    """The pids still running after up to ``wait`` seconds (zombies count as gone)."""
-    deadline = time.monotonic() + wait
-    while True:
-        alive = []
-        for pid in pids:
-            try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if state != "Z":
-                alive.append(pid)
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.1)
-
-
-def _private_tmp(tmp_path: Path) -> dict[str, str]:
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    return {"TMPDIR": str(tmp)}
-
-
 def test_sigterm_leaves_no_child_and_no_socket_file(checkpoints: tuple, tmp_path: Path) -> None:
-    env = _private_tmp(tmp_path)
+    env = private_tmp(tmp_path)
     server = start_server(checkpoints[0], tmp_path, env=env)
     children = server.children()
     assert len(children) >= 2
     assert os.listdir(env["TMPDIR"]), "the server keeps its sockets under TMPDIR"
     assert server.stop(signal.SIGTERM) == 0, server.log()
-    assert _alive(children) == []
+    assert still_running(children) == []
     assert os.listdir(env["TMPDIR"]) == []
 
 
 def test_killing_the_scheduler_takes_the_server_down(checkpoints: tuple, tmp_path: Path) -> None:
-    env = _private_tmp(tmp_path)
+    env = private_tmp(tmp_path)
     server = start_server(checkpoints[0], tmp_path, env=env)
     pid = httpx.get(f"{server.base_url}/get_server_info").json()["scheduler"]["pid"]
     children = child_pids(server.proc.pid)
@@ -331,7 +310,7 @@ def test_killing_the_scheduler_takes_the_server_down(checkpoints: tuple, tmp_pat
     assert time.monotonic() - started < 10
     assert code != 0
     assert "scheduler process exited unexpectedly" in server.log()
-    assert _alive(children) == []
+    assert still_running(children) == []
     assert os.listdir(env["TMPDIR"]) == []
 
 

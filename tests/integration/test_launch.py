@@ -31,7 +31,7 @@ from framework.runtime.launch import (
 )
 from framework.runtime.scheduler import Scheduler
 from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import child_pids
+from tests.server_harness import own_children
 
 PROMPTS = ["hello", "the quick brown fox jumps over the lazy dog", "def add(a, b):"]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
@@ -55,19 +55,6 @@ class StallingScheduler(Scheduler):
             Path(os.environ[_MARKER_ENV]).touch()
         time.sleep(0.01)  # the loop would otherwise spin, as it always has work
         return None
-
-
-def own_children() -> set[int]:
-    """Child processes of this test process, but Python's resource tracker (one per process)."""
-    pids = set()
-    for pid in child_pids(os.getpid()):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"resource_tracker" not in cmdline:
-            pids.add(pid)
-    return pids
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from transformers import LlamaTokenizer
 from transformers.tokenization_utils_sentencepiece import SentencePieceExtractor
 
 from framework.runtime.hf_tokenizer import load_tokenizer
+from tests.fake_model_runner import SchedulerHarness
 
 
 @pytest.fixture(scope="session")
@@ -40,3 +42,18 @@ def llama() -> Any:
     model_file = resources.files("mistral_common") / "data" / "tokenizer.model.v1"
     vocab, _, merges = SentencePieceExtractor(str(model_file)).extract()
     return LlamaTokenizer(vocab=vocab, merges=merges)
+
+
+@pytest.fixture
+def harness_factory() -> Iterator[type[SchedulerHarness]]:
+    """Makes ``SchedulerHarness``es (a real Scheduler on the fake runner); closes them after."""
+    made: list[SchedulerHarness] = []
+
+    def make(*args: object, **kwargs: object) -> SchedulerHarness:
+        harness = SchedulerHarness(*args, **kwargs)  # type: ignore[arg-type]
+        made.append(harness)
+        return harness
+
+    yield make  # type: ignore[misc]
+    for harness in made:
+        harness.close()

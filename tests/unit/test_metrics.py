@@ -55,9 +55,11 @@ def metrics(clock: FakeClock) -> RequestMetrics:
 def test_a_streamed_request_records_each_rule(metrics: RequestMetrics, clock: FakeClock) -> None:
     metrics.request_started("a", prompt_tokens=10)
     clock.now += 0.5  # TTFT 0.5 s
-    metrics.output("a", completion_tokens=1, cached_tokens=4, finish_reason=None)
+    metrics.output("a", completion_tokens=1, cached_tokens=4, finish_reason=None,
+                   queue_seconds=0.125)
     clock.now += 0.2  # 2 tokens in 0.2 s: two ITL observations of 0.1 s
-    metrics.output("a", completion_tokens=3, cached_tokens=4, finish_reason=None)
+    metrics.output("a", completion_tokens=3, cached_tokens=4, finish_reason=None,
+                   queue_seconds=9.0)  # only the first output's counts
     clock.now += 0.4  # 2 tokens in 0.4 s: two of 0.2 s; ends with length
     metrics.output("a", completion_tokens=5, cached_tokens=4, finish_reason="length")
 
@@ -74,16 +76,17 @@ def test_a_streamed_request_records_each_rule(metrics: RequestMetrics, clock: Fa
     assert value(metrics, "framework:time_per_output_token_seconds_count") == 1
     assert value(metrics, "framework:time_per_output_token_seconds_sum") == pytest.approx(0.15)
     assert value(metrics, "framework:e2e_request_latency_seconds_sum") == pytest.approx(1.1)
-    # Queue time: TTFT minus one step (the request's TPOT).
+    # Queue time: as the Scheduler measured it, with the first output.
     assert value(metrics, "framework:queue_time_seconds_count") == 1
-    assert value(metrics, "framework:queue_time_seconds_sum") == pytest.approx(0.35)
+    assert value(metrics, "framework:queue_time_seconds_sum") == pytest.approx(0.125)
 
 
 def test_a_request_with_one_output_has_no_itl_nor_tpot(metrics: RequestMetrics,
                                                        clock: FakeClock) -> None:
     metrics.request_started("b", prompt_tokens=3)
     clock.now += 2.0
-    metrics.output("b", completion_tokens=8, cached_tokens=0, finish_reason="stop")
+    metrics.output("b", completion_tokens=8, cached_tokens=0, finish_reason="stop",
+                   queue_seconds=1.5)
 
     assert value(metrics, "framework:generation_tokens_total") == 8
     assert value(metrics, "framework:num_requests_total", finish_reason="stop") == 1
@@ -91,8 +94,16 @@ def test_a_request_with_one_output_has_no_itl_nor_tpot(metrics: RequestMetrics,
     assert value(metrics, "framework:e2e_request_latency_seconds_sum") == pytest.approx(2.0)
     assert value(metrics, "framework:inter_token_latency_seconds_count") == 0
     assert value(metrics, "framework:time_per_output_token_seconds_count") == 0
-    # With nothing to subtract, queue time is the whole TTFT (an upper bound).
-    assert value(metrics, "framework:queue_time_seconds_sum") == pytest.approx(2.0)
+    assert value(metrics, "framework:queue_time_seconds_sum") == pytest.approx(1.5)
+
+
+def test_an_output_without_a_queue_time_observes_none(metrics: RequestMetrics,
+                                                      clock: FakeClock) -> None:
+    metrics.request_started("e", prompt_tokens=3)  # e.g. an embedding request
+    clock.now += 0.5
+    metrics.output("e", completion_tokens=0, cached_tokens=0, finish_reason="stop")
+    assert value(metrics, "framework:e2e_request_latency_seconds_count") == 1
+    assert value(metrics, "framework:queue_time_seconds_count") == 0
 
 
 def test_a_released_request_that_did_not_end_counts_as_abort(metrics: RequestMetrics,

@@ -7,8 +7,6 @@ it hands the model holds the right token.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -29,30 +27,12 @@ from framework.sampling_params import SamplingParams
 from tests.fake_model_runner import (
     FakeModelRunner,
     SchedulerHarness,
+    prompt,
     reference_output,
 )
 from tests.model_fixtures import EOS_TOKEN_ID, make_tiny_tokenizer
 
 GREEDY = {"temperature": 0.0}
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    """A deterministic prompt of ``length`` ids in [3, 500)."""
-    return [3 + (seed * 131 + i * 17) % 497 for i in range(length)]
-
-
-@pytest.fixture
-def harness_factory() -> Iterator[type[SchedulerHarness]]:
-    made: list[SchedulerHarness] = []
-
-    def make(*args: object, **kwargs: object) -> SchedulerHarness:
-        harness = SchedulerHarness(*args, **kwargs)  # type: ignore[arg-type]
-        made.append(harness)
-        return harness
-
-    yield make  # type: ignore[misc]
-    for harness in made:
-        harness.close()
 
 
 def test_batched_requests_match_the_reference(harness_factory) -> None:
@@ -530,3 +510,17 @@ def test_token_id_output_aligns_logprobs_with_the_ids() -> None:
     asked.output_top_logprobs_idx.append([8])
     later = token_id_output([asked])
     assert later.logprobs_of(0) == [-0.75] and later.top_logprobs_of(0) == ([[-0.75]], [[8]])
+
+
+def test_queue_time_runs_from_intake_to_first_admission(harness_factory, monkeypatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr("time.monotonic", lambda: now[0])
+    h = harness_factory(max_running_requests=1)
+    h.submit("first", prompt(1, 6), max_new_tokens=3, ignore_eos=True, **GREEDY)
+    h.submit("second", prompt(2, 6), max_new_tokens=3, ignore_eos=True, **GREEDY)
+    h.step()  # both taken in; only the first admitted
+    now[0] += 5.0
+    h.run()
+    assert h.outcomes["first"].queue_seconds == 0.0
+    assert h.outcomes["second"].queue_seconds == 5.0
+    h.assert_idle_invariant()

@@ -1,0 +1,28 @@
+"""Structured outputs: grammar backends behind one small interface.
+
+``base`` holds the interface (``GrammarBackend``, ``GrammarMatcher``, ``Constraint``),
+``manager`` the Scheduler's side (compiling off the loop, caching, bitmasks),
+``validation`` the edge's check, and ``xgrammar_backend`` the built-in backend.
+Nothing here imports a backend until a constraint is used, and importing this package
+imports no torch (the HTTP side uses ``check_constraint``).
+"""
+
+from __future__ import annotations
+
+from framework.constrained.base import (
+    CONSTRAINT_KINDS,
+    Constraint,
+    GrammarBackend,
+    GrammarMatcher,
+    InvalidConstraintError,
+)
+from framework.constrained.validation import check_constraint
+
+__all__ = [
+    "CONSTRAINT_KINDS",
+    "Constraint",
+    "GrammarBackend",
+    "GrammarMatcher",
+    "InvalidConstraintError",
+    "check_constraint",
+]

@@ -1,0 +1,227 @@
+"""Process groups for tensor and pipeline parallelism, over ``torch.distributed``.
+
+Every scheduler rank of a server is one process. ``ParallelConfig`` says how
+many there are and where they meet (``--tp-size``, ``--pp-size``,
+``--nnodes``, ``--node-rank``, ``--dist-init-addr``); ``init_parallel`` joins
+this process to them and returns a ``ParallelContext`` holding its groups,
+which is handed explicitly to the ``ModelRunner`` and its layers (there is no
+module-level state here).
+
+Rank layout: global rank ``pp_rank * tp_size + tp_rank``. The ranks of one
+pipeline stage form a tensor-parallel group; the ranks with the same
+``tp_rank`` across stages form a pipeline group. Node ``k`` runs the global
+ranks ``[k * per_node, (k + 1) * per_node)``.
+
+The device groups use NCCL on CUDA and gloo on CPU; control messages
+(what each step runs) always travel over a gloo group of all ranks, whose
+collectives may wait as long as the server is idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from framework.distributed.config import ParallelConfig, split_host_port
+
+logger = logging.getLogger("framework.distributed")
+
+# Joining the group and the tensor collectives of a step: a rank that takes longer is
+# broken (a dead rank is seen at once by the launcher's watchdog, not by this timeout).
+_INIT_TIMEOUT = timedelta(minutes=10)
+# Ranks other than the first wait on the control group for the next step, as long as the
+# server is idle.
+_CONTROL_TIMEOUT = timedelta(days=3650)
+#: How often the ranks of several nodes check on each other, and how long a beat may wait.
+HEARTBEAT_INTERVAL_S = 1.0
+_HEARTBEAT_TIMEOUT = timedelta(minutes=5)
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for CUDA tensors, gloo for CPU ones."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class GroupCoordinator:
+    """One process group and this rank's place in it, with the collectives the model uses.
+
+    ``ranks`` are global ranks; ``rank`` is this process's index among them.
+    A group of one does no communication.
+    """
+
+    def __init__(self, group: Any, ranks: list[int], global_rank: int) -> None:
+        self.group = group
+        self.ranks = ranks
+        self.rank = ranks.index(global_rank)
+        self.size = len(ranks)
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank is the group's first."""
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank is the group's last."""
+        return self.rank == self.size - 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the group's ranks (in place; returns ``x``)."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim``, in rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        """The group rank ``src``'s ``obj`` (pickled), returned on every rank."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.ranks[src], group=self.group)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (pickled), in rank order."""
+        if self.size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.size
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Send ``x`` to the group rank ``dst`` (which receives it with ``recv``)."""
+        dist.send(x.contiguous(), dst=self.ranks[dst], group=self.group)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+             src: int) -> torch.Tensor:
+        """A tensor of ``shape`` sent by the group rank ``src``."""
+        out = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(out, src=self.ranks[src], group=self.group)
+        return out
+
+
+@dataclass
+class ParallelContext:
+    """This process's place among the scheduler ranks, and its groups.
+
+    ``tp``: the ranks of this pipeline stage (all-reduce, all-gather of
+    logits); ``pp``: the stages this rank's slice passes through (send/recv);
+    ``control``: every rank, over gloo (what each step runs); ``heartbeat``:
+    every rank, over gloo, with ``--nnodes`` above 1 (see ``start_heartbeat``).
+    """
+
+    config: ParallelConfig
+    rank: int
+    device: torch.device
+    tp: GroupCoordinator
+    pp: GroupCoordinator
+    control: GroupCoordinator
+    heartbeat: GroupCoordinator | None = None
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's index in its tensor-parallel group."""
+        return self.tp.rank
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage."""
+        return self.pp.rank
+
+    @property
+    def is_driver(self) -> bool:
+        """Whether this is global rank 0, the one whose Scheduler owns the sockets."""
+        return self.rank == 0
+
+
+def init_parallel(config: ParallelConfig, rank: int, device: torch.device) -> ParallelContext:
+    """Join global rank ``rank`` to the others at ``config.dist_init_addr``; build its groups.
+
+    Blocks until every rank has joined. Every rank creates every group, in
+    the same order, as ``torch.distributed.new_group`` requires.
+    """
+    config.check()
+    if config.dist_init_addr is None:
+        raise ValueError("dist_init_addr is needed to join the other ranks")
+    host, port = split_host_port(config.dist_init_addr)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = backend_for(device)
+    dist.init_process_group(backend, init_method=f"tcp://{_format_host(host)}:{port}",
+                            world_size=config.world_size, rank=rank, timeout=_INIT_TIMEOUT)
+    tp_size, pp_size = config.tp_size, config.pp_size
+    tp_groups = [list(range(stage * tp_size, (stage + 1) * tp_size)) for stage in range(pp_size)]
+    pp_groups = [list(range(tp_rank, config.world_size, tp_size)) for tp_rank in range(tp_size)]
+    tp = _pick_group(tp_groups, rank, backend, _INIT_TIMEOUT)
+    pp = _pick_group(pp_groups, rank, backend, _INIT_TIMEOUT)
+    everyone = list(range(config.world_size))
+    control = GroupCoordinator(
+        dist.new_group(everyone, backend="gloo", timeout=_CONTROL_TIMEOUT), everyone, rank)
+    heartbeat = None
+    if config.nnodes > 1:  # one node's launcher sees every rank's process itself
+        heartbeat = GroupCoordinator(
+            dist.new_group(everyone, backend="gloo", timeout=_HEARTBEAT_TIMEOUT), everyone, rank)
+    logger.info("rank %d of %d joined (tp rank %d of %d, pp stage %d of %d, %s)", rank,
+                config.world_size, tp.rank, tp.size, pp.rank, pp.size, backend)
+    return ParallelContext(config, rank, device, tp, pp, control, heartbeat)
+
+
+def start_heartbeat(group: GroupCoordinator, on_lost: Callable[[str], None],
+                    interval_s: float = HEARTBEAT_INTERVAL_S) -> threading.Thread:
+    """Exchange a beat with every rank every ``interval_s``; call ``on_lost`` when one fails.
+
+    The watchdog of ranks on several nodes: no launcher sees them all, and an
+    idle rank 0 waits on no collective that would fail when another node's
+    rank dies. A daemon thread, on a group of its own.
+    """
+    def beat() -> None:
+        pulse = torch.zeros(1)
+        while True:
+            if group.is_first:
+                time.sleep(interval_s)  # the others wait in the collective
+            try:
+                group.all_reduce(pulse)
+            except RuntimeError as exc:
+                on_lost(f"rank {group.ranks[group.rank]} lost contact with the other "
+                        f"scheduler ranks: {exc}")
+                return
+
+    thread = threading.Thread(target=beat, name="rank-heartbeat", daemon=True)
+    thread.start()
+    return thread
+
+
+def _pick_group(all_ranks: list[list[int]], rank: int, backend: str,
+                timeout: timedelta) -> GroupCoordinator:
+    mine: GroupCoordinator | None = None
+    for ranks in all_ranks:
+        group = dist.new_group(ranks, backend=backend, timeout=timeout)
+        if rank in ranks:
+            mine = GroupCoordinator(group, ranks, rank)
+    assert mine is not None  # every rank is in one group of each kind
+    return mine
+
+
+def _format_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def destroy_parallel() -> None:
+    """Leave the process groups (a no-op when none were joined)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,127 @@
+"""Keep every scheduler rank on the same steps: the driver announces, the others follow.
+
+Only global rank 0 runs a Scheduler: it receives the requests, chooses each
+batch and samples. Before each model step it broadcasts what the step is
+(``announce_forward``), over the control group, so that every other rank runs
+that very batch on its share of the model: the ``ForwardBatch`` (moved to
+the CPU) and the rows of ``req_to_token`` the batch reads, which the
+followers copy into their own request pool before running it. Weight updates
+are announced the same way. A ``Follower`` is the loop of a rank other than 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Protocol
+
+import torch
+
+from framework.distributed.parallel_state import GroupCoordinator
+from framework.forward_batch import ForwardBatch
+
+logger = logging.getLogger("framework.distributed")
+
+
+class FollowedRunner(Protocol):
+    """What a follower drives: the ``ModelRunner`` of its rank."""
+
+    device: torch.device
+
+    def forward(self, batch: ForwardBatch) -> Any:
+        """Run one step (a follower's runner announces nothing)."""
+
+    def update_weights_from_disk(self, model_path: str, load_format: str) -> tuple[bool, str]:
+        """Load new weights."""
+
+
+@dataclasses.dataclass
+class ForwardStep:
+    """One model step: the batch and the ``req_to_token`` rows it reads."""
+
+    batch: ForwardBatch
+    rows: torch.Tensor  # [B, max seq_len] int64, rows batch.req_pool_indices of req_to_token
+
+
+@dataclasses.dataclass
+class WeightUpdate:
+    """Load new weights from ``model_path``."""
+
+    model_path: str
+    load_format: str
+
+
+def batch_to(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
+    """A copy of ``batch`` with every tensor on ``device``."""
+    changes = {f.name: value.to(device) for f in dataclasses.fields(batch)
+               if isinstance(value := getattr(batch, f.name), torch.Tensor)}
+    return dataclasses.replace(batch, **changes)
+
+
+def announce_forward(control: GroupCoordinator, batch: ForwardBatch,
+                     req_to_token: torch.Tensor) -> None:
+    """Tell the other ranks to run ``batch`` (driver side)."""
+    longest = int(batch.seq_lens.max()) if batch.batch_size else 0
+    rows = req_to_token[batch.req_pool_indices, :longest]
+    _announce(control, ForwardStep(batch_to(batch, torch.device("cpu")), rows.cpu()))
+
+
+def announce_weight_update(control: GroupCoordinator, model_path: str, load_format: str) -> None:
+    """Tell the other ranks to load new weights (driver side)."""
+    _announce(control, WeightUpdate(model_path, load_format))
+
+
+def _announce(control: GroupCoordinator, command: ForwardStep | WeightUpdate) -> None:
+    try:
+        control.broadcast_object(command)
+    except RuntimeError as exc:
+        # Another rank is gone (on another node, the launcher here cannot see it): no step
+        # can run any more. SystemExit passes the Scheduler's per-request containment, so
+        # that this rank ends and the server goes down with the reason.
+        raise SystemExit(f"rank 0 lost contact with the other scheduler ranks: {exc}") from exc
+
+
+class Follower:
+    """The loop of a rank other than 0: run whatever the driver announces, forever.
+
+    It ends when the process is terminated, or with ``SystemExit`` when the
+    driver's connection breaks (the driver died). A step that fails is
+    logged and followed by the next one, as rank 0 contains it too.
+    """
+
+    def __init__(self, control: GroupCoordinator, runner: FollowedRunner,
+                 req_to_token: torch.Tensor) -> None:
+        self.control = control
+        self.runner = runner
+        self.req_to_token = req_to_token  # the runner's request pool, filled as the driver's
+
+    def run(self) -> None:
+        """Follow the driver's steps until the process ends."""
+        while True:
+            try:
+                command = self.control.broadcast_object()
+            except RuntimeError as exc:
+                rank = self.control.rank
+                raise SystemExit(f"rank {rank} lost contact with rank 0: {exc}") from exc
+            self.follow_one(command)
+
+    def follow_one(self, command: Any) -> None:
+        """Carry out one announced command."""
+        if isinstance(command, ForwardStep):
+            batch = batch_to(command.batch, self.runner.device)
+            rows = command.rows.to(self.runner.device)
+            self.req_to_token[batch.req_pool_indices, :rows.shape[1]] = rows
+            try:
+                self.runner.forward(batch)
+            except Exception:
+                # Every rank runs the same step on the same inputs, so rank 0 failed too and
+                # retries the batch request by request: follow on rather than end the server.
+                # A lost rank shows at the next command, which then ends this one.
+                logger.exception("rank %d: a step failed", self.control.rank)
+        elif isinstance(command, WeightUpdate):
+            ok, message = self.runner.update_weights_from_disk(command.model_path,
+                                                               command.load_format)
+            if not ok:
+                logger.error("rank %d: %s", self.control.rank, message)
+        else:
+            raise RuntimeError(f"unknown command from rank 0: {type(command).__name__}")

@@ -1,0 +1,333 @@
+"""Data parallelism: ``--dp-size N`` scheduler replicas behind one TokenizerManager.
+
+Each replica is a whole copy of the model: its own Scheduler (its own KV cache
+and prefix cache) and its own Detokenizer, on channels of its own (one
+``PortArgs`` per replica). No address is shared between replicas, so a
+transport that allows one sending process per address (the shm ring) works
+as it does with one replica.
+
+The routing lives in the TokenizerManager's process, so a request takes no
+extra hop: ``DataParallelRouter`` picks the replica of each new request with a
+``LoadBalancer`` (``--load-balance-method``), remembers which replica holds
+each request id so that its abort goes there, and sends everything else
+(``abort_all``, RPCs such as a cache flush or a weight update) to every
+replica. With one replica it routes everything to that one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from framework.comm.transport import Receiver, RpcClient, Sender, Transport
+from framework.config import PortArgs
+from framework.messages import (
+    AbortReq,
+    ErrorReply,
+    FlushCacheReqOutput,
+    Message,
+    SchedulerMetrics,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
+    UpdateWeightsFromDiskReqOutput,
+)
+from framework.registry import create_codec
+
+_NewRequest = TokenizedGenerateReqInput | TokenizedEmbeddingReqInput
+# Scheduler info fields that are totals over replicas in ``get_server_info``.
+_SUMMED_INFO = ("num_running_reqs", "num_waiting_reqs", "max_total_tokens",
+                "available_kv_tokens", "evictable_kv_tokens", "aborted_requests",
+                "failed_requests", "retracted_requests", "extend_steps", "decode_steps",
+                "step_seconds", "forward_seconds")
+
+
+def replica_name(index: int) -> str:
+    """How logs, errors and ``/get_server_info`` name replica ``index``."""
+    return f"replica {index}"
+
+
+@dataclass
+class ReplicaChannels:
+    """The TokenizerManager's ends of one replica's channels (bound or connected at once)."""
+
+    index: int
+    send_to_scheduler: Sender
+    rpc: RpcClient
+    recv_from_detokenizer: Receiver
+    recv_from_scheduler: Receiver
+    recv_metrics: Receiver
+
+    @classmethod
+    def open(cls, index: int, transport: Transport, port_args: PortArgs,
+             codec: str) -> ReplicaChannels:
+        """Bind the receivers (the replica's components connect to them) and connect the rest."""
+        recv_from_detokenizer = transport.receiver(port_args.tokenizer_input, create_codec(codec))
+        recv_from_scheduler = transport.receiver(port_args.embedding_output, create_codec(codec))
+        recv_metrics = transport.receiver(port_args.metrics, create_codec(codec))
+        return cls(
+            index=index,
+            send_to_scheduler=transport.sender(port_args.scheduler_input, create_codec(codec)),
+            rpc=transport.client(port_args.rpc, create_codec(codec)),
+            recv_from_detokenizer=recv_from_detokenizer,
+            recv_from_scheduler=recv_from_scheduler,
+            recv_metrics=recv_metrics,
+        )
+
+    def close(self) -> None:
+        """Close every end."""
+        for end in (self.recv_from_detokenizer, self.recv_from_scheduler, self.recv_metrics,
+                    self.send_to_scheduler, self.rpc):
+            end.close()
+
+
+@dataclass
+class ReplicaLoad:
+    """What the front knows of one replica's load.
+
+    ``in_flight_tokens`` counts, for every request routed there and not ended,
+    its prompt plus its ``max_new_tokens``: the tokens it waits to run or runs
+    with, as of now. ``metrics`` is the replica's own last report (about once
+    a second).
+    """
+
+    index: int
+    routed_requests: int = 0
+    in_flight_requests: int = 0
+    in_flight_tokens: int = 0
+    metrics: SchedulerMetrics | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The load as ``/get_server_info`` shows it."""
+        reported = None
+        if self.metrics is not None:
+            reported = {f: getattr(self.metrics, f) for f in self.metrics.__struct_fields__}
+        return {"routed_requests": self.routed_requests,
+                "in_flight_requests": self.in_flight_requests,
+                "in_flight_tokens": self.in_flight_tokens, "metrics": reported}
+
+
+def request_tokens(msg: _NewRequest) -> int:
+    """The load a new request brings: its prompt plus the most tokens it may generate."""
+    if isinstance(msg, TokenizedGenerateReqInput):
+        return len(msg.input_ids) + msg.sampling_params.max_new_tokens
+    return len(msg.input_ids)
+
+
+class LoadBalancer:
+    """Picks the replica of each new request; subclass and override ``choose``."""
+
+    def choose(self, loads: Sequence[ReplicaLoad], msg: _NewRequest) -> int:
+        """The index (into ``loads``) of the replica that gets ``msg``."""
+        raise NotImplementedError
+
+
+class RoundRobin(LoadBalancer):
+    """Each replica in turn."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, loads: Sequence[ReplicaLoad], msg: _NewRequest) -> int:
+        """The replica after the previous pick."""
+        index = self._next % len(loads)
+        self._next = index + 1
+        return index
+
+
+class ShortestQueue(LoadBalancer):
+    """The replica with the fewest tokens in flight (waiting plus running).
+
+    The count is the front's own (``ReplicaLoad.in_flight_tokens``), exact at
+    the moment of the choice: the replicas' metrics come about once a second,
+    and a burst of requests between two reports would otherwise all go to
+    the replica that looked idle. Ties go to the replicas in turn, so an idle
+    server still spreads its requests.
+    """
+
+    def __init__(self) -> None:
+        self._start = 0
+
+    def choose(self, loads: Sequence[ReplicaLoad], msg: _NewRequest) -> int:
+        """The least loaded replica, the first in turn among equals."""
+        count = len(loads)
+        order = [(self._start + step) % count for step in range(count)]
+        best = min(order, key=lambda i: loads[i].in_flight_tokens)
+        self._start = (best + 1) % count
+        return best
+
+
+LOAD_BALANCERS: dict[str, type[LoadBalancer]] = {
+    "round_robin": RoundRobin,
+    "shortest_queue": ShortestQueue,
+}
+
+
+def make_load_balancer(method: str) -> LoadBalancer:
+    """The balancer named by ``--load-balance-method``."""
+    try:
+        return LOAD_BALANCERS[method]()
+    except KeyError:
+        raise ValueError(f"load_balance_method must be one of {', '.join(LOAD_BALANCERS)}, "
+                         f"got {method!r}") from None
+
+
+@dataclass
+class _Placement:
+    replica: int
+    tokens: int
+
+
+@dataclass
+class DataParallelRouter:
+    """Sends each message bound for the Schedulers to the replica(s) it concerns.
+
+    New requests go where ``balancer`` says, and their replica is remembered
+    until ``forget`` (the request ended) or their abort; an abort of a known
+    request goes to its replica only; anything else (``abort_all``, an abort
+    of an unknown id, RPCs) goes to every replica.
+    """
+
+    replicas: list[ReplicaChannels]
+    balancer: LoadBalancer
+    loads: list[ReplicaLoad] = field(init=False)
+    _placements: dict[str, _Placement] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.replicas:
+            raise ValueError("a router needs at least one replica")
+        self.loads = [ReplicaLoad(r.index) for r in self.replicas]
+
+    def targets(self, msg: Message) -> list[int]:
+        """The replicas ``msg`` goes to (and the bookkeeping of sending it there)."""
+        if isinstance(msg, (TokenizedGenerateReqInput, TokenizedEmbeddingReqInput)):
+            return [self._place(msg)]
+        if isinstance(msg, AbortReq) and not msg.abort_all:
+            placement = self._release(msg.rid)
+            if placement is not None:
+                return [placement.replica]
+        return list(range(len(self.replicas)))
+
+    def replica_of(self, rid: str) -> int | None:
+        """The replica that holds ``rid``, while it is in flight."""
+        placement = self._placements.get(rid)
+        return None if placement is None else placement.replica
+
+    def _place(self, msg: _NewRequest) -> int:
+        # One replica needs no choice (and no balancer state).
+        index = 0 if len(self.replicas) == 1 else self.balancer.choose(self.loads, msg)
+        self._release(msg.rid)  # a stale entry of a reused id
+        placement = _Placement(index, request_tokens(msg))
+        self._placements[msg.rid] = placement
+        load = self.loads[index]
+        load.routed_requests += 1
+        load.in_flight_requests += 1
+        load.in_flight_tokens += placement.tokens
+        return index
+
+    def _release(self, rid: str) -> _Placement | None:
+        placement = self._placements.pop(rid, None)
+        if placement is not None:
+            load = self.loads[placement.replica]
+            load.in_flight_requests -= 1
+            load.in_flight_tokens -= placement.tokens
+        return placement
+
+    def forget(self, rid: str) -> None:
+        """``rid`` ended (or never reached a replica): it no longer counts as load."""
+        self._release(rid)
+
+    async def send(self, msg: Message) -> None:
+        """Send ``msg`` to its replica(s), waiting for room in each channel."""
+        for index in self.targets(msg):
+            await self.replicas[index].send_to_scheduler.send(msg)
+
+    def send_nowait(self, msg: Message) -> None:
+        """Send ``msg`` to its replica(s) without waiting (callers without an event loop)."""
+        for index in self.targets(msg):
+            self.replicas[index].send_to_scheduler.send_nowait(msg)
+
+    async def call_all(self, msg: Message, timeout: float) -> list[Message]:
+        """``msg`` to every replica's Scheduler at once; the replies in replica order."""
+        return list(await asyncio.gather(*(r.rpc.call(msg, timeout) for r in self.replicas)))
+
+    def record_metrics(self, index: int, metrics: SchedulerMetrics) -> SchedulerMetrics:
+        """Keep replica ``index``'s report; return the whole server's (the sum over replicas)."""
+        self.loads[index].metrics = metrics
+        reports = [load.metrics for load in self.loads if load.metrics is not None]
+        return metrics if len(self.loads) == 1 else total_metrics(reports)
+
+    def merged_info(self, infos: Sequence[dict[str, Any]], method: str) -> dict[str, Any]:
+        """``get_server_info``'s Scheduler part for several replicas.
+
+        Each replica's own answer (with its load) is under ``replicas``; the
+        top level holds what is true of the whole server.
+        """
+        replicas = [{"replica": i, **info, "load": self.loads[i].as_dict()}
+                    for i, info in enumerate(infos)]
+
+        def total(key: str) -> int | float:
+            return sum(value for info in infos
+                       if isinstance(value := info.get(key), (int, float)))
+
+        merged: dict[str, Any] = {
+            "dp_size": len(infos),
+            "load_balance_method": method,
+            "kv_cache_idle_and_free": all(info.get("kv_cache_idle_and_free") for info in infos),
+            "context_length": infos[0].get("context_length"),
+        }
+        # Counts and seconds add up over replicas (the seconds are summed, not wall time).
+        merged.update({key: total(key) for key in _SUMMED_INFO})
+        merged["replicas"] = replicas
+        return merged
+
+
+def total_metrics(reports: Sequence[SchedulerMetrics]) -> SchedulerMetrics:
+    """One report for several replicas: counts and throughputs add up, usage is pooled."""
+    used = sum(m.num_used_tokens for m in reports)
+    capacity = sum(m.max_total_tokens for m in reports)
+    return SchedulerMetrics(
+        num_running_reqs=sum(m.num_running_reqs for m in reports),
+        num_waiting_reqs=sum(m.num_waiting_reqs for m in reports),
+        num_used_tokens=used, max_total_tokens=capacity,
+        token_usage=used / max(capacity, 1),
+        gen_throughput=sum(m.gen_throughput for m in reports),
+        # Each report's window rate; their mean is as good a summary as one window allows.
+        cache_hit_rate=sum(m.cache_hit_rate for m in reports) / max(len(reports), 1),
+        timestamp=max((m.timestamp for m in reports), default=0.0),
+    )
+
+
+def merge_replies(replies: Sequence[Message]) -> Message:
+    """One reply for an RPC every replica answered: success only if every one succeeded.
+
+    The message names each replica's own answer. One reply is returned as it is.
+    """
+    if len(replies) == 1:
+        return replies[0]
+    first = replies[0]
+    if isinstance(first, (FlushCacheReqOutput, UpdateWeightsFromDiskReqOutput)):
+        success = all(getattr(r, "success", False) for r in replies)
+        message = "; ".join(f"{replica_name(i)}: {getattr(r, 'message', '') or 'ok'}"
+                            for i, r in enumerate(replies))
+        if isinstance(first, FlushCacheReqOutput):
+            return FlushCacheReqOutput(success=success, message=message)
+        paused = sum(getattr(r, "num_paused_requests", 0) for r in replies)
+        return UpdateWeightsFromDiskReqOutput(success=success, message=message,
+                                              num_paused_requests=paused)
+    return first
+
+
+def check_replies(replies: Sequence[Message]) -> None:
+    """Raise ``RuntimeError`` with the message of a replica that answered with an error."""
+    for index, reply in enumerate(replies):
+        if isinstance(reply, ErrorReply):
+            if len(replies) == 1:
+                raise RuntimeError(reply.message)
+            raise RuntimeError(f"{replica_name(index)}: {reply.message}")
+
+
+def replica_port_args(port_args: PortArgs | Sequence[PortArgs]) -> list[PortArgs]:
+    """The channels of each replica: one ``PortArgs``, or one per replica."""
+    return [port_args] if isinstance(port_args, PortArgs) else list(port_args)

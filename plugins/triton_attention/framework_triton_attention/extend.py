@@ -1,0 +1,187 @@
+"""Extend (prefill) attention: new tokens over a cached prefix, then causally over themselves.
+
+One program handles one request, one KV head and ``BLOCK_M`` rows, where a row
+is a (new token, query head of the group) pair: row ``r`` is token
+``r // group``, head ``kv_head * group + r % group``. Folding the group's heads
+into the rows makes every key and value tile serve the whole group in one
+``tl.dot``, so grouped-query attention needs no repeated K/V.
+
+The program first walks the request's cached prefix in the paged pool (slots
+``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``), which every new token sees
+whole, then the request's new keys and values, read straight from the packed
+``k``/``v`` of the step (``qo_indptr[b]:qo_indptr[b + 1]``) under the causal
+mask, keeping a running max and sum (online softmax) so that scores are never
+materialized. A prefill with no cached prefix anywhere in the batch is the
+same kernel compiled without the prefix walk (``HAS_PREFIX=False``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from framework_triton_attention.common import (
+    LOG2E,
+    check_head_dim,
+    dot_precision,
+    is_interpreter,
+)
+
+
+@triton.jit
+def _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of base-2 scores ``qk`` (masked entries ``-inf``) and values ``v`` in."""
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    # Rows that have seen no key yet (padding rows) keep m = -inf; shift them by 0 instead,
+    # so that no -inf - -inf turns into NaN.
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - shift)
+    p = tl.exp2(qk - shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, k_buffer_ptr, v_buffer_ptr,
+    qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr,
+    qk_scale,  # the softmax scale times log2(e): scores in base 2
+    stride_q_tok, stride_q_head,
+    stride_k_tok, stride_k_head,
+    stride_v_tok, stride_v_head,
+    stride_o_tok, stride_o_head,
+    stride_kb_slot, stride_kb_head,
+    stride_vb_slot, stride_vb_head,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Attention output of ``BLOCK_M`` (new token, head) rows of one request and KV head."""
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    row_start = tl.program_id(2) * BLOCK_M
+
+    qo_start = tl.load(qo_indptr_ptr + req)
+    num_new = tl.load(qo_indptr_ptr + req + 1) - qo_start
+    # A request with fewer new tokens than the batch's longest leaves its last blocks empty:
+    # they walk no keys and store nothing.
+    block_empty = row_start >= num_new * GROUP
+
+    rows = row_start + tl.arange(0, BLOCK_M)
+    tokens = rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    row_valid = tokens < num_new
+    dims = tl.arange(0, HEAD_DIM)
+    # Packed-token offsets in int64: a long prefill times a wide row can pass 2**31.
+    q_rows = (qo_start + tokens).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_q_tok
+                + heads[:, None] * stride_q_head + dims[None, :],
+                mask=row_valid[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    if HAS_PREFIX:
+        kv_start = tl.load(kv_indptr_ptr + req)
+        prefix_len = tl.load(kv_indptr_ptr + req + 1) - kv_start
+        prefix_hi = tl.where(block_empty, 0, prefix_len)
+        for start in range(0, prefix_hi, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            in_prefix = pos < prefix_len
+            slots = tl.load(kv_indices_ptr + kv_start + pos, mask=in_prefix, other=0)
+            slots = slots.to(tl.int64)
+            k = tl.load(k_buffer_ptr + slots[:, None] * stride_kb_slot
+                        + kv_head * stride_kb_head + dims[None, :],
+                        mask=in_prefix[:, None], other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            qk = tl.where(in_prefix[None, :], qk, float("-inf"))
+            v = tl.load(v_buffer_ptr + slots[:, None] * stride_vb_slot
+                        + kv_head * stride_vb_head + dims[None, :],
+                        mask=in_prefix[:, None], other=0.0)
+            m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION)
+
+    # The block's last token sees new keys up to itself: no tile past it is needed.
+    new_hi = tl.where(block_empty, 0,
+                      tl.minimum(num_new, (row_start + BLOCK_M - 1) // GROUP + 1))
+    for start in range(0, new_hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        in_new = pos < num_new
+        kv_rows = (qo_start + pos).to(tl.int64)
+        k = tl.load(k_ptr + kv_rows[:, None] * stride_k_tok
+                    + kv_head * stride_k_head + dims[None, :],
+                    mask=in_new[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = in_new[None, :] & (pos[None, :] <= tokens[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+        v = tl.load(v_ptr + kv_rows[:, None] * stride_v_tok
+                    + kv_head * stride_v_head + dims[None, :],
+                    mask=in_new[:, None], other=0.0)
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION)
+
+    # Valid rows saw at least their own key, so l_i > 0 there; padding rows are not stored.
+    out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
+    tl.store(o_ptr + q_rows[:, None] * stride_o_tok
+             + heads[:, None] * stride_o_head + dims[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+def extend_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps)``, picked so that no configuration spills registers.
+
+    Checked with ptxas for sm_90: float32 dots run on the CUDA cores in full
+    precision and hold far more in registers than 16-bit tensor-core dots.
+    """
+    if dtype == torch.float32:
+        if head_dim <= 32:
+            return 32, 32, 8
+        return (16, 16, 8) if head_dim <= 128 else (32, 16, 8)
+    if head_dim <= 64:
+        return 64, 64, 4
+    return (64, 64, 8) if head_dim <= 128 else (32, 16, 4)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    max_new_tokens: int,
+    sm_scale: float,
+    has_prefix: bool = True,
+) -> None:
+    """Write into ``o`` ``[T, heads, dim]`` the causal attention of the new tokens.
+
+    ``q`` ``[T, heads, dim]``, ``k``/``v`` ``[T, kv_heads, dim]``: the new tokens of all
+    requests packed, request ``b``'s at ``qo_indptr[b]:qo_indptr[b + 1]`` (at most
+    ``max_new_tokens``). Its cached prefix is at slots
+    ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` of ``k_buffer``/``v_buffer``
+    ``[slots, kv_heads, dim]``. ``has_prefix=False`` promises every prefix is empty
+    and skips the prefix walk (plain prefill).
+    """
+    batch = qo_indptr.shape[0] - 1
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[1]
+    check_head_dim(head_dim)
+    group = num_heads // num_kv_heads
+    block_m, block_n, num_warps = extend_config(head_dim, q.dtype)
+    grid = (batch, num_kv_heads, triton.cdiv(max_new_tokens * group, block_m))
+    extra = {} if is_interpreter() else {"num_warps": num_warps, "num_stages": 2}
+    _extend_kernel[grid](
+        q, k, v, o, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+        sm_scale * LOG2E,  # scores in base 2, so that the softmax can use exp2
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1),
+        o.stride(0), o.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, HAS_PREFIX=has_prefix,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype), **extra,
+    )

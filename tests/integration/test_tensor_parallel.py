@@ -1,0 +1,170 @@
+"""``--tp-size 2`` and ``--pp-size 2`` on CPU over gloo: two ranks, each holding its share.
+
+Through the Engine, the greedy tokens must be those of one rank (float32, the
+tiny model) while each rank reports its share of the parameter and KV bytes
+(half of every matrix with TP, its own layers with PP). A
+two-rank harness that drives the ``ModelRunner`` directly shows the
+all-reduce is load-bearing: replaced by a no-op, the tokens change. (A killed
+rank ending the server is tested through ``framework serve``, in
+``tests/e2e/test_tensor_parallel_server.py``.)
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+from queue import Empty
+from typing import Any
+
+import pytest
+import torch
+
+from framework import Engine
+from framework.comm.zmq import free_tcp_port
+from framework.config import ServerArgs
+from framework.distributed.config import ParallelConfig
+from framework.model_executor.model_runner import ModelRunner
+from tests.model_fixtures import make_tiny_checkpoint, make_tiny_tokenizer, tiny_config
+
+PROMPTS = ["the quick brown fox", "hello world, this is a test", "def add(a, b):", "x"]
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+ENGINE_ARGS = {"log_level": "warning", "dtype": "float32"}
+HARNESS_STEPS = 6
+HARNESS_TIMEOUT_S = 120.0  # a liveness bound for the two-rank harness
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tp"), "llama", seed=11)
+
+
+@pytest.fixture(scope="module")
+def one_rank(model_dir: Path) -> dict[str, Any]:
+    """Greedy tokens and server info of the model on one rank."""
+    with Engine(model_path=str(model_dir), launch_mode="thread", **ENGINE_ARGS) as engine:
+        return {"outputs": [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)],
+                "info": engine.get_server_info()}
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_give_one_rank_s_tokens_each_holding_half(
+    model_dir: Path, one_rank: dict[str, Any], tmp_path: Path
+) -> None:
+    other = make_tiny_checkpoint(tmp_path, "llama", seed=12)  # same shapes, other weights
+    with Engine(model_path=str(other), launch_mode="thread", **ENGINE_ARGS) as engine:
+        other_outputs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
+    with Engine(model_path=str(model_dir), tp_size=2, **ENGINE_ARGS) as engine:
+        outputs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
+        # Again: the prompts' KV is now reused from the prefix cache, on every rank.
+        cached = engine.generate(PROMPTS, GREEDY)
+        info = engine.get_server_info()
+        ready = dict(engine.components.scheduler_infos)
+        # A weight update reaches every rank, each loading its own slice.
+        assert engine.update_weights_from_disk(str(other)).success
+        updated = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
+    assert outputs == one_rank["outputs"]
+    assert [o["output_ids"] for o in cached] == outputs
+    assert sum(o["meta_info"]["cached_tokens"] for o in cached) > 0
+    assert updated == other_outputs
+    assert info["tp_size"] == 2 and info["kv_cache_idle_and_free"] is True, info
+    assert sorted(ready) == [(0, 0), (0, 1)]
+    assert ready[0, 0]["pid"] != ready[0, 1]["pid"]  # two scheduler processes
+    whole = one_rank["info"]
+    for rank in (0, 1):
+        # Every weight matrix is split, the norms are replicated: a little over half.
+        params = info[f"param_bytes_rank_{rank}"]
+        assert 0.45 * whole["param_bytes_rank_0"] <= params <= 0.55 * whole["param_bytes_rank_0"]
+        # Two key/value heads, one per rank.
+        assert info[f"kv_cache_bytes_rank_{rank}"] * 2 == whole["kv_cache_bytes_rank_0"]
+    assert "param_bytes_rank_2" not in info
+    # One rank (the thread-mode Engine of this process) never touched torch.distributed.
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.timeout(240)
+def test_two_pipeline_stages_give_one_rank_s_tokens_each_holding_its_layers(
+    model_dir: Path, one_rank: dict[str, Any]
+) -> None:
+    with Engine(model_path=str(model_dir), pp_size=2, **ENGINE_ARGS) as engine:
+        outputs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
+        # Prompt logprobs travel back from the last stage with the next-token logits.
+        scored = engine.generate(PROMPTS[1], GREEDY, return_logprob=True, logprob_start_len=0)
+        info = engine.get_server_info()
+    assert outputs == one_rank["outputs"]
+    assert len(scored["meta_info"]["input_token_logprobs"]) > 1
+    assert info["pp_size"] == 2 and info["kv_cache_idle_and_free"] is True, info
+    whole = one_rank["info"]
+    config = tiny_config("llama")
+    embedding = config.vocab_size * config.hidden_size * 4  # float32 bytes
+    for stage in (0, 1):
+        # Stage 0: the embedding and layer 0; stage 1: layer 1, the final norm and the head.
+        params = info[f"param_bytes_rank_{stage}"]
+        layers_only = whole["param_bytes_rank_0"] - 2 * embedding
+        assert abs(params - embedding - layers_only / 2) <= config.hidden_size * 4, stage
+        assert info[f"kv_cache_bytes_rank_{stage}"] * 2 == whole["kv_cache_bytes_rank_0"]
+
+
+# --------------------------------------------------------------------------- the harness
+
+
+def _runner_args(model_dir: str, tp_size: int) -> ServerArgs:
+    return ServerArgs(model_path=model_dir, tp_size=tp_size, device="cpu", dtype="float32",
+                      max_running_requests=8, max_total_tokens=1024)
+
+
+def _greedy_tokens(runner: ModelRunner) -> list[list[int]]:
+    """Greedy tokens of every prompt, driving the runner as the Scheduler does."""
+    from tests.unit.test_llama_models import Driver, greedy
+
+    tokenizer = make_tiny_tokenizer()
+    driver = Driver(runner)
+    requests = driver.start(len(PROMPTS))
+    logits = driver.extend(requests, [tokenizer(p).input_ids for p in PROMPTS])
+    tokens, _ = greedy(driver, requests, logits, HARNESS_STEPS)
+    return tokens
+
+
+def _harness_rank(rank: int, port: int, model_dir: str, no_op_all_reduce: bool,
+                  results: Any) -> None:
+    """One of two TP ranks: rank 0 drives greedy steps, rank 1 follows them."""
+    torch.set_num_threads(1)
+    from framework.distributed.parallel_state import init_parallel
+    from framework.distributed.step_sync import Follower
+
+    config = ParallelConfig(tp_size=2, dist_init_addr=f"127.0.0.1:{port}")
+    context = init_parallel(config, rank, torch.device("cpu"))
+    if no_op_all_reduce:
+        context.tp.all_reduce = lambda x: x  # type: ignore[method-assign]
+    runner = ModelRunner(_runner_args(model_dir, 2), model_dir, parallel=context)
+    if rank == 0:
+        results.put(_greedy_tokens(runner))
+    else:
+        Follower(context.control, runner, runner.pools.req_to_token_pool.req_to_token).run()
+
+
+def run_two_ranks(model_dir: Path, *, no_op_all_reduce: bool) -> list[list[int]]:
+    """Rank 0's greedy tokens from a two-rank harness; both processes are ended."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_tcp_port()
+    ranks = [ctx.Process(target=_harness_rank, daemon=True,
+                         args=(rank, port, str(model_dir), no_op_all_reduce, results))
+             for rank in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        return results.get(timeout=HARNESS_TIMEOUT_S)
+    except Empty:
+        pytest.fail("the two-rank harness gave no tokens")
+    finally:
+        for process in reversed(ranks):  # the follower first: it never returns by itself
+            process.kill()
+            process.join(10)
+        results.close()
+
+
+@pytest.mark.timeout(240)
+def test_the_all_reduce_is_what_makes_the_ranks_agree(model_dir: Path) -> None:
+    reference = _greedy_tokens(ModelRunner(_runner_args(str(model_dir), 1), str(model_dir)))
+    assert run_two_ranks(model_dir, no_op_all_reduce=False) == reference
+    assert run_two_ranks(model_dir, no_op_all_reduce=True) != reference

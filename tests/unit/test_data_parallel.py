@@ -1,0 +1,180 @@
+"""The data-parallel router and balancers, and the launch plan of ``--dp-size``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from framework.comm.inproc import InprocTransport
+from framework.config import PortArgs, ServerArgs
+from framework.messages import (
+    AbortReq,
+    ErrorReply,
+    FlushCacheReqInput,
+    FlushCacheReqOutput,
+    SchedulerMetrics,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
+    UpdateWeightsFromDiskReqOutput,
+)
+from framework.runtime.data_parallel import (
+    DataParallelRouter,
+    LoadBalancer,
+    ReplicaChannels,
+    ReplicaLoad,
+    RoundRobin,
+    ShortestQueue,
+    check_replies,
+    make_load_balancer,
+    merge_replies,
+    total_metrics,
+)
+from framework.runtime.launch import ComponentTree, plan_components
+from framework.sampling_params import SamplingParams
+
+
+def generate(rid: str, prompt_len: int = 4, max_new_tokens: int = 10) -> TokenizedGenerateReqInput:
+    return TokenizedGenerateReqInput(
+        rid=rid, input_text="", input_ids=list(range(prompt_len)),
+        sampling_params=SamplingParams(max_new_tokens=max_new_tokens))
+
+
+def loads(*tokens: int) -> list[ReplicaLoad]:
+    return [ReplicaLoad(i, in_flight_tokens=t) for i, t in enumerate(tokens)]
+
+
+@pytest.fixture
+def router() -> Iterator[DataParallelRouter]:
+    transport = InprocTransport()
+    port_args = [PortArgs.create(transport) for _ in range(3)]
+    replicas = [ReplicaChannels.open(i, transport, p, "pickle") for i, p in enumerate(port_args)]
+    yield DataParallelRouter(replicas, RoundRobin())
+    for replica, channels in zip(replicas, port_args):
+        replica.close()
+        channels.cleanup()
+
+
+def test_round_robin_takes_each_replica_in_turn() -> None:
+    balancer = RoundRobin()
+    assert [balancer.choose(loads(0, 0, 0), generate("r")) for _ in range(7)] == [
+        0, 1, 2, 0, 1, 2, 0]
+
+
+def test_shortest_queue_picks_the_fewest_tokens_and_takes_ties_in_turn() -> None:
+    balancer = ShortestQueue()
+    assert balancer.choose(loads(50, 7, 30), generate("r")) == 1
+    assert balancer.choose(loads(5, 7, 30), generate("r")) == 0
+    # All equal (an idle server): every replica in turn, not always the first.
+    assert [balancer.choose(loads(0, 0, 0), generate("r")) for _ in range(3)] == [1, 2, 0]
+
+
+def test_load_balancers_by_name() -> None:
+    assert isinstance(make_load_balancer("round_robin"), RoundRobin)
+    assert isinstance(make_load_balancer("shortest_queue"), ShortestQueue)
+    with pytest.raises(ValueError, match="load_balance_method must be one of"):
+        make_load_balancer("random")
+
+
+def test_new_requests_are_placed_and_counted_as_load(router: DataParallelRouter) -> None:
+    assert router.targets(generate("a", prompt_len=4, max_new_tokens=10)) == [0]
+    assert router.targets(generate("b")) == [1]
+    embed = TokenizedEmbeddingReqInput(rid="c", input_text="", input_ids=[1, 2, 3])
+    assert router.targets(embed) == [2]
+    assert [load.in_flight_tokens for load in router.loads] == [14, 14, 3]
+    assert [router.replica_of(rid) for rid in "abc"] == [0, 1, 2]
+    router.forget("a")
+    assert router.replica_of("a") is None
+    assert router.loads[0].in_flight_tokens == 0 and router.loads[0].in_flight_requests == 0
+    assert router.loads[0].routed_requests == 1  # what it received, for good
+
+
+def test_an_abort_reaches_the_replica_holding_the_request_only(
+    router: DataParallelRouter,
+) -> None:
+    for rid in "abc":
+        router.targets(generate(rid))
+    assert router.targets(AbortReq(rid="b")) == [1]
+    assert router.replica_of("b") is None and router.loads[1].in_flight_requests == 0
+    # An unknown id (already ended, or never routed) and abort_all go to every replica.
+    assert router.targets(AbortReq(rid="b")) == [0, 1, 2]
+    assert router.targets(AbortReq(abort_all=True)) == [0, 1, 2]
+    assert router.targets(FlushCacheReqInput()) == [0, 1, 2]
+
+
+def test_a_subclassed_balancer_is_used(router: DataParallelRouter) -> None:
+    class Last(LoadBalancer):
+        def choose(self, loads: list[ReplicaLoad], msg: object) -> int:  # type: ignore[override]
+            return len(loads) - 1
+
+    router.balancer = Last()
+    assert router.targets(generate("x")) == [2]
+
+
+def test_metrics_add_up_over_replicas(router: DataParallelRouter) -> None:
+    def report(running: int, used: int) -> SchedulerMetrics:
+        return SchedulerMetrics(num_running_reqs=running, num_waiting_reqs=1,
+                                num_used_tokens=used, max_total_tokens=100, token_usage=0.0,
+                                gen_throughput=10.0, cache_hit_rate=0.5, timestamp=1.0)
+
+    router.record_metrics(0, report(2, 10))
+    total = router.record_metrics(2, report(3, 50))
+    assert (total.num_running_reqs, total.num_waiting_reqs) == (5, 2)
+    assert total.token_usage == pytest.approx(60 / 200)
+    assert total.gen_throughput == 20.0
+    assert router.loads[2].as_dict()["metrics"]["num_running_reqs"] == 3
+    assert total_metrics([]).num_running_reqs == 0
+
+
+def test_replies_of_every_replica_are_merged_naming_each() -> None:
+    flushed = merge_replies([FlushCacheReqOutput(True, "freed 3"),
+                             FlushCacheReqOutput(False, "busy")])
+    assert isinstance(flushed, FlushCacheReqOutput)
+    assert not flushed.success
+    assert flushed.message == "replica 0: freed 3; replica 1: busy"
+    updated = merge_replies([UpdateWeightsFromDiskReqOutput(True, "", 2),
+                             UpdateWeightsFromDiskReqOutput(True, "", 1)])
+    assert isinstance(updated, UpdateWeightsFromDiskReqOutput)
+    assert updated.success and updated.num_paused_requests == 3
+    one = FlushCacheReqOutput(True, "freed 3")
+    assert merge_replies([one]) is one
+    with pytest.raises(RuntimeError, match="replica 1: boom"):
+        check_replies([one, ErrorReply("boom")])
+    with pytest.raises(RuntimeError, match=r"^boom$"):
+        check_replies([ErrorReply("boom")])
+
+
+def test_plan_starts_a_scheduler_and_a_detokenizer_per_replica() -> None:
+    specs = plan_components(ServerArgs(dp_size=2), num_ranks=1, cores=9)
+    assert [(s.kind, s.replica, s.name, s.torch_threads) for s in specs] == [
+        ("scheduler", 0, "scheduler replica 0", 4),
+        ("detokenizer", 0, "detokenizer replica 0", 1),
+        ("scheduler", 1, "scheduler replica 1", 4),
+        ("detokenizer", 1, "detokenizer replica 1", 1),
+    ]
+    ranks = plan_components(ServerArgs(dp_size=2), num_ranks=2, cores=9)
+    assert [(s.name, s.torch_threads) for s in ranks if s.kind == "scheduler"] == [
+        ("scheduler replica 0 rank 0", 2), ("scheduler replica 0 rank 1", 2),
+        ("scheduler replica 1 rank 0", 2), ("scheduler replica 1 rank 1", 2)]
+
+
+def test_each_replica_gets_its_own_addresses() -> None:
+    tree = ComponentTree(ServerArgs(dp_size=3, transport="shm"))
+    try:
+        addresses = [getattr(p, name) for p in tree.replica_port_args for name in PortArgs.CHANNELS]
+        assert len(set(addresses)) == len(addresses)
+        assert tree.tokenizer_port_args == tree.replica_port_args
+    finally:
+        tree.stop()
+    single = ComponentTree(ServerArgs())
+    try:
+        assert single.tokenizer_port_args is single.port_args
+    finally:
+        single.stop()
+
+
+def test_bad_data_parallel_settings_are_value_errors_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="dp_size must be at least 1, got 0"):
+        ComponentTree(ServerArgs(dp_size=0))
+    with pytest.raises(ValueError, match="load_balance_method"):
+        ComponentTree(ServerArgs(load_balance_method="random"))

@@ -1,0 +1,147 @@
+"""The parallel settings, the launcher's plan of ranks, and the refusals of impossible ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from framework.config import ServerArgs
+from framework.distributed.config import ParallelConfig, split_host_port, stage_layers
+from framework.layers.embedding import VocabParallelEmbedding
+from framework.layers.linear import RowParallelLinear, bind_tp_group
+from framework.models.llama import LlamaForCausalLM
+from framework.runtime.launch import ComponentTree, plan_components
+from tests.model_fixtures import make_tiny_checkpoint, tiny_config
+
+
+def test_rank_layout_puts_consecutive_ranks_on_each_node() -> None:
+    config = ParallelConfig(tp_size=2, pp_size=2, nnodes=2, node_rank=1,
+                            dist_init_addr="10.0.0.1:1234")
+    config.check()
+    assert config.world_size == 4 and config.ranks_per_node == 2
+    assert list(config.local_ranks()) == [2, 3]
+    assert not ParallelConfig().is_parallel
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"tp_size": 0}, "tp_size must be at least 1, got 0"),
+    ({"pp_size": 0}, "pp_size must be at least 1, got 0"),
+    ({"nnodes": 2, "tp_size": 3, "dist_init_addr": "h:1"}, r"nnodes \(2\) must divide"),
+    ({"nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, r"node_rank must be in \[0, 2\)"),
+    ({"nnodes": 2, "tp_size": 2}, "dist_init_addr .* is required with nnodes > 1"),
+    ({"tp_size": 2, "dist_init_addr": "nohost"}, "dist_init_addr must be host:port"),
+])
+def test_impossible_settings_are_refused_naming_the_field(fields: dict[str, object],
+                                                           message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(**fields).check()  # type: ignore[arg-type]
+
+
+def test_host_port_parsing() -> None:
+    assert split_host_port("127.0.0.1:29500") == ("127.0.0.1", 29500)
+    assert split_host_port("[::1]:80") == ("::1", 80)
+    for bad in ("127.0.0.1", ":80", "h:0", "h:99999", "h:x"):
+        with pytest.raises(ValueError):
+            split_host_port(bad)
+
+
+def test_the_plan_starts_one_scheduler_per_rank_of_this_node() -> None:
+    specs = plan_components(ServerArgs(tp_size=2, pp_size=2), cores=9)
+    assert [(s.kind, s.rank, s.name, s.torch_threads) for s in specs] == [
+        ("scheduler", 0, "scheduler rank 0", 2),
+        ("scheduler", 1, "scheduler rank 1", 2),
+        ("scheduler", 2, "scheduler rank 2", 2),
+        ("scheduler", 3, "scheduler rank 3", 2),
+        ("detokenizer", 0, "detokenizer", 1),
+    ]
+    second_node = plan_components(ServerArgs(tp_size=2, nnodes=2, node_rank=1,
+                                             dist_init_addr="127.0.0.1:1"), cores=9)
+    assert [(s.rank, s.name) for s in second_node if s.kind == "scheduler"] == [
+        (1, "scheduler rank 1")]
+
+
+def test_launch_refuses_ranks_as_threads_and_ranks_with_replicas() -> None:
+    with pytest.raises(ValueError, match="needs launch_mode 'process'"):
+        ComponentTree(ServerArgs(tp_size=2, launch_mode="thread"))
+    with pytest.raises(ValueError, match="dp_size above 1 cannot be combined"):
+        ComponentTree(ServerArgs(tp_size=2, dp_size=2))
+    with pytest.raises(ValueError, match="node_rank must be in"):
+        ComponentTree(ServerArgs(node_rank=1))
+
+
+def test_tp_size_not_dividing_the_heads_is_a_one_line_error() -> None:
+    with pytest.raises(ValueError, match=r"attention heads \(4\) is not divisible by tp_size "
+                                         r"\(3\)"):
+        LlamaForCausalLM(tiny_config("llama"), torch.float32, torch.device("cpu"),
+                         tp_rank=0, tp_size=3)
+
+
+class _SumOfTwo:
+    """A stand-in group of two ranks whose other rank holds the same values."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return torch.cat([x, x], dim=dim)
+
+
+def test_split_layers_need_a_bound_group_and_use_it() -> None:
+    row = RowParallelLinear(4, 3, bias=True, tp_rank=0, tp_size=2)
+    torch.nn.init.ones_(row.weight)
+    torch.nn.init.ones_(row.bias)
+    x = torch.ones(1, 2)
+    with pytest.raises(NotImplementedError, match="needs a tensor-parallel group"):
+        row(x)
+    assert bind_tp_group(row, _SumOfTwo()) == 1
+    # The partial products are summed, then the bias is added once.
+    assert row(x).tolist() == [[5.0, 5.0, 5.0]]
+    embedding = VocabParallelEmbedding(6, 2, tp_rank=1, tp_size=2)
+    bind_tp_group(embedding, _SumOfTwo())
+    torch.nn.init.ones_(embedding.weight)
+    # Token 0 belongs to rank 0: this rank contributes zeros for it.
+    assert embedding(torch.tensor([0, 4])).tolist() == [[0.0, 0.0], [2.0, 2.0]]
+    assert embedding.compute_logits(torch.ones(1, 2)).shape == (1, 6)
+
+
+@pytest.mark.parametrize(("layers", "stages", "expected"), [
+    (2, 2, [(0, 1), (1, 2)]), (5, 2, [(0, 3), (3, 5)]), (4, 1, [(0, 4)]),
+    (3, 3, [(0, 1), (1, 2), (2, 3)]),
+])
+def test_stages_split_the_layers_evenly(layers: int, stages: int,
+                                        expected: list[tuple[int, int]]) -> None:
+    assert [stage_layers(layers, rank, stages) for rank in range(stages)] == expected
+
+
+def test_more_stages_than_layers_is_a_one_line_error() -> None:
+    with pytest.raises(ValueError, match=r"pp_size \(3\) is more than the model's 2 layers"):
+        LlamaForCausalLM(tiny_config("llama"), torch.float32, torch.device("cpu"),
+                         pp_rank=0, pp_size=3)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_each_stage_loads_only_its_layers(tmp_path: Path, tied: bool) -> None:
+    path = make_tiny_checkpoint(tmp_path, "llama", tie_word_embeddings=tied)
+    weights = load_file(str(path / "model.safetensors"))
+    config = tiny_config("llama", tie_word_embeddings=tied)
+    stages = [LlamaForCausalLM(config, torch.float32, torch.device("cpu"), pp_rank=rank,
+                               pp_size=2) for rank in range(2)]
+    for stage in stages:
+        stage.load_weights(weights.items())
+    first, last = (dict(stage.named_parameters()) for stage in stages)
+    assert "model.embed_tokens.weight" in first and "model.layers.0.mlp.down_proj.weight" in first
+    assert not any(name.startswith(("model.layers.1.", "model.norm", "lm_head")) for name in first)
+    assert "model.layers.1.mlp.down_proj.weight" in last and "model.norm.weight" in last
+    assert not any(name.startswith(("model.layers.0.", "model.embed_tokens")) for name in last)
+    head = weights["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    assert torch.equal(last["lm_head.weight"], head)
+
+
+def test_an_engine_is_node_0_only() -> None:
+    from framework import Engine
+
+    with pytest.raises(ValueError, match="node_rank above 0 runs scheduler ranks only"):
+        Engine(tp_size=2, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:1")

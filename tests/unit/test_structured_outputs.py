@@ -1,0 +1,318 @@
+"""Structured outputs in the Scheduler and sampler, on the fake model runner.
+
+The fake model's logits are one-hot; under a grammar's mask a sampled row draws among
+the allowed tokens, so every output exercises the grammar. Outputs are checked with
+``jsonschema``, ``re`` and ``lark`` (tests/structured_cases.py), never by the backend.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from framework.constrained import Constraint, InvalidConstraintError, check_constraint
+from framework.constrained.xgrammar_backend import XGrammarBackend
+from framework.layers.sampler import apply_token_bitmask
+from framework.messages import AbortReq
+from framework.registry import GRAMMAR_BACKENDS
+from framework.sampling_params import SamplingParams
+from framework.server.openai import CompletionRequest, response_format_schema
+from tests.fake_model_runner import FakeModelRunner, SchedulerHarness, reference_output
+from tests.model_fixtures import make_tiny_tokenizer
+from tests.structured_cases import (
+    EBNF,
+    REGEXES,
+    SCHEMAS,
+    check_json,
+    check_regex,
+    constraint_cases,
+    lark_parser,
+)
+
+pytest.importorskip("xgrammar")
+
+TOKENIZER = make_tiny_tokenizer()
+PROMPTS = [[1, 40 + i, 50 + 2 * i, 60] for i in range(8)]
+
+
+def text_of(ids: list[int]) -> str:
+    return TOKENIZER.decode(ids, skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------- sampler and params
+
+
+def test_apply_token_bitmask_disallows_exactly_the_cleared_bits() -> None:
+    generator = torch.Generator().manual_seed(0)
+    vocab = 100  # four words cover 128 ids; a padded vocabulary is wider than the mask
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 4), generator=generator,
+                            dtype=torch.int64).to(torch.int32)
+    bitmask[1] = -1  # a row without a grammar allows everything
+    logits = torch.randn(3, vocab + 30, generator=generator)
+    out = apply_token_bitmask(logits, bitmask)
+    for row in range(3):
+        for token in range(vocab + 30):
+            word = int(bitmask[row, token // 32]) if token < 128 else 0
+            allowed = token < 128 and (word >> (token % 32)) & 1
+            expected = logits[row, token] if allowed else float("-inf")
+            assert out[row, token] == expected, (row, token)
+
+
+def test_at_most_one_constraint_and_no_min_new_tokens() -> None:
+    with pytest.raises(ValueError, match="at most one of json_schema, regex, ebnf"):
+        SamplingParams(regex="a", ebnf='root ::= "a"').verify()
+    with pytest.raises(ValueError, match="regex must be a non-empty string"):
+        SamplingParams(regex="").verify()
+    with pytest.raises(ValueError, match="min_new_tokens cannot be combined with json_schema"):
+        SamplingParams(json_schema="{}", min_new_tokens=2, max_new_tokens=4).verify()
+    params = SamplingParams.from_dict({"json_schema": {"type": "integer"}})
+    assert params.constraint() == ("json_schema", '{"type": "integer"}')
+    assert SamplingParams().constraint() is None
+
+
+def test_response_format_maps_onto_json_schema() -> None:
+    assert response_format_schema(None) is None
+    assert response_format_schema({"type": "text"}) is None
+    assert response_format_schema({"type": "json_object"}) == '{"type": "object"}'
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    got = response_format_schema({"type": "json_schema",
+                                  "json_schema": {"name": "x", "schema": schema}})
+    assert json.loads(got or "") == schema
+    with pytest.raises(InvalidConstraintError, match=r"json_schema\.schema") as info:
+        response_format_schema({"type": "json_schema", "json_schema": {"name": "x"}})
+    assert info.value.param == "response_format"
+    with pytest.raises(InvalidConstraintError, match="type must be"):
+        response_format_schema({"type": "yaml"})
+    both = CompletionRequest(prompt="x", regex="a", response_format={"type": "json_object"})
+    with pytest.raises(InvalidConstraintError, match="not both"):
+        both.sampling_params(4, 16)
+
+
+@pytest.mark.parametrize(("field", "value", "problem"), [
+    ("json_schema", '{"type": "foo"}', 'Unsupported type "foo"'),
+    ("json_schema", "not json", "Failed to parse JSON"),
+    ("regex", "a(b", "parenthesis is not closed"),
+    ("ebnf", "root ::= foo", 'Rule "foo" is not defined'),
+])
+def test_invalid_constraints_are_refused_naming_the_problem(field: str, value: str,
+                                                             problem: str) -> None:
+    with pytest.raises(InvalidConstraintError, match=f"invalid {field}: .*{problem}") as info:
+        check_constraint(SamplingParams(**{field: value}), "xgrammar")
+    assert info.value.param == field
+    assert "/project" not in str(info.value)  # no native log prefix
+    with pytest.raises(InvalidConstraintError, match="--grammar-backend none"):
+        check_constraint(SamplingParams(regex="a"), "none")
+    check_constraint(SamplingParams(), "none")  # unconstrained requests always pass
+
+
+def test_json_strings_exclude_control_characters() -> None:
+    backend = XGrammarBackend(TOKENIZER, 512, [2])
+    compiled = backend.compile(Constraint("json_schema", json.dumps(
+        {"type": "string", "maxLength": 4})))
+    matcher = backend.new_matcher(compiled)
+    control = TOKENIZER.convert_tokens_to_ids(TOKENIZER.convert_ids_to_tokens(
+        TOKENIZER.encode("\x18", add_special_tokens=False)))
+    assert matcher.accept_token(TOKENIZER.encode('"', add_special_tokens=False)[0])
+    assert not matcher.accept_token(control[0])
+
+
+# ---------------------------------------------------------------- the Scheduler
+
+
+@pytest.fixture
+def harness() -> Any:
+    made: list[SchedulerHarness] = []
+
+    def make(**kwargs: Any) -> SchedulerHarness:
+        h = SchedulerHarness(**kwargs)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def constrained(field: str, value: str, seed: int, **extra: Any) -> dict[str, Any]:
+    return {field: value, "temperature": 1.0, "seed": seed, "max_new_tokens": 120, **extra}
+
+
+def test_every_constraint_kind_gives_valid_outputs(harness: Any) -> None:
+    h = harness()
+    cases = constraint_cases()
+    for n, (field, value, _) in enumerate(cases):
+        for seed in range(3):
+            h.submit(f"{n}-{seed}", PROMPTS[seed], **constrained(field, value, seed))
+    outcomes = h.run()
+    stopped = 0
+    for n, (_, _, check) in enumerate(cases):
+        for seed in range(3):
+            outcome = outcomes[f"{n}-{seed}"]
+            if outcome.finished_reason.type == "stop":
+                stopped += 1
+                check(text_of(outcome.output_ids))
+    assert stopped >= 0.9 * len(cases) * 3
+    h.assert_idle_invariant()
+
+
+def test_mixed_batch_leaves_unconstrained_requests_unchanged(harness: Any) -> None:
+    h = harness()
+    for i, prompt in enumerate(PROMPTS[:4]):
+        h.submit(f"free-{i}", prompt, max_new_tokens=12, temperature=0.0)
+        h.submit(f"json-{i}", PROMPTS[4 + i], **constrained(
+            "json_schema", json.dumps(SCHEMAS[1]), i, return_logprob=True))
+    outcomes = h.run()
+    for i, prompt in enumerate(PROMPTS[:4]):
+        assert outcomes[f"free-{i}"].output_ids == reference_output(prompt, 12)
+        json_out = outcomes[f"json-{i}"]
+        assert json_out.finished_reason.type == "stop"
+        check_json(text_of(json_out.output_ids), SCHEMAS[1])
+        # Logprobs come from the raw logits: one per token, finite.
+        assert len(json_out.logprobs) == len(json_out.output_ids)
+        assert all(lp == lp and lp > float("-inf") for lp in json_out.logprobs)
+    h.assert_idle_invariant()
+
+
+def test_abort_in_the_middle_drops_the_matcher(harness: Any) -> None:
+    h = harness()
+    h.submit("a", PROMPTS[0], **constrained("regex", r"[a-z]{60,80}", 0))
+    h.submit("b", PROMPTS[1], **constrained("regex", REGEXES[0], 1))
+    for _ in range(5):
+        h.step()
+    running = {r.rid: r for r in h.scheduler.running}
+    assert running["a"].grammar is not None
+    h.send(AbortReq(rid="a"))
+    outcomes = h.run()
+    assert outcomes["a"].finished_reason.type == "abort"
+    assert running["a"].grammar is None
+    check_regex(text_of(outcomes["b"].output_ids), REGEXES[0])
+    h.assert_idle_invariant()
+
+
+def test_retraction_keeps_the_matcher_state(harness: Any) -> None:
+    # Eight requests of ~30 tokens each in a pool of 120 slots: some must be retracted.
+    h = harness(runner=FakeModelRunner(max_total_tokens=120, max_requests=8))
+    schema = SCHEMAS[2]
+    for i, prompt in enumerate(PROMPTS):
+        h.submit(f"r{i}", prompt, **constrained("json_schema", json.dumps(schema), i,
+                                                max_new_tokens=60))
+    outcomes = h.run()
+    assert h.scheduler.stats.retracted_requests > 0
+    for outcome in outcomes.values():
+        if outcome.finished_reason.type == "stop":
+            check_json(text_of(outcome.output_ids), schema)
+        else:  # the grammar's prefix so far is kept: the text is a prefix of a document
+            assert outcome.finished_reason.type == "length"
+    assert sum(o.finished_reason.type == "stop" for o in outcomes.values()) >= 6
+    h.assert_idle_invariant()
+
+
+def test_radix_cache_hits_and_chunked_prefill(harness: Any) -> None:
+    h = harness(chunked_prefill_size=8)
+    long_prompt = [1, *range(100, 140)]
+    parser = lark_parser()
+    h.submit("first", long_prompt, **constrained("ebnf", EBNF, 0))
+    first = h.run()["first"]
+    parser.parse(text_of(first.output_ids))
+    # The same prompt again, and one continuing the first output: both reuse its KV.
+    h.submit("again", long_prompt, **constrained("ebnf", EBNF, 1))
+    h.submit("continued", long_prompt + first.output_ids[:-1],
+             **constrained("regex", REGEXES[1], 2))
+    outcomes = h.run()
+    assert outcomes["again"].cached_tokens > 0 and outcomes["continued"].cached_tokens > 0
+    parser.parse(text_of(outcomes["again"].output_ids))
+    check_regex(text_of(outcomes["continued"].output_ids), REGEXES[1])
+    h.assert_idle_invariant()
+
+
+def test_a_grammar_that_fails_in_the_scheduler_ends_only_its_request(harness: Any) -> None:
+    h = harness()  # the edge would refuse these; the Scheduler still must not fail on them
+    h.submit("bad", PROMPTS[0], regex="a(b")
+    h.submit("good", PROMPTS[1], max_new_tokens=4, temperature=0.0)
+    outcomes = h.run()
+    assert outcomes["bad"].finished_reason.type == "abort"
+    assert "invalid regex" in outcomes["bad"].finished_reason.message
+    assert outcomes["good"].output_ids == reference_output(PROMPTS[1], 4)
+    h.assert_idle_invariant()
+
+
+class GatedBackend(XGrammarBackend):
+    """xgrammar, but each compile waits for ``gate`` and is counted."""
+
+    gate = threading.Event()
+    compiles: list[Constraint] = []
+
+    def compile(self, constraint: Constraint) -> Any:
+        assert GatedBackend.gate.wait(30), "the test never opened the gate"
+        GatedBackend.compiles.append(constraint)
+        return super().compile(constraint)
+
+
+def test_compiling_waits_off_the_loop_and_is_cached(harness: Any) -> None:
+    GRAMMAR_BACKENDS.register("gated-test", GatedBackend)
+    GatedBackend.gate.clear()
+    GatedBackend.compiles.clear()
+    h = harness(grammar_backend="gated-test")
+    for i in range(3):  # n = 3 of one request: three requests, one constraint
+        h.submit(f"json-{i}", PROMPTS[i], **constrained("json_schema", json.dumps(SCHEMAS[0]),
+                                                        i))
+    h.submit("free", PROMPTS[3], max_new_tokens=6, temperature=0.0)
+    for _ in range(20):
+        h.step()
+    # The unconstrained request ran to its end while the grammar was still compiling.
+    assert h.outcomes["free"].output_ids == reference_output(PROMPTS[3], 6)
+    assert all(h.outcomes[f"json-{i}"].output_ids == [] for i in range(3))
+    GatedBackend.gate.set()
+    outcomes = h.run()
+    for i in range(3):
+        assert outcomes[f"json-{i}"].finished_reason.type == "stop"
+        check_json(text_of(outcomes[f"json-{i}"].output_ids), SCHEMAS[0])
+    assert GatedBackend.compiles == [Constraint("json_schema", json.dumps(SCHEMAS[0]))]
+    h.assert_idle_invariant()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_traffic_with_aborts_retraction_and_chunking(harness: Any, seed: int) -> None:
+    """Random arrivals, aborts, small pools and chunks; constrained and free requests mixed."""
+    rng = random.Random(seed)
+    h = harness(runner=FakeModelRunner(max_total_tokens=rng.choice([90, 150, 400]),
+                                       max_requests=6),
+                chunked_prefill_size=rng.choice([4, 16, 2048]))
+    cases = constraint_cases()
+    shared = [rng.randrange(3, 500) for _ in range(12)]
+    plan = []
+    for i in range(14):
+        prompt = [1, *shared[:rng.choice([0, 12])], *(rng.randrange(3, 500) for _ in range(4))]
+        case = rng.choice(cases) if rng.random() < 0.6 else None
+        params = (constrained(case[0], case[1], i, max_new_tokens=60) if case else
+                  {"max_new_tokens": rng.randint(1, 10), "temperature": 0.0})
+        plan.append((f"r{i}", prompt, case, params, rng.randint(0, 10),
+                     rng.choice([None, None, rng.randint(1, 15)])))
+    aborted = set()
+    for step in range(5_000):
+        for rid, prompt, _, params, arrive, abort_at in plan:
+            if step == arrive:
+                h.submit(rid, prompt, **params)
+            if abort_at is not None and step == arrive + abort_at:
+                h.send(AbortReq(rid=rid))
+                aborted.add(rid)
+        h.step()
+        if step > 30 and all(o.finished_reason is not None for o in h.outcomes.values()):
+            break
+    checked: list[str] = []
+    for rid, prompt, case, params, _, _ in plan:
+        outcome = h.outcomes[rid]
+        if outcome.finished_reason.type == "abort":
+            assert rid in aborted, outcome.finished_reason
+        elif case is not None and outcome.finished_reason.type == "stop":
+            case[2](text_of(outcome.output_ids))
+            checked.append(rid)
+        elif case is None:
+            assert outcome.output_ids == reference_output(prompt, params["max_new_tokens"])
+    assert checked  # some constrained output ran to its end and was checked
+    h.assert_idle_invariant()
