@@ -22,8 +22,8 @@ def test_a_short_soak_passes_and_writes_its_report(tmp_path: Path) -> None:
     model = make_tiny_checkpoint(tmp_path, "llama", seed=1)
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
-    args = parser.parse_args(["--duration", "4", "--concurrency", "2", "--sample-interval",
-                              "1", "--rss-tolerance", "10", "--output", str(tmp_path / "out"),
+    args = parser.parse_args(["--duration", "2", "--concurrency", "2", "--sample-interval",
+                              "0.5", "--rss-tolerance", "10", "--output", str(tmp_path / "out"),
                               "--", "--model-path", str(model)])
     assert run_from_cli(args) == 0
     summary = json.loads((tmp_path / "out" / "soak.json").read_text())
