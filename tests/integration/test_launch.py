@@ -26,6 +26,7 @@ from framework.runtime.launch import (
     ComponentError,
     ComponentTree,
     plan_components,
+    set_torch_threads,
     torch_threads_per_rank,
     usable_cores,
 )
@@ -188,6 +189,22 @@ def test_a_killed_scheduler_fails_the_waiting_request_by_name(
 
 
 # --------------------------------------------------------------------------- pure functions
+
+
+def test_a_process_of_its_own_gets_a_bounded_onednn_cache(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
+        monkeypatch.delenv(var, raising=False)
+    threads = torch.get_num_threads()  # torch is imported here, so its count is set too
+    try:
+        set_torch_threads(3, own_process=True, needs_torch=False)
+        assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "128"
+        assert os.environ["OMP_NUM_THREADS"] == "3"
+        monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "7")  # the user's choice stays
+        set_torch_threads(3, own_process=True, needs_torch=False)
+        assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "7"
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(("cores", "ranks", "threads"), [
