@@ -2,10 +2,17 @@
 
 Each message is a tagged ``msgspec.Struct`` so that every codec can carry it:
 pickle pickles it, msgpack and json encode it by its tag. Batch outputs are
-indexed like ``rids``. Names follow SGLang's, so readers of SGLang find the
-same vocabulary. Arrays (``numpy.ndarray``) travel as out-of-band frames where
-the codec supports it; ``BatchTokenIDOutput`` keeps its per-token numbers in
-arrays and sends per-request constants once.
+indexed like their ``handles`` (``rids`` for embeddings). Names follow SGLang's,
+so readers of SGLang find the same vocabulary. Arrays (``numpy.ndarray``)
+travel as out-of-band frames where the codec supports it; ``BatchTokenIDOutput``
+keeps its per-token numbers in arrays and sends per-request constants once.
+
+Per-step outputs (``BatchTokenIDOutput``, ``BatchStrOutput``) name their
+requests by ``handle``, a small integer the TokenizerManager gives each request
+for its life (unique among the requests of one TokenizerManager, across every
+data-parallel replica), not by the ``rid`` string: the handles of a batch are
+one int64 array, where 256 rids would be 256 strings to encode and decode every
+step. The rid travels once, in the request; aborts still name it.
 """
 
 from __future__ import annotations
@@ -44,9 +51,14 @@ class FinishReason(msgspec.Struct, array_like=True):
 
 
 class TokenizedGenerateReqInput(Message):
-    """A generation request after tokenization: TokenizerManager → Scheduler."""
+    """A generation request after tokenization: TokenizerManager → Scheduler.
+
+    ``handle`` names the request in every output (``BatchTokenIDOutput.handles``,
+    ``BatchStrOutput.handles``); ``rid`` names it in aborts and logs.
+    """
 
     rid: str
+    handle: int
     input_text: str
     input_ids: list[int]
     sampling_params: SamplingParams
@@ -114,7 +126,8 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
 class BatchTokenIDOutput(Message):
     """New token ids of a batch of requests: Scheduler → Detokenizer.
 
-    Request ``i`` is ``rids[i]``. Its ids since its last output are
+    Request ``i`` is ``handles[i]`` (int64, the handle its ``TokenizedGenerateReqInput``
+    carried; no rid strings travel per step). Its ids since its last output are
     ``output_ids[output_offsets[i]:output_offsets[i + 1]]`` (``ids_of(i)``):
     all the batch's new ids travel as one int32 array, so a decode step costs a
     few arrays rather than a Python object per request. ``completion_tokens[i]``
@@ -136,7 +149,7 @@ class BatchTokenIDOutput(Message):
     empty list for ids of requests that did not ask.
     """
 
-    rids: list[str]
+    handles: np.ndarray
     output_ids: np.ndarray
     output_offsets: np.ndarray
     completion_tokens: np.ndarray
@@ -155,7 +168,7 @@ class BatchTokenIDOutput(Message):
         return self.output_ids[self.output_offsets[i] : self.output_offsets[i + 1]].tolist()
 
     def id_lists(self) -> list[list[int]]:
-        """Every request's new ids, in ``rids`` order (one conversion for the whole batch)."""
+        """Every request's new ids, in ``handles`` order (one conversion for the whole batch)."""
         counts = np.diff(self.output_offsets)
         if len(counts) and bool((counts == counts[0]).all()):
             # A decode step's usual shape, as many new ids for each request: numpy makes
@@ -167,7 +180,7 @@ class BatchTokenIDOutput(Message):
 
     def finished_reason_list(self) -> list[FinishReason | None]:
         """A finish reason per request, ``None`` for the ones still running."""
-        reasons: list[FinishReason | None] = [None] * len(self.rids)
+        reasons: list[FinishReason | None] = [None] * len(self.handles)
         for i, reason in zip(self.finished_indices, self.finished_reasons):
             reasons[i] = reason
         return reasons
@@ -198,11 +211,14 @@ class BatchTokenIDOutput(Message):
 class BatchStrOutput(Message):
     """New text of a batch of requests: Detokenizer → TokenizerManager.
 
-    ``prompt_logprob_indices`` / ``prompt_logprobs`` are passed on from
+    Request ``i`` is ``handles[i]``, the ``BatchTokenIDOutput``'s handles as a list
+    (the Detokenizer and the TokenizerManager both key dicts by them, so they need
+    Python ints; a list also costs less than an array under pickle, and about the
+    same under msgpack). ``prompt_logprob_indices`` / ``prompt_logprobs`` are passed on from
     ``BatchTokenIDOutput`` as they came.
     """
 
-    rids: list[str]
+    handles: list[int]
     finished_reasons: list[FinishReason | None]
     output_strs: list[str]
     output_ids: list[list[int]]
@@ -223,7 +239,8 @@ class BatchEmbeddingOutput(Message):
 
     ``embeddings`` is one float32 array of shape ``[len(rids), hidden]`` (row
     ``i`` for request ``i``), so the whole batch travels as a single zero-copy
-    frame; it has zero columns when every request of the batch was aborted.
+    frame; it has zero columns when every request of the batch was aborted. Sent
+    once per request (when it ends), it names requests by ``rid``.
     """
 
     rids: list[str]

@@ -114,8 +114,9 @@ class FakeModelRunner:
             logits[k, next_token(tokens)] = 30.0
         return logits
 
-    def sample(self, logits: torch.Tensor, info: Any, top_logprobs_nums: Any = None) -> Any:
-        return self.sampler(logits, info, top_logprobs_nums)
+    def sample(self, logits: torch.Tensor, info: Any, top_logprobs_nums: Any = None,
+               return_logprob: bool = True) -> Any:
+        return self.sampler(logits, info, top_logprobs_nums, return_logprob)
 
     def update_weights_from_disk(self, model_path: str, load_format: str = "auto"
                                  ) -> tuple[bool, str]:
@@ -154,14 +155,18 @@ class SchedulerHarness:
         self.embeddings = self.transport.receiver(self.port_args.embedding_output, codec)
         self.metrics = self.transport.receiver(self.port_args.metrics, codec)
         self.outcomes: dict[str, Outcome] = {}
+        # Outputs name requests by handle, as the TokenizerManager numbers them.
+        self.rid_of_handle: dict[int, str] = {}
 
     def submit(self, rid: str, input_ids: list[int], **params: Any) -> None:
         """Send one generation request (it is taken in at the next step)."""
         logprob_options = {key: params.pop(key) for key in (
             "return_logprob", "top_logprobs_num", "logprob_start_len") if key in params}
         self.outcomes[rid] = Outcome()
+        handle = len(self.rid_of_handle) + 1
+        self.rid_of_handle[handle] = rid
         self.to_scheduler.send_nowait(TokenizedGenerateReqInput(
-            rid=rid, input_text="", input_ids=input_ids,
+            rid=rid, handle=handle, input_text="", input_ids=input_ids,
             sampling_params=SamplingParams(**params), **logprob_options))
 
     def send(self, msg: Any) -> None:
@@ -180,7 +185,8 @@ class SchedulerHarness:
             reasons = msg.finished_reason_list()
             new = msg.new_constants_by_index()
             prompts = dict(zip(msg.prompt_logprob_indices, msg.prompt_logprobs))
-            for i, rid in enumerate(msg.rids):
+            for i, handle in enumerate(msg.handles.tolist()):
+                rid = self.rid_of_handle[handle]
                 outcome = self.outcomes.setdefault(rid, Outcome())
                 assert outcome.finished_reason is None, f"{rid} got output after it finished"
                 # Constants come with the first output, and only with it.

@@ -68,6 +68,7 @@ def struct_strategy(cls: type[msgspec.Struct]) -> st.SearchStrategy[Any]:
 
 _token_id = st.integers(min_value=0, max_value=2**31 - 1)
 _count = st.integers(min_value=0, max_value=2**31 - 1)
+_handle = st.integers(min_value=0, max_value=2**63 - 1)
 _logprob = st.floats(max_value=0.0, allow_nan=False, allow_infinity=False, width=32)
 
 
@@ -86,7 +87,8 @@ def token_id_outputs(draw: st.DrawFn) -> BatchTokenIDOutput:
     new = draw(indices)
     asked = draw(st.lists(st.booleans(), min_size=size, max_size=size))
     msg = BatchTokenIDOutput(
-        rids=draw(st.lists(_text, min_size=size, max_size=size, unique=True)),
+        handles=np.array(draw(st.lists(_handle, min_size=size, max_size=size, unique=True)),
+                         dtype=np.int64),
         output_ids=np.array([i for ids in per_request for i in ids], dtype=np.int32),
         output_offsets=np.cumsum([0, *map(len, per_request)], dtype=np.int32),
         completion_tokens=np.array(

@@ -1,7 +1,8 @@
 """Realistic sample messages for the transport benchmark, built reproducibly from a seed.
 
 Each sample is shaped like what a serving runtime really sends: request ids
-are 32 hex characters (``uuid4().hex``), counters sit in realistic ranges,
+are 32 hex characters (``uuid4().hex``), the handles that name requests in
+per-step outputs are a TokenizerManager's counter (int64), counters sit in realistic ranges,
 token ids lie in a Llama-3-sized vocabulary, and embeddings are unit-norm
 float32 rows. The names are what ``framework bench transport --messages``
 accepts.
@@ -63,10 +64,11 @@ def token_ids_batch(batch_size: int, seed: int = DEFAULT_SEED) -> BatchTokenIDOu
     rng = random.Random(seed)
     # Requests joined the batch at different steps, so each has produced a different amount.
     completion_tokens = [rng.randrange(1, 512) for _ in range(batch_size)]
-    rids = [request_id(rng) for _ in range(batch_size)]
+    # The running requests' handles: a counter's values, spread over recent requests.
+    handles = sorted(rng.sample(range(1, 16 * batch_size + 1), batch_size))
     output_ids = [rng.randrange(VOCAB_SIZE) for _ in range(batch_size)]
     msg = BatchTokenIDOutput(
-        rids=rids,
+        handles=np.array(handles, dtype=np.int64),
         output_ids=np.array(output_ids, dtype=np.int32),
         output_offsets=np.arange(batch_size + 1, dtype=np.int32),
         completion_tokens=np.array(completion_tokens, dtype=np.int32),
@@ -105,6 +107,7 @@ def generate_request(prompt_tokens: int, seed: int = DEFAULT_SEED) -> TokenizedG
     words = [rng.choice(_WORDS) for _ in range(prompt_tokens)]
     return TokenizedGenerateReqInput(
         rid=request_id(rng),
+        handle=rng.randrange(1, 1 << 20),
         input_text=" ".join(words),
         input_ids=[rng.randrange(VOCAB_SIZE) for _ in range(prompt_tokens)],
         sampling_params=SamplingParams(

@@ -1,16 +1,19 @@
 """`framework bench offline`: the Engine against transformers ``generate``, and a ceiling.
 
-Three sides produce the same greedy output tokens from the same checkpoint,
-on the same number of torch threads:
+Four sides run on the same number of torch threads; the first two produce the
+same greedy output tokens from the same checkpoint:
 
 * **engine**: ``framework.Engine`` with every prompt in one ``generate`` call
   (continuous batching), ``temperature=0``, ``ignore_eos=True``;
 * **transformers**: ``generate`` in batches of ``hf_batch_size`` prompts,
   left-padded, ``do_sample=False``, ``min_new_tokens == max_new_tokens``;
 * **ceiling**: the model's linear layers, norms and LM head alone (no
-  attention, no sampling, no prefill) on ``num_prompts`` rows of one token,
-  ``output_len`` times: the decode steps' matrix work, which no runtime on
-  these threads can beat by much.
+  attention, no sampling) on the job's shapes: every prompt token once, then
+  ``output_len - 1`` decode steps of ``num_prompts`` rows. That matrix work
+  is what every runtime has to do, and no runtime on these threads can do it
+  much faster;
+* **decode_ceiling**: the same on the decode steps alone (``output_len`` of
+  them, no prefill), a bound on the decode phase.
 
 The model is a Llama of the configured shape with random weights from a
 fixed seed, written once as a real Hugging Face checkpoint (safetensors plus
@@ -18,8 +21,8 @@ the embedded model's tokenizer) that both sides load from disk. The prompts
 are random words from a fixed seed, tokenized once by that tokenizer; both
 sides get the same token ids.
 
-The runs alternate (engine, transformers, ceiling, engine, ...) after one
-warm-up call per side, and each side keeps its best run: another job on the
+The runs alternate (engine, transformers, ceiling, decode_ceiling, engine, ...)
+after one warm-up call per side, and each side keeps its best run: another job on the
 machine can slow a single run badly, never speed one up.
 """
 
@@ -44,7 +47,7 @@ from typing import Any, Protocol
 from framework.bench.environment import git_commit, machine_description
 
 DEFAULT_OUTPUT = "benchmarks/results/offline"
-SIDES = ("engine", "transformers", "ceiling")
+SIDES = ("engine", "transformers", "ceiling", "decode_ceiling")
 CSV_COLUMNS = ("side", "output_tokens_per_s", "best_seconds")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -113,7 +116,7 @@ class OfflineBenchSettings:
 class OfflineBenchRow:
     """One side's result: its best run and every run's time."""
 
-    side: str  # "engine", "transformers" or "ceiling"
+    side: str  # one of SIDES
     output_tokens_per_s: float  # num_prompts × output_len / best_seconds
     best_seconds: float
     run_seconds: tuple[float, ...]
@@ -355,29 +358,38 @@ class TransformersSide:
 
 
 class CeilingSide:
-    """The model's linear layers, norms and LM head on a decode step's shapes, nothing else.
+    """The model's linear layers, norms and LM head on the job's shapes, nothing else.
 
     Per layer: input norm, q/k/v projections, the output projection (of q, in
     place of attention's result), the residual, the post-attention norm and
     the gated MLP; then the final norm and the LM head. No embedding lookup,
-    no attention, no sampling, no prefill: the least time any runtime needs
-    for ``output_len`` decode steps of ``num_prompts`` requests.
+    no attention, no sampling, no scheduling.
+
+    ``ceiling`` (``with_prefill``) does the matrix work of the whole job, as
+    the Engine must: every prompt token through the layers (in chunks of
+    ``prefill_chunk`` rows, the Engine's chunked-prefill size), the LM head on
+    each prompt's last token (which gives the first output token), then
+    ``output_len - 1`` decode steps of ``num_prompts`` rows. ``decode_ceiling``
+    is the decode steps alone, ``output_len`` of them: a bound on the decode
+    phase, not on the job.
     """
 
-    name = "ceiling"
-
-    def __init__(self, hf_model: Any, settings: OfflineBenchSettings) -> None:
+    def __init__(self, hf_model: Any, settings: OfflineBenchSettings, *,
+                 with_prefill: bool, prefill_chunk: int = 2048) -> None:
         import torch
 
+        self.name = "ceiling" if with_prefill else "decode_ceiling"
         self.settings = settings
+        self.with_prefill = with_prefill
+        self.prefill_chunk = prefill_chunk
         self.layers = list(hf_model.model.layers)
         self.norm = hf_model.model.norm
         self.lm_head = hf_model.lm_head
+        self.hidden_size = hf_model.config.hidden_size
         generator = torch.Generator().manual_seed(settings.seed)
-        self.hidden = torch.randn(settings.num_prompts, hf_model.config.hidden_size,
-                                  generator=generator)
+        self.hidden = torch.randn(settings.num_prompts, self.hidden_size, generator=generator)
 
-    def _step(self, x: Any) -> Any:
+    def _layers(self, x: Any) -> Any:
         import torch.nn.functional as F
 
         for layer in self.layers:
@@ -387,24 +399,40 @@ class CeilingSide:
             x = x + attn.o_proj(q)
             h = layer.post_attention_layernorm(x)
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
-        return self.lm_head(self.norm(x))
+        return x
 
-    def _steps(self, count: int) -> None:
+    def _step(self, x: Any) -> Any:
+        return self.lm_head(self.norm(self._layers(x)))
+
+    def _prefill(self, prompts: list[list[int]]) -> None:
+        import torch
+
+        total = sum(len(p) for p in prompts)
+        rows = self.hidden.repeat(total // len(self.hidden) + 1, 1)[:total]
+        outputs = [self._layers(rows[start:start + self.prefill_chunk])
+                   for start in range(0, total, self.prefill_chunk)]
+        last = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+        self.lm_head(self.norm(torch.cat(outputs)[last]))
+
+    def _run(self, prompts: list[list[int]], decode_steps: int) -> None:
         import torch
 
         with torch.inference_mode():
-            for _ in range(count):
+            if self.with_prefill:
+                self._prefill(prompts)
+            for _ in range(decode_steps):
                 self._step(self.hidden)
 
     def generate(self, prompts: list[list[int]]) -> float:
-        """Seconds for ``output_len`` steps (the prompts only set the batch size)."""
+        """Seconds for the job's matrix work (the prompts set the prefill's rows)."""
+        steps = self.settings.output_len - (1 if self.with_prefill else 0)
         start = time.perf_counter()
-        self._steps(self.settings.output_len)
+        self._run(prompts, steps)
         return time.perf_counter() - start
 
     def warm_up(self, prompts: list[list[int]]) -> None:
-        """One step."""
-        self._steps(1)
+        """One step (and one prefill of the first prompt)."""
+        self._run(prompts[:1], 1)
 
 
 # --------------------------------------------------------------------------- the run
@@ -441,10 +469,12 @@ def _measure(settings: OfflineBenchSettings, model_dir: Path, prompts: list[list
              threads: int, engine_args: dict[str, Any]) -> OfflineBenchResult:
     """Warm every side up, then run them in turn ``repeats`` times."""
     transformers_side = TransformersSide(model_dir, settings)
-    ceiling = CeilingSide(transformers_side.model, settings)
+    ceilings = [CeilingSide(transformers_side.model, settings, with_prefill=prefill,
+                            prefill_chunk=engine_args.get("chunked_prefill_size", 2048))
+                for prefill in (True, False)]
     engine = EngineSide(model_dir, settings, threads, engine_args)
     try:
-        sides: list[BenchSide] = [engine, transformers_side, ceiling]
+        sides: list[BenchSide] = [engine, transformers_side, *ceilings]
         for side in sides:
             side.warm_up(prompts)
         times: dict[str, list[float]] = {side.name: [] for side in sides}
@@ -482,6 +512,8 @@ def ratios(rows: list[OfflineBenchRow]) -> dict[str, float]:
         out["engine_vs_transformers"] = rate["engine"] / rate["transformers"]
     if "engine" in rate and "ceiling" in rate:
         out["engine_of_ceiling"] = rate["engine"] / rate["ceiling"]
+    if "engine" in rate and "decode_ceiling" in rate:
+        out["engine_of_decode_ceiling"] = rate["engine"] / rate["decode_ceiling"]
     return out
 
 
@@ -519,7 +551,9 @@ def render_markdown(result: OfflineBenchResult) -> str:
         "runs after one warm-up call each",
         f"- engine: one `Engine.generate` call with every prompt; transformers: `generate` in "
         f"left-padded batches of {s.hf_batch_size}; ceiling: linear layers, norms and LM head "
-        f"only, {s.output_len} steps of {s.num_prompts} rows",
+        f"only, on every prompt token (chunks of 2,048 rows), then {s.output_len - 1} steps of "
+        f"{s.num_prompts} rows; decode_ceiling: the same on {s.output_len} steps of "
+        f"{s.num_prompts} rows alone (no prefill)",
         "",
         "| side | output tokens/s | best seconds | runs (s) |",
         "|---|---:|---:|---|",
@@ -530,7 +564,11 @@ def render_markdown(result: OfflineBenchResult) -> str:
     if "engine_vs_transformers" in gains:
         lines.append(f"The Engine is {gains['engine_vs_transformers']:.2f}× transformers.")
     if "engine_of_ceiling" in gains:
-        lines.append(f"The Engine reaches {gains['engine_of_ceiling']:.1%} of the ceiling.")
+        lines.append(f"The Engine reaches {gains['engine_of_ceiling']:.1%} of the ceiling "
+                     "(the job's matrix work, prefill included).")
+    if "engine_of_decode_ceiling" in gains:
+        lines.append(f"The Engine reaches {gains['engine_of_decode_ceiling']:.1%} of the "
+                     "decode-only ceiling.")
     lines.append(f"Greedy outputs identical on {result.identical_outputs()} of "
                  f"{len(result.prompts)} prompts.")
     lines.append(f"Engine, best run: {result.engine_step_seconds:.3f} s of Scheduler steps, "

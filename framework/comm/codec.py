@@ -167,6 +167,15 @@ _EXT_NDARRAY_OOB = 1
 _EXT_NDARRAY_INLINE = 2
 _EXT_TENSOR_OOB = 3
 _EXT_TENSOR_INLINE = 4
+# A small one-dimensional array of a common dtype (the per-step batch arrays): one byte
+# naming the dtype, then the raw data. No header to encode or decode, so it costs a few
+# tenths of a microsecond each way where the general inline form costs about one.
+_EXT_NDARRAY_INLINE_1D = 5
+
+_INLINE_1D_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(name) for name in (
+    "<i1", "<i2", "<i4", "<i8", "<u1", "<u2", "<u4", "<u8", "<f2", "<f4", "<f8", "?"))
+_INLINE_1D_PREFIX: dict[np.dtype, bytes] = {
+    dtype: bytes([code]) for code, dtype in enumerate(_INLINE_1D_DTYPES)}
 
 _header_encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(tuple[str, str, list[int], int])
@@ -209,6 +218,10 @@ class MsgpackCodec(Codec):
             self._in = ()
 
     def _enc_hook(self, obj: Any) -> Any:
+        if type(obj) is np.ndarray and obj.ndim == 1 and obj.nbytes < self.oob_threshold:
+            prefix = _INLINE_1D_PREFIX.get(obj.dtype)
+            if prefix is not None:
+                return msgspec.msgpack.Ext(_EXT_NDARRAY_INLINE_1D, prefix + obj.tobytes())
         if _is_tensor(obj):
             array, dtype_name = _tensor_to_numpy(obj)
             return self._array_ext(array, dtype_name, _EXT_TENSOR_OOB, _EXT_TENSOR_INLINE)
@@ -217,7 +230,8 @@ class MsgpackCodec(Codec):
         raise NotImplementedError(f"cannot encode objects of type {type(obj).__name__}")
 
     def _array_ext(self, array: np.ndarray, tag: str, oob: int, inline: int) -> msgspec.msgpack.Ext:
-        array = np.ascontiguousarray(array)
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)  # (which would make a 0-d array 1-d)
         if array.nbytes >= self.oob_threshold:
             self._out.append(memoryview(array).cast("B"))
             header = (array.dtype.str, tag, list(array.shape), len(self._out) - 1)
@@ -227,6 +241,14 @@ class MsgpackCodec(Codec):
         return msgspec.msgpack.Ext(inline, payload)
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:
+        if code == _EXT_NDARRAY_INLINE_1D:
+            try:
+                dtype = _INLINE_1D_DTYPES[data[0]]
+            except IndexError:
+                raise CodecError(self.name, "unknown inline array dtype") from None
+            # A copy: ``data`` points into the received frame, which the transport reuses.
+            # (Positional arguments: numpy parses keywords slowly, a third of the call here.)
+            return np.frombuffer(data, dtype, -1, 1).copy()
         if code in (_EXT_NDARRAY_OOB, _EXT_TENSOR_OOB):
             dtype, tag, shape, index = _header_decoder.decode(data)
             array = np.frombuffer(self._in[index], dtype=dtype).reshape(shape)

@@ -281,14 +281,15 @@ class ModelRunner:
         logits: torch.Tensor,
         sampling_info: SamplingBatchInfo,
         top_logprobs_nums: list[int] | None = None,
+        return_logprob: bool = True,
     ) -> SampleOutput:
-        """Pick each request's next token (and its logprobs) with the ``Sampler``."""
+        """Pick each request's next token (and its logprobs, when asked) with the ``Sampler``."""
         if self._sampler is None:
             # Imported here: the sampler is a separate layer that forward() never needs.
             from framework.layers.sampler import Sampler
 
             self._sampler = Sampler()
-        return self._sampler(logits, sampling_info, top_logprobs_nums)
+        return self._sampler(logits, sampling_info, top_logprobs_nums, return_logprob)
 
     def update_weights_from_disk(
         self, model_path: str, load_format: str = "auto"

@@ -34,9 +34,10 @@ logger = logging.getLogger(__name__)
 
 
 class Detokenizer:
-    """Turns ``BatchTokenIDOutput`` into ``BatchStrOutput``, one ``IncrementalDecoder`` per rid.
+    """Turns ``BatchTokenIDOutput`` into ``BatchStrOutput``, one ``IncrementalDecoder`` per request.
 
-    A request's state (its decoder and its ``RequestConstants``) is made on
+    Requests are known by their handle (``BatchTokenIDOutput.handles``), never
+    their rid. A request's state (its decoder and its ``RequestConstants``) is made on
     its first output, the one message that carries its constants, and dropped
     with its last (the one with a finish reason). Subclasses can override
     ``decode`` (the tokenizer call), ``new_decoder``, ``decode_step`` (one
@@ -46,9 +47,9 @@ class Detokenizer:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.decoders: dict[str, IncrementalDecoder] = {}
-        # Each running request's constants, sent with its first output only.
-        self.constants: dict[str, RequestConstants] = {}
+        self.decoders: dict[int, IncrementalDecoder] = {}
+        # Each running request's constants, sent with its first output only (by handle).
+        self.constants: dict[int, RequestConstants] = {}
         # One decode function per (skip_special_tokens, spaces_between_special_tokens).
         self._decode_fns: dict[tuple[bool, bool], DecodeFn] = {}
         self.receiver: Receiver | None = None
@@ -139,7 +140,7 @@ class Detokenizer:
 
     def decode_step(
         self,
-        rid: str,
+        handle: int,
         new_ids: Sequence[int],
         finished_reason: FinishReason | None,
         *,
@@ -154,7 +155,7 @@ class Detokenizer:
         A finished request has its remaining text flushed, the stop string or
         stop token trimmed (unless ``no_stop_trim``), and its state dropped.
         """
-        decoder = self.decoders.get(rid)
+        decoder = self.decoders.get(handle)
         if decoder is None:
             decoder = self.new_decoder(
                 skip_special_tokens=skip_special_tokens,
@@ -162,10 +163,10 @@ class Detokenizer:
                 context_ids=context_ids,
                 stop_strs=() if no_stop_trim else stop_strs,
             )
-            self.decoders[rid] = decoder
+            self.decoders[handle] = decoder
         if finished_reason is None:
             return decoder.step(new_ids)
-        del self.decoders[rid]
+        del self.decoders[handle]
         stop_token, stop_str = _stop_to_trim(finished_reason, no_stop_trim)
         return decoder.finish(new_ids, stop_token=stop_token, stop_str=stop_str)
 
@@ -174,12 +175,13 @@ class Detokenizer:
         _check_layout(batch)
         ids = batch.id_lists()
         reasons = batch.finished_reason_list()
+        handles: list[int] = batch.handles.tolist()  # Python ints: dict keys and the reply's
         for i, constants in zip(batch.new_indices, batch.new_constants):
-            self.constants[batch.rids[i]] = constants
-        kept = [self.constants.get(rid) or self._missing_constants(rid) for rid in batch.rids]
+            self.constants[handles[i]] = constants
+        kept = [self.constants.get(h) or self._missing_constants(h) for h in handles]
         output_strs = [
             self.decode_step(
-                rid,
+                handle,
                 ids[i],
                 reasons[i],
                 skip_special_tokens=constants.skip_special_tokens,
@@ -188,12 +190,12 @@ class Detokenizer:
                 context_ids=constants.context_ids,
                 stop_strs=constants.stop_strs,
             )
-            for i, (rid, constants) in enumerate(zip(batch.rids, kept))
+            for i, (handle, constants) in enumerate(zip(handles, kept))
         ]
         for i in batch.finished_indices:
-            del self.constants[batch.rids[i]]
+            del self.constants[handles[i]]
         out = BatchStrOutput(
-            rids=batch.rids,
+            handles=handles,
             finished_reasons=reasons,
             output_strs=output_strs,
             output_ids=ids,
@@ -208,12 +210,12 @@ class Detokenizer:
             _copy_logprobs(batch, ids, out)
         return out
 
-    def _missing_constants(self, rid: str) -> RequestConstants:
+    def _missing_constants(self, handle: int) -> RequestConstants:
         """The constants for a request whose first output never arrived: the defaults."""
         # Only a first output whose frame did not decode leads here: decoding with the
         # defaults serves the request rather than losing it.
-        logger.warning("detokenizer got output for %s before its first output", rid)
-        constants = self.constants[rid] = RequestConstants()
+        logger.warning("detokenizer got output for request %d before its first output", handle)
+        constants = self.constants[handle] = RequestConstants()
         return constants
 
     def handle_message(self, msg: Message) -> Message | None:
@@ -253,7 +255,7 @@ def _stop_to_trim(reason: FinishReason, no_stop_trim: bool) -> tuple[int | None,
 
 def _copy_logprobs(batch: BatchTokenIDOutput, ids: list[list[int]], out: BatchStrOutput) -> None:
     """Per-request logprob lists, empty for the requests that did not ask for them."""
-    for i in range(len(batch.rids)):
+    for i in range(len(batch.handles)):
         values = batch.logprobs_of(i)
         top_val, top_idx = batch.top_logprobs_of(i)
         out.output_token_logprobs_val.append(values)
@@ -263,8 +265,10 @@ def _copy_logprobs(batch: BatchTokenIDOutput, ids: list[list[int]], out: BatchSt
 
 
 def _check_layout(batch: BatchTokenIDOutput) -> None:
-    """Refuse a batch whose arrays and sparse lists do not line up with ``rids``."""
-    size = len(batch.rids)
+    """Refuse a batch whose arrays and sparse lists do not line up with ``handles``."""
+    if batch.handles.ndim != 1:
+        raise ValueError("BatchTokenIDOutput.handles must be one-dimensional")
+    size = len(batch.handles)
     num_ids = len(batch.output_ids)
     problems = []
     offsets = batch.output_offsets
@@ -290,5 +294,5 @@ def _check_layout(batch: BatchTokenIDOutput) -> None:
                                         batch.output_top_logprobs_idx)):
         problems.append(f"output_top_logprobs_val and _idx need {num_ids} entries each")
     if problems:
-        raise ValueError(f"BatchTokenIDOutput of {size} rids and {num_ids} ids: "
+        raise ValueError(f"BatchTokenIDOutput of {size} requests and {num_ids} ids: "
                          + "; ".join(problems))

@@ -33,6 +33,9 @@ class Req:
     #: First prompt position whose logprob is returned (-1: the prompt's are not).
     logprob_start_len: int = -1
     stream_interval: int = 2
+    #: The TokenizerManager's number for the request, which names it in every output
+    #: (``BatchTokenIDOutput.handles``); -1 for embeddings, whose output names the rid.
+    handle: int = -1
 
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int | None = None

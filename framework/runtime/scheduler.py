@@ -214,8 +214,8 @@ class Scheduler:
         """Turn a tokenized request into a ``Req`` and queue it (or reject it at once)."""
         params = msg.sampling_params
         req = Req(
-            rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=params,
-            stream=msg.stream, return_logprob=msg.return_logprob,
+            rid=msg.rid, handle=msg.handle, origin_input_ids=list(msg.input_ids),
+            sampling_params=params, stream=msg.stream, return_logprob=msg.return_logprob,
             top_logprobs_num=msg.top_logprobs_num, logprob_start_len=msg.logprob_start_len,
             stream_interval=params.stream_interval or self.server_args.stream_interval,
         )
@@ -545,9 +545,10 @@ class Scheduler:
         )
         info.grammar_bitmask = self.grammars.bitmask([r.grammar for r in reqs], logits.device)
         top_n = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
-        out = self.model_runner.sample(logits, info, top_n)
+        out = self.model_runner.sample(logits, info, top_n,
+                                       return_logprob=any(r.return_logprob for r in reqs))
         result.next_ids = out.next_token_ids.tolist()
-        result.logprobs = out.logprobs.tolist()
+        result.logprobs = [] if out.logprobs is None else out.logprobs.tolist()
         result.top_logprobs_val = out.top_logprobs_val
         result.top_logprobs_idx = out.top_logprobs_idx
 

@@ -93,7 +93,8 @@ def token_id_output(reqs: list[Req]) -> BatchTokenIDOutput:
         completion_tokens.append(len(req.output_ids))
         req.sent_len = len(req.output_ids)
     return BatchTokenIDOutput(
-        rids=[r.rid for r in reqs],
+        # Handles, not rids: one small array instead of a string per request every step.
+        handles=np.array([r.handle for r in reqs], dtype=np.int64),
         # int32 holds any token id (vocabularies are far below 2**31) and any count here.
         output_ids=np.array(ids, dtype=np.int32),
         output_offsets=np.array(offsets, dtype=np.int32),

@@ -1,8 +1,11 @@
 """The TokenizerManager: the asyncio front of the runtime, in the HTTP (or Engine) process.
 
 It tokenizes requests (in a worker thread when they are large), sends them to
-the Scheduler, keeps one state per request id and wakes the waiting caller
-each time the Detokenizer (text) or the Scheduler (embeddings) answers. A
+the Scheduler, keeps one state per request and wakes the waiting caller
+each time the Detokenizer (text) or the Scheduler (embeddings) answers. Each
+request gets a handle, a number unique for the manager's life, besides its rid:
+text outputs name requests by handle (a rid string per request and step would
+cost more to send than the new tokens), embeddings and aborts by rid. A
 caller that stops listening (a client that disconnected) aborts its request
 in the Scheduler, which frees its KV slots.
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import uuid
 from collections import deque
@@ -130,9 +134,12 @@ class ReqState:
 
     Each output from the Detokenizer becomes one ``Chunk``, so a streaming
     caller sees exactly one event per output even if it reads them late.
+    ``handle`` is the number its outputs carry instead of ``rid``.
     """
 
     prompt_tokens: int
+    rid: str = ""
+    handle: int = -1
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None
@@ -312,6 +319,10 @@ class TokenizerManager:
         self.send_to_scheduler = first.send_to_scheduler
         self.rpc = first.rpc
         self.rid_to_state: dict[str, ReqState] = {}
+        # The same states by handle, the number each request's outputs carry. Handles
+        # come from one counter for every replica, so they are unique across replicas.
+        self.handle_to_state: dict[int, ReqState] = {}
+        self._next_handle = itertools.count(1)
         self.last_metrics: SchedulerMetrics | None = None
         # Prometheus metrics (no-ops unless --enable-metrics), measured from our own timestamps.
         self.metrics = make_metrics(server_args.enable_metrics)
@@ -484,7 +495,8 @@ class TokenizerManager:
         try:
             try:
                 await self.outbox.send(TokenizedGenerateReqInput(
-                    rid=rid, input_text=req.text or "", input_ids=prepared.input_ids,
+                    rid=rid, handle=state.handle, input_text=req.text or "",
+                    input_ids=prepared.input_ids,
                     sampling_params=req.sampling_params, stream=req.stream,
                     return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
                     logprob_start_len=req.logprob_start_len,
@@ -537,16 +549,19 @@ class TokenizerManager:
         return {"embedding": state.embedding, "meta_info": meta}
 
     def _register(self, rid: str, prompt_tokens: int) -> ReqState:
-        """A new state for ``rid``; everything after this must end in ``_release``."""
+        """A new state for ``rid``, with a new handle; everything after this must end in
+        ``_release``."""
         if rid in self.rid_to_state:
             raise RequestError(f"request id {rid!r} is already in use")
-        state = ReqState(prompt_tokens=prompt_tokens)
+        state = ReqState(prompt_tokens=prompt_tokens, rid=rid, handle=next(self._next_handle))
         self.rid_to_state[rid] = state
+        self.handle_to_state[state.handle] = state
         self.metrics.request_started(rid, prompt_tokens)
         return state
 
     def _release(self, rid: str, state: ReqState, reached: bool) -> None:
         """Forget ``rid``; abort it in the Scheduler if it may be there and is not finished."""
+        self.handle_to_state.pop(state.handle, None)
         if self.rid_to_state.get(rid) is state:
             del self.rid_to_state[rid]
             self.metrics.request_released(rid)
@@ -612,11 +627,12 @@ class TokenizerManager:
 
     def _apply_text(self, msg: BatchStrOutput) -> None:
         logprobs = bool(msg.output_token_logprobs_val)
+        states = self.handle_to_state
         for i, prompt in zip(msg.prompt_logprob_indices, msg.prompt_logprobs):
-            if (state := self.rid_to_state.get(msg.rids[i])) is not None:
+            if (state := states.get(msg.handles[i])) is not None:
                 state.prompt_logprobs = prompt
-        for i, rid in enumerate(msg.rids):
-            state = self.rid_to_state.get(rid)
+        for i, handle in enumerate(msg.handles):
+            state = states.get(handle)
             if state is None:
                 continue  # aborted by its caller; late outputs are dropped
             state.text += msg.output_strs[i]
@@ -635,7 +651,7 @@ class TokenizerManager:
                 finished_reason=msg.finished_reasons[i],
             ))
             reason = msg.finished_reasons[i]
-            self.metrics.output(rid, msg.completion_tokens[i], msg.cached_tokens[i],
+            self.metrics.output(state.rid, msg.completion_tokens[i], msg.cached_tokens[i],
                                 reason.type if reason else None,
                                 msg.queue_seconds[i] if msg.queue_seconds else None)
             state.event.set()

@@ -46,14 +46,15 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
 def wrong_messages(channel: str) -> list[Any]:
     """Well-formed messages that do not belong on ``channel``, or whose layout is broken."""
     broken_batch = BatchTokenIDOutput(
-        rids=["ghost", "ghost2"], output_ids=np.array([1, 2, 3], dtype=np.int32),
-        output_offsets=np.array([0, 5], dtype=np.int32),  # does not cover the rids
+        handles=np.array([1_000_001, 1_000_002]), output_ids=np.array([1, 2, 3], dtype=np.int32),
+        output_offsets=np.array([0, 5], dtype=np.int32),  # does not cover the requests
         completion_tokens=np.array([1], dtype=np.int32), finished_indices=[7],
         finished_reasons=[FinishReason("stop")])
-    ragged_text = BatchStrOutput(rids=["ghost", "other"], finished_reasons=[None],
+    ragged_text = BatchStrOutput(handles=[1_000_001, 1_000_003], finished_reasons=[None],
                                  output_strs=["x"], output_ids=[[1]], prompt_tokens=[1],
                                  completion_tokens=[1], cached_tokens=[])
-    bad_request = TokenizedGenerateReqInput(rid="bad", input_text="", input_ids=[1, 2],
+    bad_request = TokenizedGenerateReqInput(rid="bad", handle=1_000_004, input_text="",
+                                            input_ids=[1, 2],
                                             sampling_params={"not": "params"})  # type: ignore[arg-type]
     by_channel = {
         "scheduler_input": [ragged_text, FlushCacheReqInput(), bad_request],

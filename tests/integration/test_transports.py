@@ -41,11 +41,12 @@ def sample_messages() -> list[Any]:
     rng = np.random.default_rng(1)
     return [
         TokenizedGenerateReqInput(
-            rid="a" * 32, input_text="hello", input_ids=list(range(500)),
+            rid="a" * 32, handle=7, input_text="hello", input_ids=list(range(500)),
             sampling_params=SamplingParams(temperature=0.5, stop=["\n"]),
         ),
         BatchTokenIDOutput(
-            rids=["r1", "r2"], output_ids=np.array([5, 7, 8], dtype=np.int32),
+            handles=np.array([1, 2], dtype=np.int64),
+            output_ids=np.array([5, 7, 8], dtype=np.int32),
             output_offsets=np.array([0, 1, 3], dtype=np.int32),
             completion_tokens=np.array([1, 2], dtype=np.int32),
             finished_indices=[1], finished_reasons=[FinishReason("length")],

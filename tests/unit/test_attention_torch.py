@@ -18,12 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import framework.forward_batch
 from framework.forward_batch import ForwardBatch, ForwardMode
 from framework.layers.attention.base import AttentionBackendArgs
 from framework.layers.attention.radix_attention import RadixAttention, bind_attention_backend
-from framework.layers.attention.torch_native import TorchNativeAttnBackend
+from framework.layers.attention.torch_native import TorchNativeAttnBackend, length_groups
 from framework.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from tests.model_fixtures import single_threaded_torch
 
@@ -101,8 +103,13 @@ def run_case(
     *,
     save_kv_cache: bool = True,
     seed: int = 0,
+    group_slack: int | None = None,
 ) -> tuple[list[RequestData], torch.Tensor, MHATokenToKVPool, torch.Tensor]:
-    """Lay the requests out in shuffled pool slots and run one layer of the backend."""
+    """Lay the requests out in shuffled pool slots and run one layer of the backend.
+
+    ``group_slack`` (the backend's, when given): small values split the batch into
+    several length groups.
+    """
     generator = torch.Generator().manual_seed(seed)
     req_pool = ReqToTokenPool(
         size=len(prefix_lens) + 2, max_context_len=CONTEXT_LEN, device=CPU
@@ -144,6 +151,8 @@ def run_case(
         batch.extend_prefix_lens = torch.tensor(prefix_lens)
         batch.extend_seq_lens = torch.tensor(new_lens)
     backend = TorchNativeAttnBackend(backend_args(req_pool, kv_pool, num_heads))
+    if group_slack is not None:
+        backend.group_slack = group_slack
     assert bind_attention_backend(layer, backend) == 1
     backend.init_forward_metadata(batch)
     q = torch.cat([r.queries for r in requests]).reshape(-1, num_heads * HEAD_DIM)
@@ -172,22 +181,60 @@ def assert_matches_reference(
 HEAD_LAYOUTS = [(4, 4), (4, 2), (6, 1)]  # MHA, GQA, MQA
 
 
+def test_length_groups_keep_padding_within_the_slack() -> None:
+    lengths = [100, 3, 98, 40, 61, 7, 1000, 790, 760]
+    groups = length_groups(lengths, slack=8)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    assert groups == [[6, 7, 8], [0, 2], [4], [3], [1, 5]]  # longest first, ids ascending
+    for group in groups:
+        longest = max(lengths[i] for i in group)
+        assert longest - min(lengths[i] for i in group) <= max(8, longest // 4)
+    assert length_groups(lengths, slack=10_000) == [list(range(len(lengths)))]
+    assert length_groups([], slack=8) == []
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 12)), min_size=1, max_size=6),
+    group_slack=st.integers(1, 16),
+    decode=st.booleans(),
+)
+def test_any_grouping_of_any_batch_matches_the_reference(
+        lengths: list[tuple[int, int]], group_slack: int, decode: bool) -> None:
+    prefix_lens = [prefix for prefix, _ in lengths]
+    new_lens = [1] * len(lengths) if decode else [new for _, new in lengths]
+    mode = ForwardMode.DECODE if decode else ForwardMode.EXTEND
+    requests, output, _, _ = run_case(mode, prefix_lens, new_lens, 4, 2,
+                                      group_slack=group_slack)
+    assert_matches_reference(requests, output, 4)
+
+
+# None: one group for the whole batch; 1: a group per distinct length.
+GROUP_SLACKS = [None, 1]
+
+
+@pytest.mark.parametrize("group_slack", GROUP_SLACKS)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEAD_LAYOUTS)
-def test_extend_over_cached_prefixes_with_mixed_lengths(num_heads: int, num_kv_heads: int) -> None:
+def test_extend_over_cached_prefixes_with_mixed_lengths(
+        num_heads: int, num_kv_heads: int, group_slack: int | None) -> None:
     prefix_lens = [0, 5, 0, 17, 3]
     new_lens = [7, 1, 12, 4, 9]
     requests, output, _, _ = run_case(
-        ForwardMode.EXTEND, prefix_lens, new_lens, num_heads, num_kv_heads
+        ForwardMode.EXTEND, prefix_lens, new_lens, num_heads, num_kv_heads,
+        group_slack=group_slack,
     )
     assert output.shape == (sum(new_lens), num_heads * HEAD_DIM)
     assert_matches_reference(requests, output, num_heads)
 
 
+@pytest.mark.parametrize("group_slack", GROUP_SLACKS)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEAD_LAYOUTS)
-def test_decode_with_mixed_lengths(num_heads: int, num_kv_heads: int) -> None:
+def test_decode_with_mixed_lengths(num_heads: int, num_kv_heads: int,
+                                   group_slack: int | None) -> None:
     prefix_lens = [0, 1, 9, 30, 4]
     requests, output, _, _ = run_case(
-        ForwardMode.DECODE, prefix_lens, [1] * len(prefix_lens), num_heads, num_kv_heads, seed=1
+        ForwardMode.DECODE, prefix_lens, [1] * len(prefix_lens), num_heads, num_kv_heads, seed=1,
+        group_slack=group_slack,
     )
     assert_matches_reference(requests, output, num_heads)
 
@@ -327,14 +374,17 @@ def test_forward_batch_imports_nothing_from_layers_or_the_kv_cache() -> None:
     assert field_names.isdisjoint({"req_to_token_pool", "token_to_kv_pool", "attn_backend"})
 
 
+@pytest.mark.parametrize("group_slack", GROUP_SLACKS)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEAD_LAYOUTS)
 def test_consecutive_decode_steps_keep_matching_the_reference(
-        num_heads: int, num_kv_heads: int) -> None:
+        num_heads: int, num_kv_heads: int, group_slack: int | None) -> None:
     """Decode steps of an unchanged batch append to kept keys; a changed batch gathers anew."""
     generator = torch.Generator().manual_seed(7)
     req_pool = ReqToTokenPool(size=4, max_context_len=CONTEXT_LEN, device=CPU)
     kv_pool = MHATokenToKVPool(POOL_TOKENS, torch.float32, num_kv_heads, HEAD_DIM, 2, CPU)
     backend = TorchNativeAttnBackend(backend_args(req_pool, kv_pool, num_heads))
+    if group_slack is not None:
+        backend.group_slack = group_slack
     layer = RadixAttention(num_heads, HEAD_DIM, HEAD_DIM**-0.5, num_kv_heads, layer_id=0)
     bind_attention_backend(layer, backend)
     free_slots = (torch.randperm(POOL_TOKENS, generator=generator) + 1).tolist()

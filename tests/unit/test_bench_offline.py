@@ -12,6 +12,7 @@ import torch
 from framework.bench.offline import (
     CSV_COLUMNS,
     SIDES,
+    CeilingSide,
     OfflineBenchResult,
     OfflineBenchSettings,
     run_benchmark,
@@ -80,6 +81,27 @@ def test_engine_and_transformers_produce_the_same_greedy_tokens(
         assert engine[:agreed] == reference[:agreed]
     # Near-ties aside, whole outputs match: on a few prompts at the very least.
     assert result.identical_outputs() >= min(3, n)
+
+
+def test_the_ceiling_does_the_jobs_matrix_work_and_the_decode_ceiling_the_steps_alone(
+        quick_run: tuple[OfflineBenchResult, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows through the layers: every prompt token in chunks, then one row per prompt."""
+    from transformers import AutoModelForCausalLM
+
+    result, model_dir = quick_run
+    settings = dataclasses.replace(result.settings, num_prompts=3, output_len=4)
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = [[1] * 5, [2] * 9, [3] * 3]
+    seen: list[int] = []
+    layers = CeilingSide._layers
+    monkeypatch.setattr(CeilingSide, "_layers",
+                        lambda self, x: (seen.append(x.shape[0]), layers(self, x))[1])
+    CeilingSide(hf_model, settings, with_prefill=True, prefill_chunk=7).generate(prompts)
+    assert seen == [7, 7, 3] + [3] * 3  # 17 prompt tokens, then output_len - 1 steps
+    seen.clear()
+    decode_only = CeilingSide(hf_model, settings, with_prefill=False)
+    decode_only.generate(prompts)
+    assert seen == [3] * 4 and decode_only.name == "decode_ceiling"
 
 
 def test_cli_knows_the_benchmark_and_applies_flags_over_quick() -> None:

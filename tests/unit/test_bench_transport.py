@@ -45,9 +45,10 @@ def _read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
 def test_token_id_batches_look_like_a_decode_step(name: str, batch: int) -> None:
     msg = build_sample(name)
     assert isinstance(msg, BatchTokenIDOutput)
-    assert len(msg.rids) == len(msg.completion_tokens) == batch
-    assert all(re.fullmatch(r"[0-9a-f]{32}", rid) for rid in msg.rids)
-    assert len(set(msg.rids)) == batch
+    # Requests are named by handle (a TokenizerManager's counter), not by rid strings.
+    assert msg.handles.dtype == np.int64 and len(msg.handles) == batch
+    assert len(msg.completion_tokens) == batch
+    assert all(h >= 1 for h in msg.handles.tolist()) and len(set(msg.handles.tolist())) == batch
     assert msg.output_ids.dtype == np.int32 and len(msg.output_ids) == batch
     assert msg.output_offsets.tolist() == list(range(batch + 1))  # one new token each
     assert all(c >= 1 for c in msg.completion_tokens.tolist())

@@ -50,7 +50,7 @@ def test_token_batches_keep_their_layout(codec_name: str, msg: BatchTokenIDOutpu
     assert decoded.output_ids.dtype == np.int32
     assert decoded.id_lists() == msg.id_lists()
     assert decoded.finished_reason_list() == msg.finished_reason_list()
-    for i in range(len(msg.rids)):
+    for i in range(len(msg.handles)):
         assert decoded.logprobs_of(i) == msg.logprobs_of(i)
         assert decoded.top_logprobs_of(i) == msg.top_logprobs_of(i)
 
@@ -87,6 +87,50 @@ def test_small_arrays_stay_in_the_body(codec_cls: type) -> None:
     assert same(codec_cls().decode(frames), msg)
 
 
+class ArrayCarrier(Message):
+    """A user message holding arrays, to check every dtype and layout of the inline forms."""
+
+    arrays: list[np.ndarray]
+
+
+_BASE = np.arange(-50, 50)
+INLINE_ARRAYS = [
+    *(_BASE.astype(dtype) for dtype in (np.int8, np.int16, np.int32, np.int64, np.uint8,
+                                        np.uint16, np.uint32, np.uint64, np.float16,
+                                        np.float32, np.float64, np.bool_)),
+    np.zeros(0, dtype=np.int64),  # an empty batch
+    _BASE.astype(np.int32)[::3],  # not contiguous
+    _BASE.astype(">i4"),  # not native byte order: the general inline form
+    _BASE.reshape(4, 25).astype(np.float32),  # two dimensions: the general inline form
+    np.array(7, dtype=np.int64),  # no dimension
+    _BASE.astype("<M8[s]"),  # a dtype outside the one-byte table
+    _BASE.astype(np.complex64),
+]
+
+
+@pytest.mark.parametrize("array", INLINE_ARRAYS, ids=lambda a: f"{a.dtype.str}x{a.shape}")
+def test_small_arrays_of_any_dtype_and_layout_round_trip_inline(array: np.ndarray) -> None:
+    codec = MsgpackCodec()
+    frames = codec.encode(ArrayCarrier(arrays=[array, array]))
+    assert len(frames) == 1
+    for back in codec.decode(frames).arrays:  # type: ignore[attr-defined]
+        assert back.dtype == array.dtype and back.shape == array.shape
+        assert np.array_equal(back, array)
+        assert back.flags.writeable and back.flags.c_contiguous  # a copy of its own
+
+
+def test_small_batch_arrays_cost_one_byte_of_header() -> None:
+    """A token batch's arrays take the one-byte-header form (the per-step fast path)."""
+    handles = np.arange(256, dtype=np.int64)
+    msg = BatchTokenIDOutput(handles=handles, output_ids=np.zeros(256, dtype=np.int32),
+                             output_offsets=np.arange(257, dtype=np.int32),
+                             completion_tokens=np.ones(256, dtype=np.int32))
+    body = bytes(MsgpackCodec().encode(msg)[0])
+    payload = 256 * 8 + 256 * 4 + 257 * 4 + 256 * 4
+    assert len(body) < payload + 100  # four arrays with a few bytes of framing each
+    assert same(MsgpackCodec().decode([body]), msg)
+
+
 class TensorCarrier(Message):
     """A user message holding tensors, to check tensor support."""
 
@@ -116,6 +160,9 @@ GARBAGE = [
     [msgspec.json.encode({"not": "a message"})],
     [pickle.dumps({"a": "dict, not a message"})],
     [pickle.dumps(AbortReq(rid="x"))[:-3]],
+    # An inline array naming no known dtype, and one whose bytes are not whole items.
+    [msgspec.msgpack.encode(["ArrayCarrier", [msgspec.msgpack.Ext(5, b"\xee\x00")]])],
+    [msgspec.msgpack.encode(["ArrayCarrier", [msgspec.msgpack.Ext(5, b"\x02\x00\x00")]])],
     [],
 ]
 

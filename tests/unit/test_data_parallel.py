@@ -36,7 +36,7 @@ from framework.sampling_params import SamplingParams
 
 def generate(rid: str, prompt_len: int = 4, max_new_tokens: int = 10) -> TokenizedGenerateReqInput:
     return TokenizedGenerateReqInput(
-        rid=rid, input_text="", input_ids=list(range(prompt_len)),
+        rid=rid, handle=len(rid), input_text="", input_ids=list(range(prompt_len)),
         sampling_params=SamplingParams(max_new_tokens=max_new_tokens))
 
 

@@ -59,6 +59,15 @@ texts = st.lists(st.sampled_from(FRAGMENTS), min_size=1, max_size=4).map("".join
 # --------------------------------------------------------------------------- helpers
 
 
+#: Outputs name requests by handle; the tests name them by rid, each rid its own handle.
+_HANDLES: dict[str, int] = {}
+
+
+def handle_of(rid: str) -> int:
+    """The handle that stands for ``rid`` in these tests (the same one every time)."""
+    return _HANDLES.setdefault(rid, len(_HANDLES) + 1)
+
+
 def token_batch(
     rids: list[str],
     output_ids: list[list[int]],
@@ -66,7 +75,7 @@ def token_batch(
     *,
     new: Sequence[RequestConstants | None] | None = None,
 ) -> BatchTokenIDOutput:
-    """A Scheduler output for ``rids`` with the given new ids and finish reasons.
+    """A Scheduler output for ``rids`` (by their handles) with the given ids and reasons.
 
     ``new[i]`` holds request ``i``'s constants if this is its first output, else
     ``None``; without ``new`` every request is new, with default constants.
@@ -74,7 +83,7 @@ def token_batch(
     if new is None:
         new = [RequestConstants(prompt_tokens=3) for _ in rids]
     return BatchTokenIDOutput(
-        rids=rids,
+        handles=np.array([handle_of(rid) for rid in rids], dtype=np.int64),
         output_ids=np.array([i for ids in output_ids for i in ids], dtype=np.int32),
         output_offsets=np.cumsum([0, *map(len, output_ids)], dtype=np.int32),
         completion_tokens=np.array([len(ids) for ids in output_ids], dtype=np.int32),
@@ -312,7 +321,7 @@ def test_skip_special_tokens_is_per_request(llama: Any) -> None:
             ["skip", "keep"], [chunk, chunk], [reason, reason],
             new=first if index == 0 else [None, None],
         )
-        for rid, text in zip(batch.rids, detokenizer.handle_batch(batch).output_strs):
+        for rid, text in zip(["skip", "keep"], detokenizer.handle_batch(batch).output_strs):
             texts_by_rid[rid] += text
     assert texts_by_rid["skip"] == llama.decode(ids, skip_special_tokens=True)
     assert texts_by_rid["keep"] == llama.decode(ids, skip_special_tokens=False)
@@ -398,7 +407,7 @@ def test_batch_fields_are_copied_through(gpt2: Any) -> None:
     batch.output_top_logprobs_val = [*tops[0], *tops[1], *[[]] * len(ids[2])]
     batch.output_top_logprobs_idx = [*top_ids[0], *top_ids[1], *[[]] * len(ids[2])]
     out = Detokenizer(gpt2).handle_batch(batch)
-    assert out.rids == ["x", "y", "z"]
+    assert out.handles == [handle_of(rid) for rid in ("x", "y", "z")]
     assert out.output_strs == ["one", " two three", " four"]
     assert out.output_ids == ids
     assert out.finished_reasons == [None, LENGTH, None]
@@ -458,7 +467,7 @@ def test_any_laid_out_batch_is_read_request_by_request(batch: BatchTokenIDOutput
     """Whatever the mix of new, running, finished and logprob requests, each gets its own."""
     detokenizer = Detokenizer(_NumberTokenizer())
     out = detokenizer.handle_batch(batch)
-    size = len(batch.rids)
+    size = len(batch.handles)
     assert out.output_ids == [batch.ids_of(i) for i in range(size)]
     assert out.completion_tokens == batch.completion_tokens.tolist()
     for i, constants in batch.new_constants_by_index().items():
@@ -471,10 +480,11 @@ def test_any_laid_out_batch_is_read_request_by_request(batch: BatchTokenIDOutput
         assert out.output_token_logprobs_val[i] == values
         assert out.output_token_logprobs_idx[i] == (batch.ids_of(i) if values else [])
         assert out.output_top_logprobs_val[i] == batch.top_logprobs_of(i)[0]
-    finished = {batch.rids[i] for i in batch.finished_indices}
-    assert [r is not None for r in out.finished_reasons] == [
-        rid in finished for rid in batch.rids]
-    assert set(detokenizer.constants) == set(batch.rids) - finished
+    handles = batch.handles.tolist()
+    assert out.handles == handles
+    finished = {handles[i] for i in batch.finished_indices}
+    assert [r is not None for r in out.finished_reasons] == [h in finished for h in handles]
+    assert set(detokenizer.constants) == set(handles) - finished
 
 
 @pytest.mark.parametrize(
@@ -497,8 +507,8 @@ def test_misaligned_batch_is_refused(gpt2: Any, field: str, value: Any, problem:
 
 def test_decode_step_can_be_overridden(gpt2: Any) -> None:
     class Shouting(Detokenizer):
-        def decode_step(self, rid: str, new_ids: Sequence[int], *args: Any, **kw: Any) -> str:
-            return super().decode_step(rid, new_ids, *args, **kw).upper()
+        def decode_step(self, handle: int, new_ids: Sequence[int], *args: Any, **kw: Any) -> str:
+            return super().decode_step(handle, new_ids, *args, **kw).upper()
 
     outputs = stream(Shouting(gpt2), [gpt2.encode("quiet please")], LENGTH)
     assert outputs == ["QUIET PLEASE"]

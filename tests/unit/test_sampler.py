@@ -415,3 +415,23 @@ def test_logit_bias_moves_the_choice_and_leaves_the_reported_logprobs_raw() -> N
 def test_bad_logit_bias_is_refused_naming_the_field(bias: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(logit_bias=bias).verify(vocab_size=6)
+
+
+def test_greedy_ties_take_the_first_largest_token() -> None:
+    """As ``argmax`` and transformers do: of equal largest logits, the lowest id wins."""
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 2.0, 5.0, 5.0]])
+    info = make_info([SamplingParams(temperature=0.0)] * 2, [[], []], [[0], [0]], vocab_size=4)
+    assert Sampler()(logits, info).next_token_ids.tolist() == [1, 0]
+
+
+def test_without_return_logprob_the_tokens_stay_and_no_logprobs_are_computed() -> None:
+    generator = torch.Generator().manual_seed(9)
+    logits = torch.randn(3, 20, generator=generator)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=3),
+              SamplingParams(top_k=4, seed=4)]
+    info = make_info(params, [[], [1], [2, 2]], [[0]] * 3, vocab_size=20)
+    with_logprobs = Sampler()(logits, info, [2, 0, 1])
+    without = Sampler()(logits, info, [2, 0, 1], return_logprob=False)
+    assert without.next_token_ids.tolist() == with_logprobs.next_token_ids.tolist()
+    assert without.logprobs is None
+    assert without.top_logprobs_val == without.top_logprobs_idx == [[], [], []]

@@ -452,7 +452,7 @@ def test_random_traffic_never_crashes_leaks_or_changes_greedy_outputs(
 
 
 def _req(rid: str, prompt_len: int, **params: object) -> Req:
-    return Req(rid=rid, origin_input_ids=prompt(len(rid), prompt_len),
+    return Req(rid=rid, handle=len(rid), origin_input_ids=prompt(len(rid), prompt_len),
                sampling_params=SamplingParams(**params))  # type: ignore[arg-type]
 
 
@@ -462,7 +462,7 @@ def test_token_id_output_sends_constants_once_and_ids_flat() -> None:
     a.cached_tokens = 4
     a.output_ids, b.output_ids = [11, 12], [21]
     first = token_id_output([a, b])
-    assert first.rids == ["a", "bb"]
+    assert first.handles.dtype == np.int64 and first.handles.tolist() == [a.handle, b.handle]
     assert first.output_ids.dtype == np.int32 and first.output_offsets.dtype == np.int32
     assert first.id_lists() == [[11, 12], [21]]
     assert [first.ids_of(0), first.ids_of(1)] == [[11, 12], [21]]

@@ -206,11 +206,11 @@ def sample_messages() -> list[Any]:
     rng = np.random.default_rng(7)
     return [
         TokenizedGenerateReqInput(
-            rid="g" * 32, input_text="hello", input_ids=list(range(300)),
+            rid="g" * 32, handle=3, input_text="hello", input_ids=list(range(300)),
             sampling_params=SamplingParams(temperature=0.7, stop=["\n"]),
         ),
         BatchTokenIDOutput(
-            rids=["r1"], output_ids=np.array([42], dtype=np.int32),
+            handles=np.array([1], dtype=np.int64), output_ids=np.array([42], dtype=np.int32),
             output_offsets=np.array([0, 1], dtype=np.int32),
             completion_tokens=np.array([1], dtype=np.int32),
             finished_indices=[0], finished_reasons=[FinishReason("length")],

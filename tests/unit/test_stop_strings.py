@@ -142,7 +142,7 @@ def stream(detokenizer: Detokenizer, built: Built, chunks: list[list[int]]) -> l
     finish = FinishReason(type="stop", matched=built.stop)
     return [
         detokenizer.decode_step(
-            "r",
+            1,
             chunk,
             finish if index == len(chunks) - 1 else None,
             skip_special_tokens=built.skip_special_tokens,
@@ -299,7 +299,7 @@ def test_stops_completed_together(gpt2: Any, stops: list[str], expected: str) ->
     finish = FinishReason(type="stop", matched=expected)
     detokenizer = Detokenizer(gpt2)
     text = "".join(
-        detokenizer.decode_step("r", [token], finish if i else None, skip_special_tokens=True,
+        detokenizer.decode_step(1, [token], finish if i else None, skip_special_tokens=True,
                                 spaces_between_special_tokens=True, no_stop_trim=False,
                                 stop_strs=stops)
         for i, token in enumerate(ids)

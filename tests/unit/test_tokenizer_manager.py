@@ -88,10 +88,15 @@ class FakeRuntime:
     def __init__(self, transport: Any, port_args: PortArgs) -> None:
         self.inbox = transport.receiver(port_args.scheduler_input, create_codec(CODEC))
         self.outputs = transport.sender(port_args.tokenizer_input, create_codec(CODEC))
+        # Each request's handle, as the Scheduler keeps it: outputs name requests by it.
+        self.handles: dict[str, int] = {}
 
     async def next(self) -> Message:
         """The next message the manager sent."""
-        return await asyncio.wait_for(self.inbox.recv(), DEADLINE_S)
+        msg = await asyncio.wait_for(self.inbox.recv(), DEADLINE_S)
+        if isinstance(msg, TokenizedGenerateReqInput):
+            self.handles[msg.rid] = msg.handle
+        return msg
 
     async def requests(self, count: int) -> list[Message]:
         return [await self.next() for _ in range(count)]
@@ -99,7 +104,8 @@ class FakeRuntime:
     def finish(self, rid: str, text: str = " done") -> None:
         """Answer ``rid`` with one last piece of text."""
         self.outputs.send_nowait(BatchStrOutput(
-            rids=[rid], finished_reasons=[FinishReason("length")], output_strs=[text],
+            handles=[self.handles[rid]], finished_reasons=[FinishReason("length")],
+            output_strs=[text],
             output_ids=[[7]], prompt_tokens=[2], completion_tokens=[1], cached_tokens=[0]))
 
     def close(self) -> None:
