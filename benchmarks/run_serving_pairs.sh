@@ -75,6 +75,11 @@ json.dump({k: info.get(k) for k in keys}
           sys.stdout, indent=2)' > "$OUT/$name.server.json"
   echo "== $transport × $codec"
   local status=0
+  # One untimed pass of the same shape first (8 output tokens), as the offline benchmark
+  # warms each side up: the first batches of a fresh server pay one-off costs (kernel
+  # set-up for new shapes, first allocations) that are not the pair's.
+  python -m framework.cli bench serving --base-url "http://127.0.0.1:$port" "${WORKLOAD[@]}" \
+    --output-len 8 --output "$MODEL/warmup" --run-name warmup > /dev/null || status=$?
   python -m framework.cli bench serving --base-url "http://127.0.0.1:$port" "${WORKLOAD[@]}" \
     --output "$OUT" --run-name "$name" || status=$?
   stop_server

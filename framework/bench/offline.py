@@ -482,7 +482,7 @@ def _measure(settings: OfflineBenchSettings, model_dir: Path, prompts: list[list
             for side in sides:
                 seconds = side.generate(prompts)
                 times[side.name].append(seconds)
-                print(f"run {repeat + 1}/{settings.repeats} {side.name:<12} "
+                print(f"run {repeat + 1}/{settings.repeats} {side.name:<14} "
                       f"{seconds:8.3f} s", flush=True)
     finally:
         engine.close()
@@ -500,7 +500,7 @@ def _measure(settings: OfflineBenchSettings, model_dir: Path, prompts: list[list
 
 
 def _format_row(row: OfflineBenchRow) -> str:
-    return (f"{row.side:<12} {row.output_tokens_per_s:12,.1f} output tok/s   "
+    return (f"{row.side:<14} {row.output_tokens_per_s:12,.1f} output tok/s   "
             f"best {row.best_seconds:8.3f} s")
 
 

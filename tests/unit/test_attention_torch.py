@@ -18,14 +18,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import framework.forward_batch
 from framework.forward_batch import ForwardBatch, ForwardMode
+from framework.layers.attention import kept_kv
 from framework.layers.attention.base import AttentionBackendArgs
+from framework.layers.attention.kept_kv import length_groups
 from framework.layers.attention.radix_attention import RadixAttention, bind_attention_backend
-from framework.layers.attention.torch_native import TorchNativeAttnBackend, length_groups
+from framework.layers.attention.torch_native import TorchNativeAttnBackend
 from framework.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from tests.model_fixtures import single_threaded_torch
 
@@ -427,3 +429,83 @@ def test_consecutive_decode_steps_keep_matching_the_reference(
                                 torch.stack(history[row][1]), q)
                     for row, q in zip(batch_rows, queries, strict=True)]
         assert_matches_reference(requests, output, num_heads)
+
+
+_ROWS = 5  # request-pool rows the coming-and-going test uses
+_step = st.one_of(
+    st.tuples(st.just("decode"), st.permutations(range(_ROWS)), st.integers(1, _ROWS)),
+    st.tuples(st.just("prefill"), st.integers(0, _ROWS - 1), st.integers(1, 9)),
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(steps=st.lists(_step, min_size=1, max_size=14), group_slack=st.sampled_from([1, 3, 64]),
+       headroom=st.sampled_from([1, 2, 64]))
+# A row decoded at 4 tokens, then taken by a new request of 4 prompt tokens: its next
+# decode step is one token longer than what was kept, yet nothing kept is its own.
+@example(steps=[("prefill", 0, 3), ("decode", (0,), 1), ("prefill", 0, 4), ("decode", (0,), 1)],
+         group_slack=64, headroom=64)
+def test_requests_coming_and_going_keep_matching_the_reference(
+        steps: list[tuple[str, object, int]], group_slack: int, headroom: int) -> None:
+    """Random prefills (a pool row taken by a new request) and decode batches of any subset.
+
+    Requests join and leave the decode batch, outgrow their group (small headroom) and
+    have their pool row reused, and every output row still equals the reference.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kept_kv, "DECODE_HEADROOM", headroom)
+        _come_and_go(steps, group_slack)
+
+
+def _come_and_go(steps: list[tuple[str, object, int]], group_slack: int) -> None:
+    generator = torch.Generator().manual_seed(len(steps))
+    req_pool = ReqToTokenPool(size=_ROWS, max_context_len=CONTEXT_LEN, device=CPU)
+    kv_pool = MHATokenToKVPool(1024, torch.float32, 2, HEAD_DIM, 1, CPU)
+    backend = TorchNativeAttnBackend(backend_args(req_pool, kv_pool, 4))
+    backend.group_slack = group_slack
+    layer = RadixAttention(4, HEAD_DIM, HEAD_DIM**-0.5, 2, layer_id=0)
+    bind_attention_backend(layer, backend)
+    free_slots = (torch.randperm(1024, generator=generator) + 1).tolist()
+    keys: dict[int, list[torch.Tensor]] = {}
+    values: dict[int, list[torch.Tensor]] = {}
+
+    def run(mode: ForwardMode, rows: list[int], num_new: list[int]) -> None:
+        queries, new_k, new_v, slots = [], [], [], []
+        for row, n in zip(rows, num_new, strict=True):
+            for _ in range(n):
+                keys[row].append(torch.randn(2, HEAD_DIM, generator=generator))
+                values[row].append(torch.randn(2, HEAD_DIM, generator=generator))
+                slot = free_slots.pop()
+                req_pool.req_to_token[row, len(keys[row]) - 1] = slot
+                slots.append(slot)
+            new_k += keys[row][-n:]
+            new_v += values[row][-n:]
+            queries.append(torch.randn((n, 4, HEAD_DIM), generator=generator))
+        seq_lens = [len(keys[row]) for row in rows]
+        batch = ForwardBatch(
+            forward_mode=mode, batch_size=len(rows), input_ids=torch.zeros(len(slots)).long(),
+            positions=torch.cat([torch.arange(s - n, s) for s, n in zip(seq_lens, num_new)]),
+            req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(seq_lens),
+            out_cache_loc=torch.tensor(slots))
+        if mode.is_extend():
+            batch.extend_seq_lens = torch.tensor(num_new)
+            batch.extend_prefix_lens = torch.tensor([s - n for s, n in zip(seq_lens, num_new)])
+        backend.init_forward_metadata(batch)
+        output = layer(torch.cat(queries).reshape(len(slots), -1),
+                       torch.stack(new_k).reshape(len(slots), -1),
+                       torch.stack(new_v).reshape(len(slots), -1), batch)
+        assert_matches_reference(
+            [RequestData(row, len(keys[row]) - n, torch.stack(keys[row]),
+                         torch.stack(values[row]), q)
+             for row, n, q in zip(rows, num_new, queries, strict=True)], output, 4)
+
+    for kind, which, count in steps:
+        if kind == "prefill":  # a new request takes the row: its history starts over
+            assert isinstance(which, int)
+            keys[which], values[which] = [], []
+            run(ForwardMode.EXTEND, [which], [count])
+            continue
+        assert isinstance(which, list | tuple)
+        rows = [row for row in which if row in keys][:count]
+        if rows and max(len(keys[row]) for row in rows) < CONTEXT_LEN:
+            run(ForwardMode.DECODE, rows, [1] * len(rows))

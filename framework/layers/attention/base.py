@@ -102,7 +102,9 @@ class AttentionBackend(ABC):
         """Prepare whatever the backend needs once per batch, before the first layer runs.
 
         The default checks the batch against ``max_batch_size`` (buffers sized by
-        it must not overflow) and fills the batch's host copies of its lengths.
+        it must not overflow), fills the batch's host copies of its lengths and,
+        in an extend batch, checks that each request's prefix and new tokens add
+        up to its ``seq_len``.
         """
         if forward_batch.batch_size > self.max_batch_size:
             raise ValueError(
@@ -110,6 +112,16 @@ class AttentionBackend(ABC):
                 f"backend's max_batch_size ({self.max_batch_size})"
             )
         forward_batch.fill_cpu_lengths()
+        if forward_batch.forward_mode.is_extend():
+            lengths = zip(forward_batch.extend_prefix_lens_cpu or [],
+                          forward_batch.extend_seq_lens_cpu or [],
+                          forward_batch.seq_lens_cpu or [], strict=True)
+            for prefix_len, num_new, seq_len in lengths:
+                if prefix_len + num_new != seq_len:
+                    raise ValueError(
+                        f"extend batch: prefix ({prefix_len}) + new ({num_new}) tokens != "
+                        f"seq_len ({seq_len})"
+                    )
 
     def forward(
         self,

@@ -15,10 +15,10 @@ quarter of a group's longest request, for a handful of calls.
 * **Prefill over a cached prefix**: keys and values are gathered from the
   paged pool through ``req_to_token`` and a mask keeps each query to its own
   request's keys, causally.
-* **Decode**: the gathered keys and values of each group are kept across
-  steps while the batch is unchanged (the same requests, each one token
-  longer), and the step's new token is appended instead of gathering every
-  request's whole history again; any other batch gathers afresh.
+* **Decode**: each request's keys and values are kept across steps in a
+  slot of a length group (``kept_kv.KeptDecodeKV``): a request that goes on
+  decoding only appends its new token, a newcomer is gathered from the pool
+  once, and requests joining or leaving the batch leave the others in place.
 
 Grouped-query heads read their key/value head without copies (SDPA's
 ``enable_gqa``). Everything that depends only on the batch's shape (groups,
@@ -31,91 +31,41 @@ against.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from framework.layers.attention.base import AttentionBackend, AttentionBackendArgs
+from framework.layers.attention.kept_kv import GroupStep, KeptDecodeKV, length_groups
 
 if TYPE_CHECKING:
     from framework.forward_batch import ForwardBatch
     from framework.layers.attention.radix_attention import RadixAttention
 
 
-# Room for this many more tokens per request in the kept decode keys and values, so that
-# they are not reallocated at every step.
-_DECODE_HEADROOM = 64
-
-
-def length_groups(lengths: list[int], slack: int) -> list[list[int]]:
-    """Indices of ``lengths`` split into groups of similar length, longest group first.
-
-    Each group's indices are in ascending order (one group of all: ``0 .. n - 1``).
-
-    Taken longest first, a group holds the requests within ``max(slack, longest // 4)``
-    tokens of its longest one: padding every request of a group to its longest
-    wastes at most that much per request, for one attention call per group.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups: list[list[int]] = []
-    floor = -1
-    for i in order:
-        if lengths[i] < floor or not groups:
-            groups.append([])
-            floor = lengths[i] - max(slack, lengths[i] // 4)
-        groups[-1].append(i)
-    return [sorted(group) for group in groups]
-
-
 @dataclass
 class _Group:
-    """Requests of the batch attended together in one SDPA call per layer."""
+    """Requests of a prefill batch attended together in one SDPA call per layer."""
 
     members: list[int]  # index of each of the group's requests in the batch
     rows: torch.Tensor  # [G] int64: ``members`` on the device
-    num_queries: int  # Q: the most new tokens of one of its requests (1 in decode)
-    # Extend only: the group's packed new-token rows, and where each sits in the flat
-    # [G * Q] padded queries.
+    num_queries: int  # Q: the most new tokens of one of its requests
+    # The group's packed new-token rows, and where each sits in the flat [G * Q] padded
+    # queries.
     token_src: torch.Tensor | None = None
     token_dst: torch.Tensor | None = None
-    # Keys gathered from the pool (decode, prefill over a prefix): [G, L] KV slot of each
-    # key (slot 0 past a request's end) and the [G, 1, Q, L] bool mask. None for a
-    # prefill without prefix, whose keys are its new tokens, causally.
+    # Keys gathered from the pool (prefill over a prefix): [G, L] KV slot of each key
+    # (slot 0 past a request's end) and the [G, 1, Q, L] bool mask. None for a prefill
+    # without prefix, whose keys are its new tokens, causally.
     kv_slots: torch.Tensor | None = None
     mask: torch.Tensor | None = None
-    # Decode only: kept keys and values per layer id, [G, kv_heads, capacity, dim].
-    capacity: int = 0
-    keys: dict[int, torch.Tensor] = field(default_factory=dict)
-    values: dict[int, torch.Tensor] = field(default_factory=dict)
-    # [G * kv_heads] rows of the flat kept keys [G * kv_heads * capacity, dim] where the
-    # step's new token goes; None: gather anew.
-    append_rows: torch.Tensor | None = None
-    #: Whether the group is the whole batch in order (no rows to pick or scatter).
-    whole: bool = False
 
     @property
     def size(self) -> int:
         """How many requests the group holds."""
         return len(self.members)
-
-
-@dataclass
-class _DecodeState:
-    """The decode batch whose groups hold kept keys and values."""
-
-    req_pool_indices: list[int]
-    seq_lens: list[int]
-    groups: list[_Group]
-
-    def continues(self, req_pool_indices: list[int], seq_lens: list[int]) -> bool:
-        """Whether a decode batch is this one a token later (and still fits)."""
-        if req_pool_indices != self.req_pool_indices or any(
-                new != old + 1 for new, old in zip(seq_lens, self.seq_lens)):
-            return False
-        return all(max(seq_lens[i] for i in group.members) <= group.capacity
-                   for group in self.groups)
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -127,61 +77,34 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def __init__(self, args: AttentionBackendArgs) -> None:
         super().__init__(args)
-        self._groups: list[_Group] | None = None
-        self._decode: _DecodeState | None = None
+        self._groups: list[_Group] | None = None  # of an extend batch
+        self._steps: list[GroupStep] | None = None  # of a decode batch
+        self._kept: KeptDecodeKV | None = None  # made with the first decode batch
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Build the groups, gather indices and masks once for all layers of this batch."""
         super().init_forward_metadata(forward_batch)
         seq_lens = forward_batch.seq_lens_cpu
-        assert seq_lens is not None  # filled above
+        indices = forward_batch.req_pool_indices_cpu
+        assert seq_lens is not None and indices is not None  # filled above
+        if self._kept is None:
+            self._kept = KeptDecodeKV(self.num_kv_heads, self.group_slack, self.device)
         if forward_batch.forward_mode.is_decode():
-            self._groups = self._decode_groups(forward_batch, seq_lens)
+            self._groups = None
+            self._steps = self._kept.plan(indices, seq_lens,
+                                          self.req_to_token_pool.req_to_token)
             return
-        self._decode = None
+        # A prefill fills these requests' pool rows anew: what was kept for them is stale.
+        self._kept.evict(indices)
+        self._steps = None
         new_lens = forward_batch.extend_seq_lens_cpu
         prefix_lens = forward_batch.extend_prefix_lens_cpu
         assert new_lens is not None and prefix_lens is not None  # filled above
-        for num_new, prefix_len, seq_len in zip(new_lens, prefix_lens, seq_lens, strict=True):
-            if prefix_len + num_new != seq_len:
-                raise ValueError(
-                    f"extend batch: prefix ({prefix_len}) + new ({num_new}) tokens != "
-                    f"seq_len ({seq_len})"
-                )
         self._groups = self._extend_groups(forward_batch, seq_lens, new_lens, prefix_lens)
 
     # ------------------------------------------------------------------ batch layout
 
-    def _decode_groups(self, forward_batch: ForwardBatch, seq_lens: list[int]) -> list[_Group]:
-        indices = forward_batch.req_pool_indices_cpu
-        assert indices is not None  # filled by fill_cpu_lengths
-        kept = self._decode
-        ones = [1] * len(seq_lens)
-        kept = self._decode
-        if kept is not None and kept.continues(indices, seq_lens):
-            kept.seq_lens = seq_lens
-            groups = kept.groups
-            for group in groups:
-                group.append_rows = self._append_rows(group, seq_lens)
-        else:
-            groups = [self._group(members) for members in length_groups(seq_lens,
-                                                                         self.group_slack)]
-            for group in groups:
-                group.capacity = max(seq_lens[i] for i in group.members) + _DECODE_HEADROOM
-                group.whole = len(groups) == 1
-            self._decode = _DecodeState(list(indices), seq_lens, groups)
-        for group in groups:
-            group.kv_slots = self._kv_slots(forward_batch, group, seq_lens)
-            group.mask = self._mask(group, seq_lens, ones)
-        return groups
-
-    def _append_rows(self, group: _Group, seq_lens: list[int]) -> torch.Tensor:
-        heads, capacity = self.num_kv_heads, group.capacity
-        position = self._lengths(group, seq_lens) - 1  # of the new token, per request
-        first = torch.arange(group.size * heads, device=self.device).view(-1, heads) * capacity
-        return (first + position[:, None]).flatten()
-
-    def _group(self, members: list[int], num_queries: int = 1) -> _Group:
+    def _group(self, members: list[int], num_queries: int) -> _Group:
         rows = torch.tensor(members, dtype=torch.int64, device=self.device)
         return _Group(members, rows, num_queries)
 
@@ -278,8 +201,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         save_kv_cache: bool,
     ) -> torch.Tensor:
-        groups = self._groups
-        if groups is None:
+        if self._groups is None and self._steps is None:
             raise RuntimeError("init_forward_metadata must run before the layers")
         if save_kv_cache:
             self.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
@@ -289,47 +211,47 @@ class TorchNativeAttnBackend(AttentionBackend):
         queries = q.view(q.shape[0], layer.num_heads, layer.head_dim)
         new_keys = k.view(k.shape[0], layer.num_kv_heads, layer.head_dim)
         new_values = v.view(new_keys.shape)
-        decode = forward_batch.forward_mode.is_decode()
-        if decode and groups[0].whole:
-            return self._decode_group(groups[0], queries, new_keys, new_values, layer,
-                                      save_kv_cache).to(q.dtype)
         out = queries.new_empty(queries.shape[0], layer.num_heads * layer.head_dim)
-        for group in groups:
-            if decode:
-                result = self._decode_group(group, queries, new_keys, new_values, layer,
-                                            save_kv_cache)
-                out.index_copy_(0, group.rows, result)
-            else:
-                result = self._extend_group(group, queries, new_keys, new_values, layer)
-                out.index_copy_(0, group.token_src, result)
+        for step in self._steps or ():
+            result = self._decode_step(step, queries, new_keys, new_values, layer)
+            out.index_copy_(0, step.out_rows, result if step.whole else result[step.out_slots])
+        for group in self._groups or ():
+            result = self._extend_group(group, queries, new_keys, new_values, layer)
+            out.index_copy_(0, group.token_src, result)
         return out.to(q.dtype)
 
-    def _decode_group(self, group: _Group, queries: torch.Tensor, new_keys: torch.Tensor,
-                      new_values: torch.Tensor, layer: RadixAttention,
-                      save_kv_cache: bool) -> torch.Tensor:
-        """``[G, heads * dim]``: the group's decode attention over its kept keys and values."""
+    def _decode_step(self, step: GroupStep, queries: torch.Tensor, new_keys: torch.Tensor,
+                     new_values: torch.Tensor, layer: RadixAttention) -> torch.Tensor:
+        """``[slots, heads * dim]``: decode attention of a group's slots over what it keeps.
+
+        The step's new keys and values are in the pool already (``_run`` writes them
+        first): a newcomer's slot is gathered from there, new tokens already kept get
+        appended.
+        """
         k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        assert group.kv_slots is not None and group.mask is not None  # decode groups gather
-        longest = group.mask.shape[-1]
-        layer_id = layer.layer_id
-        if not save_kv_cache:
-            keys, values = _gather(k_buffer, group.kv_slots), _gather(v_buffer, group.kv_slots)
-        elif group.append_rows is not None and layer_id in group.keys:
-            keys, values = group.keys[layer_id], group.values[layer_id]
-            _append(keys, group.append_rows, new_keys if group.whole else new_keys[group.rows])
-            _append(values, group.append_rows,
-                    new_values if group.whole else new_values[group.rows])
+        group, layer_id = step.group, layer.layer_id
+        keys, values = group.keys.get(layer_id), group.values.get(layer_id)
+        if keys is None or values is None:
+            # The layer's first sight of the group: fill every slot from the pool (after a
+            # failed step, slots kept by the other layers may be new to this one).
+            shape = (group.slots, self.num_kv_heads, group.capacity, self.head_dim)
+            keys = group.keys[layer_id] = k_buffer.new_zeros(shape)
+            values = group.values[layer_id] = v_buffer.new_zeros(shape)
+            occupied = step.occupied()
+            _fill(keys, values, k_buffer, v_buffer, torch.tensor(occupied, device=self.device),
+                  step.kv_slots(occupied))
         else:
-            keys = group.keys[layer_id] = _padded(_gather(k_buffer, group.kv_slots),
-                                                  group.capacity)
-            values = group.values[layer_id] = _padded(_gather(v_buffer, group.kv_slots),
-                                                      group.capacity)
-        q = (queries if group.whole else queries[group.rows]).to(keys.dtype).unsqueeze(2)
+            if step.fill_slots is not None and step.fill_kv is not None:
+                _fill(keys, values, k_buffer, v_buffer, step.fill_slots, step.fill_kv)
+            if step.append_rows is not None and step.append_batch_rows is not None:
+                _append(keys, step.append_rows, new_keys[step.append_batch_rows])
+                _append(values, step.append_rows, new_values[step.append_batch_rows])
+        q = queries[step.query_rows].to(keys.dtype).unsqueeze(2)  # [slots, heads, 1, dim]
         out = F.scaled_dot_product_attention(
-            q, keys[:, :, :longest], values[:, :, :longest], attn_mask=group.mask,
+            q, keys[:, :, :step.longest], values[:, :, :step.longest], attn_mask=step.mask,
             scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads,
-        )  # [G, heads, 1, dim]
-        return out.view(group.size, layer.num_heads * layer.head_dim).to(queries.dtype)
+        )  # [slots, heads, 1, dim]
+        return out.view(group.slots, layer.num_heads * layer.head_dim).to(queries.dtype)
 
     def _extend_group(self, group: _Group, queries: torch.Tensor, new_keys: torch.Tensor,
                       new_values: torch.Tensor, layer: RadixAttention) -> torch.Tensor:
@@ -360,22 +282,18 @@ class TorchNativeAttnBackend(AttentionBackend):
         return padded.view(group.size, group.num_queries, *rows.shape[1:]).transpose(1, 2)
 
 
-def _padded(gathered: torch.Tensor, capacity: int) -> torch.Tensor:
-    """``gathered`` ``[B, H, L, D]`` in a zero-filled ``[B, H, capacity, D]`` tensor.
-
-    Zeros, not garbage: a masked key's value still enters SDPA's product with weight 0,
-    and 0 * NaN would be NaN.
-    """
-    batch, heads, length, dim = gathered.shape
-    out = gathered.new_zeros(batch, heads, capacity, dim)
-    out[:, :, :length] = gathered
-    return out
+def _fill(keys: torch.Tensor, values: torch.Tensor, k_buffer: torch.Tensor,
+          v_buffer: torch.Tensor, slots: torch.Tensor, kv_slots: torch.Tensor) -> None:
+    """Gather the keys and values at ``kv_slots`` ``[n, L]`` into ``slots`` of a group."""
+    length = kv_slots.shape[1]
+    keys[slots, :, :length] = _gather(k_buffer, kv_slots).to(keys.dtype)
+    values[slots, :, :length] = _gather(v_buffer, kv_slots).to(values.dtype)
 
 
 def _append(kept: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """Write ``new`` ``[G, kv_heads, dim]`` into the kept ``[G, kv_heads, capacity, dim]``.
+    """Write ``new`` ``[n, kv_heads, dim]`` into a group's ``[slots, kv_heads, capacity, dim]``.
 
-    ``rows`` are the flat rows (``_append_rows``): one ``index_copy_`` for the group.
+    ``rows`` are the flat rows (``kept_kv.flat_rows``): one ``index_copy_`` for the group.
     """
     dim = kept.shape[-1]
     return kept.view(-1, dim).index_copy_(0, rows, new.reshape(-1, dim).to(kept.dtype))

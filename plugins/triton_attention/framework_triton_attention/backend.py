@@ -109,12 +109,6 @@ class TritonAttnBackend(AttentionBackend):
         new_lens = forward_batch.extend_seq_lens_cpu
         prefix_lens = forward_batch.extend_prefix_lens_cpu
         assert new_lens is not None and prefix_lens is not None  # filled above
-        for num_new, prefix_len, seq_len in zip(new_lens, prefix_lens, seq_lens, strict=True):
-            if prefix_len + num_new != seq_len:
-                raise ValueError(
-                    f"extend batch: prefix ({prefix_len}) + new ({num_new}) tokens != "
-                    f"seq_len ({seq_len})"
-                )
         kv_indptr, kv_indices = self._kv_indices(forward_batch, prefix_lens)
         qo_indptr = self.qo_indptr[: batch + 1]
         qo_indptr.copy_(_offsets(new_lens))
