@@ -75,6 +75,9 @@ class ServerArgs:
     mem_fraction: float = _opt(0.8, "fraction of free device memory for the KV cache (GPU)",
                                "runtime")
     chunked_prefill_size: int = _opt(2048, "most prompt tokens prefilled per step", "runtime")
+    enable_mixed_chunk: bool = _opt(False, "run the running requests' decode tokens in the "
+                                    "same step as a prefill chunk (one forward for both)",
+                                    "runtime")
     schedule_policy: str = _opt("fcfs", "order of admission: first come first served, or "
                                 "longest cached prefix first", "runtime",
                                 choices=("fcfs", "lpm"))

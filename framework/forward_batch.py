@@ -60,6 +60,9 @@ class ForwardBatch:
     # [m] int64, EXTEND only: packed rows whose logits are wanted as well, for the
     # logprobs of prompt tokens (the model returns them after the B last-token rows).
     prompt_logprob_rows: torch.Tensor | None = None
+    # EXTEND only: the last ``decode_tail`` requests are running requests decoding one
+    # token each, in the same step as the prefills before them (a mixed step).
+    decode_tail: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -130,8 +130,12 @@ class BatchTokenIDOutput(Message):
     carried; no rid strings travel per step). Its ids since its last output are
     ``output_ids[output_offsets[i]:output_offsets[i + 1]]`` (``ids_of(i)``):
     all the batch's new ids travel as one int32 array, so a decode step costs a
-    few arrays rather than a Python object per request. ``completion_tokens[i]``
-    counts every id it has produced so far.
+    few arrays rather than a Python object per request. ``output_offsets`` is
+    ``None`` when every request has as many new ids (the usual decode step):
+    request ``i`` then has ``output_ids[i * k:(i + 1) * k]`` with
+    ``k = len(output_ids) // len(handles)``. Every id is sent exactly once and in
+    order, so a request's completion count is not sent: the Detokenizer counts
+    the ids it receives.
 
     Sparse fields, since most requests of a step neither start nor end:
 
@@ -151,8 +155,7 @@ class BatchTokenIDOutput(Message):
 
     handles: np.ndarray
     output_ids: np.ndarray
-    output_offsets: np.ndarray
-    completion_tokens: np.ndarray
+    output_offsets: np.ndarray | None = None
     finished_indices: list[int] = msgspec.field(default_factory=list)
     finished_reasons: list[FinishReason] = msgspec.field(default_factory=list)
     new_indices: list[int] = msgspec.field(default_factory=list)
@@ -163,12 +166,25 @@ class BatchTokenIDOutput(Message):
     prompt_logprob_indices: list[int] = msgspec.field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = msgspec.field(default_factory=list)
 
+    def span_of(self, i: int) -> tuple[int, int]:
+        """Where request ``i``'s new ids are in ``output_ids``: ``(start, end)``."""
+        if self.output_offsets is None:
+            per_request = len(self.output_ids) // len(self.handles)
+            return i * per_request, (i + 1) * per_request
+        return int(self.output_offsets[i]), int(self.output_offsets[i + 1])
+
     def ids_of(self, i: int) -> list[int]:
         """Request ``i``'s new ids."""
-        return self.output_ids[self.output_offsets[i] : self.output_offsets[i + 1]].tolist()
+        start, end = self.span_of(i)
+        return self.output_ids[start:end].tolist()
 
     def id_lists(self) -> list[list[int]]:
         """Every request's new ids, in ``handles`` order (one conversion for the whole batch)."""
+        if self.output_offsets is None:
+            size = len(self.handles)
+            if not size:
+                return []
+            return self.output_ids.reshape(size, len(self.output_ids) // size).tolist()
         counts = np.diff(self.output_offsets)
         if len(counts) and bool((counts == counts[0]).all()):
             # A decode step's usual shape, as many new ids for each request: numpy makes
@@ -193,7 +209,7 @@ class BatchTokenIDOutput(Message):
         """Request ``i``'s logprobs of its new ids; empty when it did not ask for them."""
         if self.output_token_logprobs is None:
             return []
-        start, end = int(self.output_offsets[i]), int(self.output_offsets[i + 1])
+        start, end = self.span_of(i)
         values = self.output_token_logprobs[start:end]
         # A request that did not ask has NaN for every one of its ids.
         if end == start or np.isnan(values[0]):
@@ -204,7 +220,7 @@ class BatchTokenIDOutput(Message):
         """Request ``i``'s top logprobs (values, ids), one list per new id; empty if not asked."""
         if not self.logprobs_of(i):
             return [], []
-        start, end = int(self.output_offsets[i]), int(self.output_offsets[i + 1])
+        start, end = self.span_of(i)
         return self.output_top_logprobs_val[start:end], self.output_top_logprobs_idx[start:end]
 
 

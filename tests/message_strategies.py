@@ -67,7 +67,6 @@ def struct_strategy(cls: type[msgspec.Struct]) -> st.SearchStrategy[Any]:
 
 
 _token_id = st.integers(min_value=0, max_value=2**31 - 1)
-_count = st.integers(min_value=0, max_value=2**31 - 1)
 _handle = st.integers(min_value=0, max_value=2**63 - 1)
 _logprob = st.floats(max_value=0.0, allow_nan=False, allow_infinity=False, width=32)
 
@@ -78,10 +77,18 @@ def token_id_outputs(draw: st.DrawFn) -> BatchTokenIDOutput:
 
     Requests with zero or more new ids, some finished, some new (with their
     constants), and, if any request asked, logprobs aligned with the ids (NaN
-    for the requests that did not ask).
+    for the requests that did not ask). When every request has as many new ids,
+    sometimes with ``output_offsets`` ``None`` (as the Scheduler sends them), and
+    sometimes with explicit offsets (which a sender may still send).
     """
-    per_request = draw(st.lists(st.lists(_token_id, max_size=4), max_size=6))
+    if draw(st.booleans()):
+        count = draw(st.integers(0, 3))
+        per_request = draw(st.lists(
+            st.lists(_token_id, min_size=count, max_size=count), min_size=1, max_size=6))
+    else:
+        per_request = draw(st.lists(st.lists(_token_id, max_size=4), max_size=6))
     size = len(per_request)
+    uniform = size > 0 and len({len(ids) for ids in per_request}) == 1
     indices = st.lists(st.integers(0, max(size - 1, 0)), unique=True, max_size=size)
     finished = draw(indices)
     new = draw(indices)
@@ -90,9 +97,8 @@ def token_id_outputs(draw: st.DrawFn) -> BatchTokenIDOutput:
         handles=np.array(draw(st.lists(_handle, min_size=size, max_size=size, unique=True)),
                          dtype=np.int64),
         output_ids=np.array([i for ids in per_request for i in ids], dtype=np.int32),
-        output_offsets=np.cumsum([0, *map(len, per_request)], dtype=np.int32),
-        completion_tokens=np.array(
-            draw(st.lists(_count, min_size=size, max_size=size)), dtype=np.int32),
+        output_offsets=None if uniform and draw(st.booleans()) else np.cumsum(
+            [0, *map(len, per_request)], dtype=np.int32),
         finished_indices=finished,
         finished_reasons=[draw(struct_strategy(FinishReason)) for _ in finished],
         new_indices=new,

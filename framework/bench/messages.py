@@ -62,16 +62,14 @@ def token_ids_batch(batch_size: int, seed: int = DEFAULT_SEED) -> BatchTokenIDOu
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     rng = random.Random(seed)
-    # Requests joined the batch at different steps, so each has produced a different amount.
-    completion_tokens = [rng.randrange(1, 512) for _ in range(batch_size)]
     # The running requests' handles: a counter's values, spread over recent requests.
     handles = sorted(rng.sample(range(1, 16 * batch_size + 1), batch_size))
     output_ids = [rng.randrange(VOCAB_SIZE) for _ in range(batch_size)]
     msg = BatchTokenIDOutput(
         handles=np.array(handles, dtype=np.int64),
         output_ids=np.array(output_ids, dtype=np.int32),
-        output_offsets=np.arange(batch_size + 1, dtype=np.int32),
-        completion_tokens=np.array(completion_tokens, dtype=np.int32),
+        # One new id each: no offsets (the Scheduler sends them only when counts differ).
+        output_offsets=None,
     )
     if batch_size >= _FINISHED_IN_BATCH_FROM:
         finished, new = rng.sample(range(batch_size), 2)
@@ -79,7 +77,6 @@ def token_ids_batch(batch_size: int, seed: int = DEFAULT_SEED) -> BatchTokenIDOu
         msg.finished_reasons = [FinishReason("stop", matched=EOS_TOKEN_ID)]
         msg.new_indices = [new]
         msg.new_constants = [first_output_constants(rng)]
-        msg.completion_tokens[new] = 1
     return msg
 
 

@@ -3,7 +3,10 @@
 ``encode(msg)`` returns a list of buffers: frame 0 is the body, the others are
 out-of-band buffers (array and tensor payloads) that a transport can send
 without copying. ``decode(frames)`` rebuilds the message. A garbled or foreign
-frame raises ``CodecError``; a receiver loop catches it and carries on.
+frame raises ``CodecError``; a receiver loop catches it and carries on. The
+frames handed to ``decode`` belong to the decoded message from then on: its
+arrays may be views into them (read-only when a frame is ``bytes``), so a
+caller must not reuse or change them.
 
 One codec instance belongs to one channel end and is used from one thread.
 """
@@ -191,9 +194,9 @@ class MsgpackCodec(Codec):
         self._out: list[Buffer] = []
         self._in: Sequence[Buffer] = ()
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
-        self._decoder = msgspec.msgpack.Decoder(
-            message_union(), ext_hook=self._ext_hook, dec_hook=_dec_hook
-        )
+        # No dec_hook: every array or tensor comes from ``_ext_hook`` already built, and
+        # msgspec checks its type itself; a hook would cost a call per array field.
+        self._decoder = msgspec.msgpack.Decoder(message_union(), ext_hook=self._ext_hook)
 
     def encode(self, msg: Any) -> list[Buffer]:
         self._out = [b""]
@@ -246,9 +249,12 @@ class MsgpackCodec(Codec):
                 dtype = _INLINE_1D_DTYPES[data[0]]
             except IndexError:
                 raise CodecError(self.name, "unknown inline array dtype") from None
-            # A copy: ``data`` points into the received frame, which the transport reuses.
+            # A view into the body frame, not a copy: the frames handed to ``decode`` belong
+            # to the decoded message (every transport hands over its own ``bytes`` or
+            # buffer, never one it reuses), as with the out-of-band arrays. Read-only when
+            # the frame is ``bytes``; the view keeps the frame alive.
             # (Positional arguments: numpy parses keywords slowly, a third of the call here.)
-            return np.frombuffer(data, dtype, -1, 1).copy()
+            return np.frombuffer(data, dtype, -1, 1)
         if code in (_EXT_NDARRAY_OOB, _EXT_TENSOR_OOB):
             dtype, tag, shape, index = _header_decoder.decode(data)
             array = np.frombuffer(self._in[index], dtype=dtype).reshape(shape)
@@ -264,7 +270,7 @@ class MsgpackCodec(Codec):
 
 
 def _dec_hook(tp: type, obj: Any) -> Any:
-    """Accept arrays rebuilt by an ext hook (or from JSON) where a field wants an ndarray."""
+    """Rebuild an array from its JSON form where a field wants an ndarray (JSON only)."""
     if tp is np.ndarray:
         if isinstance(obj, np.ndarray):
             return obj

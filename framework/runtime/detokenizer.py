@@ -37,12 +37,12 @@ class Detokenizer:
     """Turns ``BatchTokenIDOutput`` into ``BatchStrOutput``, one ``IncrementalDecoder`` per request.
 
     Requests are known by their handle (``BatchTokenIDOutput.handles``), never
-    their rid. A request's state (its decoder and its ``RequestConstants``) is made on
-    its first output, the one message that carries its constants, and dropped
-    with its last (the one with a finish reason). Subclasses can override
-    ``decode`` (the tokenizer call), ``new_decoder``, ``decode_step`` (one
-    request's step) or ``handle_message`` (what to do with each received
-    message).
+    their rid. A request's state (its decoder, its ``RequestConstants`` and the count
+    of ids it has produced) is made on its first output, the one message that
+    carries its constants, and dropped with its last (the one with a finish
+    reason). Subclasses can override ``decode`` (the tokenizer call),
+    ``new_decoder``, ``decode_step`` (one request's step) or ``handle_message``
+    (what to do with each received message).
     """
 
     def __init__(self, tokenizer: Any) -> None:
@@ -50,6 +50,9 @@ class Detokenizer:
         self.decoders: dict[int, IncrementalDecoder] = {}
         # Each running request's constants, sent with its first output only (by handle).
         self.constants: dict[int, RequestConstants] = {}
+        # Each running request's ids so far (by handle): the Scheduler sends every id once,
+        # in order, so counting them here spares a per-request count in every step.
+        self.completion_tokens: dict[int, int] = {}
         # One decode function per (skip_special_tokens, spaces_between_special_tokens).
         self._decode_fns: dict[tuple[bool, bool], DecodeFn] = {}
         self.receiver: Receiver | None = None
@@ -179,6 +182,9 @@ class Detokenizer:
         for i, constants in zip(batch.new_indices, batch.new_constants):
             self.constants[handles[i]] = constants
         kept = [self.constants.get(h) or self._missing_constants(h) for h in handles]
+        counts = self.completion_tokens
+        completion_tokens = [counts.get(h, 0) + len(new) for h, new in zip(handles, ids)]
+        counts.update(zip(handles, completion_tokens))
         output_strs = [
             self.decode_step(
                 handle,
@@ -194,13 +200,14 @@ class Detokenizer:
         ]
         for i in batch.finished_indices:
             del self.constants[handles[i]]
+            del counts[handles[i]]
         out = BatchStrOutput(
             handles=handles,
             finished_reasons=reasons,
             output_strs=output_strs,
             output_ids=ids,
             prompt_tokens=[c.prompt_tokens for c in kept],
-            completion_tokens=batch.completion_tokens.tolist(),
+            completion_tokens=completion_tokens,
             cached_tokens=[c.cached_tokens for c in kept],
             queue_seconds=[c.queue_seconds for c in kept],
             prompt_logprob_indices=batch.prompt_logprob_indices,
@@ -272,12 +279,14 @@ def _check_layout(batch: BatchTokenIDOutput) -> None:
     num_ids = len(batch.output_ids)
     problems = []
     offsets = batch.output_offsets
-    if len(offsets) != size + 1 or offsets[0] != 0 or offsets[-1] != num_ids:
+    if offsets is None:
+        if (num_ids % size if size else num_ids) != 0:
+            problems.append("output_offsets is None (as many ids for each request), but the "
+                            "ids do not divide among the requests")
+    elif offsets.ndim != 1 or len(offsets) != size + 1 or offsets[0] != 0 or offsets[-1] != num_ids:
         problems.append(f"output_offsets must run from 0 to {num_ids} in {size + 1} entries")
     elif size and bool((offsets[1:] < offsets[:-1]).any()):
         problems.append("output_offsets must not decrease")
-    if len(batch.completion_tokens) != size:
-        problems.append(f"completion_tokens has {len(batch.completion_tokens)} entries")
     for indices, values in (("finished_indices", "finished_reasons"),
                             ("new_indices", "new_constants"),
                             ("prompt_logprob_indices", "prompt_logprobs")):

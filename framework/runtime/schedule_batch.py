@@ -17,10 +17,23 @@ class ScheduledBatch:
     mode: ForwardMode
     reqs: list[Req]
     extend_lens: list[int]  # new tokens per request (1 each for DECODE)
+    #: EXTEND only: the last ``decode_tail`` requests are running ones decoding a token
+    #: each, in the same step as the prefills before them (``--enable-mixed-chunk``).
+    decode_tail: int = 0
 
     def subset(self, index: int) -> ScheduledBatch:
         """The same step for request ``index`` alone."""
-        return ScheduledBatch(self.mode, [self.reqs[index]], [self.extend_lens[index]])
+        return ScheduledBatch(self.mode, [self.reqs[index]], [self.extend_lens[index]],
+                              decode_tail=int(self.decodes(index)))
+
+    def decodes(self, index: int) -> bool:
+        """Whether request ``index`` decodes in this step (rather than prefilling)."""
+        return not self.mode.is_extend() or index >= len(self.reqs) - self.decode_tail
+
+    def mixed_with(self, running: list[Req]) -> ScheduledBatch:
+        """This prefill batch with one decode token for each of ``running`` after it."""
+        return ScheduledBatch(ForwardMode.EXTEND, self.reqs + running,
+                              self.extend_lens + [1] * len(running), decode_tail=len(running))
 
     @property
     def num_tokens(self) -> int:
@@ -68,9 +81,10 @@ class ScheduledBatch:
         seq_lens: list[int] = []
         offset = 0
         extend = self.mode.is_extend()
-        for req, n in zip(self.reqs, self.extend_lens):
+        for i, (req, n) in enumerate(zip(self.reqs, self.extend_lens)):
             start = req.kv_len
-            input_ids.extend(req.fill_ids[start:start + n] if extend else req.output_ids[-1:])
+            input_ids.extend(req.output_ids[-1:] if self.decodes(i) else
+                             req.fill_ids[start:start + n])
             positions.extend(range(start, start + n))
             req_to_token[req.req_pool_idx, start:start + n] = out_cache_loc[offset:offset + n]
             offset += n
@@ -98,4 +112,5 @@ class ScheduledBatch:
             extend_seq_lens_cpu=list(self.extend_lens) if extend else None,
             req_pool_indices_cpu=rows,
             prompt_logprob_rows=tensor(logprob_rows) if logprob_rows else None,
+            decode_tail=self.decode_tail if extend else 0,
         )

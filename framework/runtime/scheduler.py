@@ -391,9 +391,15 @@ class Scheduler:
     # ------------------------------------------------------------------ batching
 
     def get_next_batch_to_run(self) -> ScheduledBatch | None:
-        """Prefill first (new requests start sooner), otherwise decode the running batch."""
+        """Prefill first (new requests start sooner), otherwise decode the running batch.
+
+        With ``--enable-mixed-chunk`` the running requests decode in the prefill's step
+        too, after its requests, instead of waiting for it.
+        """
         batch = self.select_prefill_requests()
         if batch is not None:
+            if self.server_args.enable_mixed_chunk and self.running:
+                return batch.mixed_with(list(self.running))
             return batch
         if not self.running:
             return None
@@ -407,9 +413,12 @@ class Scheduler:
         if self.chunked_req is None and not self.waiting:
             return None
         self.policy.order(self.waiting)
+        budget = self.server_args.chunked_prefill_size
+        if self.server_args.enable_mixed_chunk:
+            budget -= len(self.running)  # the step's decode tokens count against it too
         adder = PrefillAdder(
             cache=self.tree_cache, req_to_token_pool=self.req_to_token_pool,
-            token_budget=self.server_args.chunked_prefill_size, num_running=len(self.running),
+            token_budget=budget, num_running=len(self.running),
             max_running_requests=self.server_args.max_running_requests,
         )
         if self.chunked_req is not None and not adder.add_chunked(self.chunked_req):
@@ -613,7 +622,7 @@ class Scheduler:
         if batch.mode.is_extend():
             sampled = set(result.sampled or [])
             for i, req in enumerate(batch.reqs):
-                if req.finished:
+                if req.finished or batch.decodes(i):  # a decode token: it runs already
                     continue
                 # What the prefill computed is shared at once, before the request ends.
                 self.tree_cache.cache_unfinished_req(req)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import numpy as np
 
@@ -61,17 +62,26 @@ def prompt_logprobs(req: Req) -> PromptLogprobs:
     )
 
 
+def _uniform(offsets: list[int]) -> bool:
+    """Whether ``offsets`` (from 0, one more than requests) give each request as many ids."""
+    if len(offsets) < 2:
+        return False
+    step = offsets[1]
+    return all(end - start == step for start, end in pairwise(offsets))
+
+
 def token_id_output(reqs: list[Req]) -> BatchTokenIDOutput:
     """Each request's ids since its last output (and marks them sent).
 
-    The ids go out as one flat array with offsets; a request's constants go
+    The ids go out as one flat array with offsets, or without offsets when every
+    request has as many new ids (the usual decode step); a request's constants go
     with its first output only, and finish reasons only for those that finished.
+    Completion counts are not sent: the Detokenizer counts the ids.
     """
     logprobs, top_val, top_idx = (
         _logprobs(reqs) if any(r.return_logprob for r in reqs) else (None, [], []))
     ids: list[int] = []
     offsets = [0]
-    completion_tokens: list[int] = []
     new_indices: list[int] = []
     new_constants: list[RequestConstants] = []
     finished_indices: list[int] = []
@@ -90,15 +100,14 @@ def token_id_output(reqs: list[Req]) -> BatchTokenIDOutput:
             finished_reasons.append(req.finished_reason)
         ids += req.output_ids[req.sent_len:]
         offsets.append(len(ids))
-        completion_tokens.append(len(req.output_ids))
         req.sent_len = len(req.output_ids)
     return BatchTokenIDOutput(
         # Handles, not rids: one small array instead of a string per request every step.
         handles=np.array([r.handle for r in reqs], dtype=np.int64),
         # int32 holds any token id (vocabularies are far below 2**31) and any count here.
         output_ids=np.array(ids, dtype=np.int32),
-        output_offsets=np.array(offsets, dtype=np.int32),
-        completion_tokens=np.array(completion_tokens, dtype=np.int32),
+        # None: as many new ids for every request, the offsets say nothing.
+        output_offsets=None if _uniform(offsets) else np.array(offsets, dtype=np.int32),
         finished_indices=finished_indices,
         finished_reasons=finished_reasons,
         new_indices=new_indices,

@@ -48,7 +48,7 @@ def wrong_messages(channel: str) -> list[Any]:
     broken_batch = BatchTokenIDOutput(
         handles=np.array([1_000_001, 1_000_002]), output_ids=np.array([1, 2, 3], dtype=np.int32),
         output_offsets=np.array([0, 5], dtype=np.int32),  # does not cover the requests
-        completion_tokens=np.array([1], dtype=np.int32), finished_indices=[7],
+        finished_indices=[7],
         finished_reasons=[FinishReason("stop")])
     ragged_text = BatchStrOutput(handles=[1_000_001, 1_000_003], finished_reasons=[None],
                                  output_strs=["x"], output_ids=[[1]], prompt_tokens=[1],

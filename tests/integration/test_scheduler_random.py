@@ -107,7 +107,8 @@ def test_random_traffic_on_a_real_model(model_dir: Path, seed: int) -> None:
     settings = {"max_total_tokens": pool, "chunked_prefill_size": chunk,
                 "max_running_requests": rng.randint(1, 6),
                 "disable_radix_cache": rng.random() < 0.3,
-                "schedule_policy": rng.choice(["fcfs", "lpm"])}
+                "schedule_policy": rng.choice(["fcfs", "lpm"]),
+                "enable_mixed_chunk": seed % 2 == 1}
 
     reference = real_harness(model_dir, max_total_tokens=4096, chunked_prefill_size=4096,
                              disable_radix_cache=True)

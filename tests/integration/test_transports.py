@@ -48,9 +48,12 @@ def sample_messages() -> list[Any]:
             handles=np.array([1, 2], dtype=np.int64),
             output_ids=np.array([5, 7, 8], dtype=np.int32),
             output_offsets=np.array([0, 1, 3], dtype=np.int32),
-            completion_tokens=np.array([1, 2], dtype=np.int32),
             finished_indices=[1], finished_reasons=[FinishReason("length")],
             new_indices=[0], new_constants=[RequestConstants(stop_strs=["\n"], prompt_tokens=10)],
+        ),
+        BatchTokenIDOutput(  # as many ids for each request: no offsets
+            handles=np.array([3, 4, 5], dtype=np.int64),
+            output_ids=np.array([9, 10, 11, 12, 13, 14], dtype=np.int32),
         ),
         BatchEmbeddingOutput(
             rids=["e1", "e2"], finished_reasons=[FinishReason("stop")] * 2,
@@ -181,6 +184,45 @@ def test_recv_nowait_on_an_empty_channel_returns_none(transport_name: str, workd
     finally:
         receiver.close()
         server.close()
+
+
+def _token_batch(seed: int, size: int) -> BatchTokenIDOutput:
+    rng = np.random.default_rng(seed)
+    return BatchTokenIDOutput(
+        handles=rng.integers(0, 2**40, size, dtype=np.int64),
+        output_ids=rng.integers(0, 2**31 - 1, size, dtype=np.int32),
+        output_token_logprobs=rng.standard_normal(size, dtype=np.float32))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("transport_name", ["zmq", "inproc", "shm"])
+def test_received_batches_stay_intact_while_later_ones_arrive(
+    transport_name: str, codec: str, workdir: str
+) -> None:
+    """Decoded arrays may be views into the received frames: no transport may reuse them.
+
+    Several batches are in flight before the first is read, and every one is checked
+    after the last arrived: small ones (bytes frames) and ones of over 64 KiB (shm's
+    bytearray frames, zmq's zero-copy frames), each array still inline (under 64 KiB).
+    """
+    transport = create_transport(transport_name)
+    address = transport.make_address(workdir, "batches")
+    receiver = transport.receiver(address, create_codec(codec))
+    sender = transport.sender(address, create_codec(codec))
+    sent = [_token_batch(seed, size) for seed, size in enumerate([256, 7000, 1, 256, 7000])]
+
+    async def scenario() -> list[Any]:
+        for msg in sent:
+            await sender.send(msg)
+        return [await asyncio.wait_for(receiver.recv(), 20) for _ in sent]
+
+    try:
+        got = asyncio.run(scenario())
+    finally:
+        receiver.close()
+        sender.close()
+    assert all(same(a, b) for a, b in zip(got, sent))
+    assert [m.id_lists() for m in got] == [m.id_lists() for m in sent]
 
 
 @pytest.mark.parametrize("transport_name", ["zmq", "inproc", "shm"])

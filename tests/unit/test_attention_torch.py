@@ -435,6 +435,8 @@ _ROWS = 5  # request-pool rows the coming-and-going test uses
 _step = st.one_of(
     st.tuples(st.just("decode"), st.permutations(range(_ROWS)), st.integers(1, _ROWS)),
     st.tuples(st.just("prefill"), st.integers(0, _ROWS - 1), st.integers(1, 9)),
+    # A prefill of the first row of the permutation, the next ones decoding in its step.
+    st.tuples(st.just("mixed"), st.permutations(range(_ROWS)), st.integers(1, _ROWS)),
 )
 
 
@@ -447,7 +449,8 @@ _step = st.one_of(
          group_slack=64, headroom=64)
 def test_requests_coming_and_going_keep_matching_the_reference(
         steps: list[tuple[str, object, int]], group_slack: int, headroom: int) -> None:
-    """Random prefills (a pool row taken by a new request) and decode batches of any subset.
+    """Random prefills (a pool row taken by a new request), decode batches of any subset
+    and mixed steps (a prefill with decode tokens after it).
 
     Requests join and leave the decode batch, outgrow their group (small headroom) and
     have their pool row reused, and every output row still equals the reference.
@@ -469,7 +472,8 @@ def _come_and_go(steps: list[tuple[str, object, int]], group_slack: int) -> None
     keys: dict[int, list[torch.Tensor]] = {}
     values: dict[int, list[torch.Tensor]] = {}
 
-    def run(mode: ForwardMode, rows: list[int], num_new: list[int]) -> None:
+    def run(mode: ForwardMode, rows: list[int], num_new: list[int], decode_tail: int = 0
+            ) -> None:
         queries, new_k, new_v, slots = [], [], [], []
         for row, n in zip(rows, num_new, strict=True):
             for _ in range(n):
@@ -486,7 +490,7 @@ def _come_and_go(steps: list[tuple[str, object, int]], group_slack: int) -> None
             forward_mode=mode, batch_size=len(rows), input_ids=torch.zeros(len(slots)).long(),
             positions=torch.cat([torch.arange(s - n, s) for s, n in zip(seq_lens, num_new)]),
             req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(seq_lens),
-            out_cache_loc=torch.tensor(slots))
+            out_cache_loc=torch.tensor(slots), decode_tail=decode_tail)
         if mode.is_extend():
             batch.extend_seq_lens = torch.tensor(num_new)
             batch.extend_prefix_lens = torch.tensor([s - n for s, n in zip(seq_lens, num_new)])
@@ -506,6 +510,15 @@ def _come_and_go(steps: list[tuple[str, object, int]], group_slack: int) -> None
             run(ForwardMode.EXTEND, [which], [count])
             continue
         assert isinstance(which, list | tuple)
+        if kind == "mixed":
+            first, *rest = which
+            decoding = [row for row in rest if row in keys][:count]
+            if any(len(keys[row]) >= CONTEXT_LEN for row in decoding):
+                continue
+            keys[first], values[first] = [], []
+            run(ForwardMode.EXTEND, [first, *decoding], [count + 2] + [1] * len(decoding),
+                decode_tail=len(decoding))
+            continue
         rows = [row for row in which if row in keys][:count]
         if rows and max(len(keys[row]) for row in rows) < CONTEXT_LEN:
             run(ForwardMode.DECODE, rows, [1] * len(rows))

@@ -116,18 +116,35 @@ def test_small_arrays_of_any_dtype_and_layout_round_trip_inline(array: np.ndarra
     for back in codec.decode(frames).arrays:  # type: ignore[attr-defined]
         assert back.dtype == array.dtype and back.shape == array.shape
         assert np.array_equal(back, array)
-        assert back.flags.writeable and back.flags.c_contiguous  # a copy of its own
+        assert back.flags.c_contiguous
+
+
+def test_small_1d_arrays_are_views_into_the_frame_they_came_in() -> None:
+    """The frames belong to the decoded message: its small arrays are views, not copies."""
+    codec = MsgpackCodec()
+    array = np.arange(100, dtype=np.int32)
+    body = bytes(codec.encode(ArrayCarrier(arrays=[array]))[0])
+    back = codec.decode([body]).arrays[0]  # type: ignore[attr-defined]
+    assert np.array_equal(back, array) and not back.flags.owndata
+    assert not back.flags.writeable  # a view into immutable bytes stays read-only
+    with pytest.raises(ValueError):
+        back[0] = 1
+    # A transport's own buffer (shm's large frames) gives a writable view into it.
+    owned = bytearray(body)
+    back = codec.decode([owned]).arrays[0]  # type: ignore[attr-defined]
+    assert back.flags.writeable and np.shares_memory(back, np.frombuffer(owned, np.uint8))
+    del owned
+    assert np.array_equal(back, array)  # the view keeps its frame alive
 
 
 def test_small_batch_arrays_cost_one_byte_of_header() -> None:
     """A token batch's arrays take the one-byte-header form (the per-step fast path)."""
     handles = np.arange(256, dtype=np.int64)
     msg = BatchTokenIDOutput(handles=handles, output_ids=np.zeros(256, dtype=np.int32),
-                             output_offsets=np.arange(257, dtype=np.int32),
-                             completion_tokens=np.ones(256, dtype=np.int32))
+                             output_offsets=np.arange(257, dtype=np.int32))
     body = bytes(MsgpackCodec().encode(msg)[0])
-    payload = 256 * 8 + 256 * 4 + 257 * 4 + 256 * 4
-    assert len(body) < payload + 100  # four arrays with a few bytes of framing each
+    payload = 256 * 8 + 256 * 4 + 257 * 4
+    assert len(body) < payload + 100  # three arrays with a few bytes of framing each
     assert same(MsgpackCodec().decode([body]), msg)
 
 

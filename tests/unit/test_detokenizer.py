@@ -74,19 +74,20 @@ def token_batch(
     finished_reasons: list[FinishReason | None],
     *,
     new: Sequence[RequestConstants | None] | None = None,
+    uniform: bool = False,
 ) -> BatchTokenIDOutput:
     """A Scheduler output for ``rids`` (by their handles) with the given ids and reasons.
 
     ``new[i]`` holds request ``i``'s constants if this is its first output, else
     ``None``; without ``new`` every request is new, with default constants.
+    ``uniform`` sends no offsets (every request must then have as many ids).
     """
     if new is None:
         new = [RequestConstants(prompt_tokens=3) for _ in rids]
     return BatchTokenIDOutput(
         handles=np.array([handle_of(rid) for rid in rids], dtype=np.int64),
         output_ids=np.array([i for ids in output_ids for i in ids], dtype=np.int32),
-        output_offsets=np.cumsum([0, *map(len, output_ids)], dtype=np.int32),
-        completion_tokens=np.array([len(ids) for ids in output_ids], dtype=np.int32),
+        output_offsets=None if uniform else np.cumsum([0, *map(len, output_ids)], dtype=np.int32),
         finished_indices=[i for i, r in enumerate(finished_reasons) if r is not None],
         finished_reasons=[r for r in finished_reasons if r is not None],
         new_indices=[i for i, c in enumerate(new) if c is not None],
@@ -397,7 +398,6 @@ def test_batch_fields_are_copied_through(gpt2: Any) -> None:
         RequestConstants(prompt_tokens=6, cached_tokens=4),
         RequestConstants(prompt_tokens=7, cached_tokens=1),
     ])
-    batch.completion_tokens = np.array([1, 3, 1], dtype=np.int32)
     # "x" and "y" asked for logprobs; "z" did not: NaN in the flat array, empty top lists.
     values = [[-0.5 * (k + 1) for k in range(len(i))] for i in ids[:2]]
     tops = [[[v, v - 1.0] for v in row] for row in values]
@@ -412,7 +412,7 @@ def test_batch_fields_are_copied_through(gpt2: Any) -> None:
     assert out.output_ids == ids
     assert out.finished_reasons == [None, LENGTH, None]
     assert out.prompt_tokens == [5, 6, 7]
-    assert out.completion_tokens == [1, 3, 1]
+    assert out.completion_tokens == [len(i) for i in ids]  # first outputs: their own ids
     assert out.cached_tokens == [0, 4, 1]
     assert out.output_token_logprobs_val == [*values, []]
     assert out.output_token_logprobs_idx == [*ids[:2], []]
@@ -469,7 +469,8 @@ def test_any_laid_out_batch_is_read_request_by_request(batch: BatchTokenIDOutput
     out = detokenizer.handle_batch(batch)
     size = len(batch.handles)
     assert out.output_ids == [batch.ids_of(i) for i in range(size)]
-    assert out.completion_tokens == batch.completion_tokens.tolist()
+    # A fresh Detokenizer: each request's count is the ids of this (its first) output.
+    assert out.completion_tokens == [len(batch.ids_of(i)) for i in range(size)]
     for i, constants in batch.new_constants_by_index().items():
         assert out.prompt_tokens[i] == constants.prompt_tokens
         assert out.cached_tokens[i] == constants.cached_tokens
@@ -485,6 +486,7 @@ def test_any_laid_out_batch_is_read_request_by_request(batch: BatchTokenIDOutput
     finished = {handles[i] for i in batch.finished_indices}
     assert [r is not None for r in out.finished_reasons] == [h in finished for h in handles]
     assert set(detokenizer.constants) == set(handles) - finished
+    assert set(detokenizer.completion_tokens) == set(handles) - finished
 
 
 @pytest.mark.parametrize(
@@ -492,7 +494,8 @@ def test_any_laid_out_batch_is_read_request_by_request(batch: BatchTokenIDOutput
     [
         ("output_offsets", np.array([0, 1], dtype=np.int32), "output_offsets"),
         ("output_offsets", np.array([0, 3, 2], dtype=np.int32), "must not decrease"),
-        ("completion_tokens", np.array([1], dtype=np.int32), "completion_tokens"),
+        ("output_offsets", np.array([[0, 1, 2]], dtype=np.int32), "output_offsets"),
+        ("output_ids", np.array([1, 2, 3], dtype=np.int32), "output_offsets"),
         ("finished_indices", [0, 1], "finished_indices and finished_reasons"),
         ("new_indices", [0, 5], "out of range"),
         ("output_token_logprobs", np.zeros(1, dtype=np.float32), "output_token_logprobs"),
@@ -503,6 +506,49 @@ def test_misaligned_batch_is_refused(gpt2: Any, field: str, value: Any, problem:
     setattr(batch, field, value)
     with pytest.raises(ValueError, match=problem):
         Detokenizer(gpt2).handle_batch(batch)
+
+
+def test_uneven_ids_without_offsets_are_refused(gpt2: Any) -> None:
+    batch = token_batch(["x", "y"], [[1], [2, 3]], [None, None])
+    batch.output_offsets = None  # 3 ids do not divide among 2 requests
+    with pytest.raises(ValueError, match="do not divide"):
+        Detokenizer(gpt2).handle_batch(batch)
+
+
+def test_completion_tokens_are_counted_over_steps() -> None:
+    """The count of a request's ids so far, from the ids themselves; dropped when it ends."""
+    detokenizer = Detokenizer(_NumberTokenizer())
+    steps = [
+        # (rids, ids per request, finish reasons, uniform offsets)
+        (["a", "b"], [[1, 2], [3]], [None, None], False),  # irregular: offsets
+        (["a", "b"], [[4], [5]], [None, None], True),  # one id each: no offsets
+        (["a", "b", "c"], [[], [6, 7, 8], [9]], [None, LENGTH, None], False),  # "b" ends
+        (["a", "c"], [[10, 11], [12, 13]], [None, None], True),
+        (["c", "a"], [[14], []], [None, LENGTH], False),  # "a" ends on no new id
+    ]
+    seen: set[str] = set()
+    counts: list[list[int]] = []
+    for rids, ids, reasons, uniform in steps:
+        new = [None if rid in seen else RequestConstants(prompt_tokens=1) for rid in rids]
+        seen.update(rids)
+        out = detokenizer.handle_batch(token_batch(rids, ids, reasons, new=new, uniform=uniform))
+        assert out.output_ids == ids
+        counts.append(out.completion_tokens)
+    assert counts == [[2, 1], [3, 2], [3, 5, 1], [5, 3], [4, 5]]
+    assert detokenizer.completion_tokens == {handle_of("c"): 4}  # finished ones dropped
+    detokenizer.handle_batch(token_batch(["c"], [[]], [LENGTH], new=[None], uniform=True))
+    assert detokenizer.completion_tokens == {} and detokenizer.num_live_states() == 0
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_uniform_batches_read_the_same_with_or_without_offsets(uniform: bool) -> None:
+    ids = [[1, 2], [3, 4], [5, 6]]
+    batch = token_batch(["x", "y", "z"], ids, [None, LENGTH, None], uniform=uniform)
+    assert (batch.output_offsets is None) == uniform
+    assert batch.id_lists() == ids and [batch.ids_of(i) for i in range(3)] == ids
+    out = Detokenizer(_NumberTokenizer()).handle_batch(batch)
+    assert out.output_ids == ids and out.completion_tokens == [2, 2, 2]
+    assert out.output_strs == ["<1><2>", "<3><4>", "<5><6>"]
 
 
 def test_decode_step_can_be_overridden(gpt2: Any) -> None:

@@ -46,6 +46,24 @@ def test_batched_requests_match_the_reference(harness_factory) -> None:
     h.assert_idle_invariant()
 
 
+def test_mixed_steps_decode_the_running_requests_with_a_prefill(harness_factory) -> None:
+    h = harness_factory(enable_mixed_chunk=True, chunked_prefill_size=16)
+    h.submit("early", prompt(1, 6), max_new_tokens=10, ignore_eos=True, **GREEDY)
+    h.step()  # its prefill
+    h.step()  # a decode step
+    h.submit("late", prompt(2, 20), max_new_tokens=6, ignore_eos=True, **GREEDY)
+    outcomes = h.run()
+    extends = [c for c in h.runner.calls if c.mode == "extend"]
+    # The late prompt in two chunks (16 tokens, one of them the early request's decode
+    # token), each with the early request decoding one token after it.
+    assert [c.extend_lens for c in extends[1:]] == [[15, 1], [5, 1]]
+    assert [c.prefix_lens for c in extends[1:]] == [[0, 7], [15, 8]]
+    assert outcomes["early"].output_ids == reference_output(prompt(1, 6), 10, True)
+    assert outcomes["late"].output_ids == reference_output(prompt(2, 20), 6, True)
+    assert len(h.scheduler.running) == 0
+    h.assert_idle_invariant()
+
+
 def test_admission_respects_max_running_requests(harness_factory) -> None:
     h = harness_factory(max_running_requests=2)
     for i in range(5):
@@ -464,9 +482,9 @@ def test_token_id_output_sends_constants_once_and_ids_flat() -> None:
     first = token_id_output([a, b])
     assert first.handles.dtype == np.int64 and first.handles.tolist() == [a.handle, b.handle]
     assert first.output_ids.dtype == np.int32 and first.output_offsets.dtype == np.int32
+    assert first.output_offsets.tolist() == [0, 2, 3]  # 2 ids and 1: offsets needed
     assert first.id_lists() == [[11, 12], [21]]
     assert [first.ids_of(0), first.ids_of(1)] == [[11, 12], [21]]
-    assert first.completion_tokens.tolist() == [2, 1]
     assert first.new_indices == [0, 1]
     assert first.new_constants == [
         RequestConstants(skip_special_tokens=False, stop_strs=["\n"],
@@ -482,11 +500,16 @@ def test_token_id_output_sends_constants_once_and_ids_flat() -> None:
     later = token_id_output([b, c, a])
     assert later.id_lists() == [[22, 23], [], [13]]
     assert later.output_offsets.tolist() == [0, 2, 2, 3]
-    assert later.completion_tokens.tolist() == [3, 0, 3]
     assert later.new_indices == [1] and later.new_constants[0].prompt_tokens == 2
     assert later.finished_indices == [0] and later.finished_reasons == [FinishReason("length")]
     assert later.finished_reason_list() == [FinishReason("length"), None, None]
     assert token_id_output([a]).id_lists() == [[]]  # nothing unsent: nothing sent twice
+    # As many new ids for every request (the usual decode step): no offsets.
+    a.output_ids += [14]
+    c.output_ids += [31]
+    uniform = token_id_output([a, c])
+    assert uniform.output_offsets is None
+    assert uniform.id_lists() == [[14], [31]] and uniform.ids_of(1) == [31]
 
 
 def test_token_id_output_aligns_logprobs_with_the_ids() -> None:

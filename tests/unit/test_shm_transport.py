@@ -212,7 +212,6 @@ def sample_messages() -> list[Any]:
         BatchTokenIDOutput(
             handles=np.array([1], dtype=np.int64), output_ids=np.array([42], dtype=np.int32),
             output_offsets=np.array([0, 1], dtype=np.int32),
-            completion_tokens=np.array([1], dtype=np.int32),
             finished_indices=[0], finished_reasons=[FinishReason("length")],
             new_indices=[0], new_constants=[RequestConstants(prompt_tokens=3)],
         ),

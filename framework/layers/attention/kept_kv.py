@@ -137,10 +137,15 @@ class KeptDecodeKV:
                 place[0].free(place[1])
         self.groups = [g for g in self.groups if any(o is not None for o in g.owners)]
 
-    def plan(self, req_pool_indices: list[int], seq_lens: list[int],
-             req_to_token: torch.Tensor) -> list[GroupStep]:
-        """Place every request of a decode batch; the steps each layer then carries out."""
-        rows_of = {idx: row for row, idx in enumerate(req_pool_indices)}
+    def plan(self, req_pool_indices: list[int], seq_lens: list[int], req_to_token: torch.Tensor,
+             token_rows: list[int] | None = None) -> list[GroupStep]:
+        """Place every decoding request; the steps each layer then carries out.
+
+        ``token_rows``: where each request's token sits among the step's packed tokens
+        (default: request ``i`` at row ``i``, as in a decode batch).
+        """
+        rows = token_rows if token_rows is not None else range(len(req_pool_indices))
+        rows_of = dict(zip(req_pool_indices, rows, strict=True))
         self.evict([idx for idx in self.where if idx not in rows_of])
         newcomers = [row for row, (idx, n) in enumerate(zip(req_pool_indices, seq_lens))
                      if not self._follows_on(idx, n)]

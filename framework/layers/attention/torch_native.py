@@ -89,18 +89,24 @@ class TorchNativeAttnBackend(AttentionBackend):
         assert seq_lens is not None and indices is not None  # filled above
         if self._kept is None:
             self._kept = KeptDecodeKV(self.num_kv_heads, self.group_slack, self.device)
+        table = self.req_to_token_pool.req_to_token
         if forward_batch.forward_mode.is_decode():
             self._groups = None
-            self._steps = self._kept.plan(indices, seq_lens,
-                                          self.req_to_token_pool.req_to_token)
+            self._steps = self._kept.plan(indices, seq_lens, table)
             return
-        # A prefill fills these requests' pool rows anew: what was kept for them is stale.
-        self._kept.evict(indices)
-        self._steps = None
         new_lens = forward_batch.extend_seq_lens_cpu
         prefix_lens = forward_batch.extend_prefix_lens_cpu
         assert new_lens is not None and prefix_lens is not None  # filled above
-        self._groups = self._extend_groups(forward_batch, seq_lens, new_lens, prefix_lens)
+        prefills = len(indices) - forward_batch.decode_tail
+        # A prefill fills these requests' pool rows anew: what was kept for them is stale.
+        self._kept.evict(indices[:prefills])
+        self._steps = None
+        if forward_batch.decode_tail:  # a mixed step: its decode tokens attend as in decode
+            token_rows = [sum(new_lens[:prefills]) + i for i in range(len(indices) - prefills)]
+            self._steps = self._kept.plan(indices[prefills:], seq_lens[prefills:], table,
+                                          token_rows)
+        self._groups = self._extend_groups(forward_batch, prefills, seq_lens, new_lens,
+                                           prefix_lens)
 
     # ------------------------------------------------------------------ batch layout
 
@@ -108,13 +114,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         rows = torch.tensor(members, dtype=torch.int64, device=self.device)
         return _Group(members, rows, num_queries)
 
-    def _extend_groups(self, forward_batch: ForwardBatch, seq_lens: list[int],
+    def _extend_groups(self, forward_batch: ForwardBatch, prefills: int, seq_lens: list[int],
                        new_lens: list[int], prefix_lens: list[int]) -> list[_Group]:
+        """Length groups of the first ``prefills`` requests (the others decode)."""
         starts = [0]
         for n in new_lens[:-1]:
             starts.append(starts[-1] + n)
-        fresh = [i for i, p in enumerate(prefix_lens) if p == 0]
-        cached = [i for i, p in enumerate(prefix_lens) if p > 0]
+        fresh = [i for i, p in enumerate(prefix_lens[:prefills]) if p == 0]
+        cached = [i for i, p in enumerate(prefix_lens[:prefills]) if p > 0]
         groups = []
         for family in (fresh, cached):
             lengths = [seq_lens[i] for i in family]
