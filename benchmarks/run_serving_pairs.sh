@@ -77,9 +77,10 @@ json.dump({k: info.get(k) for k in keys}
   local status=0
   # One untimed pass of the same shape first (8 output tokens), as the offline benchmark
   # warms each side up: the first batches of a fresh server pay one-off costs (kernel
-  # set-up for new shapes, first allocations) that are not the pair's.
+  # set-up for new shapes, first allocations) that are not the pair's. Other prompts
+  # (--seed 1), so that the timed run finds none of its own in the prefix cache.
   python -m framework.cli bench serving --base-url "http://127.0.0.1:$port" "${WORKLOAD[@]}" \
-    --output-len 8 --output "$MODEL/warmup" --run-name warmup > /dev/null || status=$?
+    --output-len 8 --seed 1 --output "$MODEL/warmup" --run-name warmup > /dev/null || status=$?
   python -m framework.cli bench serving --base-url "http://127.0.0.1:$port" "${WORKLOAD[@]}" \
     --output "$OUT" --run-name "$name" || status=$?
   stop_server
