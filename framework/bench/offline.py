@@ -73,6 +73,9 @@ class OfflineBenchSettings:
     layers: int = 4
     hidden: int = 256
     heads: int = 4
+    kv_heads: int | None = None  # None: as many as heads
+    intermediate: int | None = None  # None: 3 × hidden
+    vocab: int | None = None  # None: the embedded tokenizer's
     context: int = 1024
     num_prompts: int = 64
     min_words: int = 8
@@ -82,12 +85,33 @@ class OfflineBenchSettings:
     repeats: int = 3
     torch_threads: int | None = None  # None: the runtime's rule for its Scheduler
     seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+    # Each side draws its own random weights (no checkpoint is written, and the two
+    # sides' tokens are not compared): for shapes too large to save and load quickly.
+    dummy_weights: bool = False
 
     @classmethod
     def quick(cls) -> OfflineBenchSettings:
         """A tiny model and workload that finish in seconds (a first look, and the tests)."""
         return cls(layers=2, hidden=64, heads=2, context=1024, num_prompts=16, min_words=8,
                    max_words=32, output_len=16, hf_batch_size=8, repeats=2)
+
+    @classmethod
+    def llama3_8b(cls) -> OfflineBenchSettings:
+        """Llama-3-8B's shape with dummy weights in bfloat16 on a CUDA GPU."""
+        return cls(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336,
+                   vocab=128256, dtype="bfloat16", device="cuda", dummy_weights=True)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Key/value heads of the model."""
+        return self.kv_heads or self.heads
+
+    @property
+    def intermediate_size(self) -> int:
+        """Width of the MLP."""
+        return self.intermediate or 3 * self.hidden
 
     def check(self) -> None:
         """Refuse settings that cannot run, naming the field (a ``ValueError``)."""
@@ -99,6 +123,13 @@ class OfflineBenchSettings:
             raise ValueError(f"torch_threads must be at least 1, got {self.torch_threads}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if self.heads % self.num_kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads "
+                             f"({self.num_kv_heads})")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_words < self.min_words:
             raise ValueError(f"max_words ({self.max_words}) is below min_words "
                              f"({self.min_words})")
@@ -182,9 +213,9 @@ def write_model_dir(settings: OfflineBenchSettings, directory: Path) -> Path:
         shutil.copy(source / name, directory / name)
     reference = json.loads((source / "config.json").read_text())
     config = LlamaConfig(
-        vocab_size=reference["vocab_size"], hidden_size=settings.hidden,
-        intermediate_size=settings.hidden * 3, num_hidden_layers=settings.layers,
-        num_attention_heads=settings.heads, num_key_value_heads=settings.heads,
+        vocab_size=settings.vocab or reference["vocab_size"], hidden_size=settings.hidden,
+        intermediate_size=settings.intermediate_size, num_hidden_layers=settings.layers,
+        num_attention_heads=settings.heads, num_key_value_heads=settings.num_kv_heads,
         max_position_embeddings=settings.context, rms_norm_eps=1e-5,
         bos_token_id=reference["bos_token_id"], eos_token_id=reference["eos_token_id"],
         pad_token_id=reference.get("pad_token_id", reference["eos_token_id"]),
@@ -193,10 +224,23 @@ def write_model_dir(settings: OfflineBenchSettings, directory: Path) -> Path:
         # greedy choice is never a near-tie that float rounding could flip.
         initializer_range=0.1,
     )
+    if settings.dummy_weights:
+        config.torch_dtype = settings.dtype
+        config.architectures = ["LlamaForCausalLM"]
+        config.save_pretrained(directory)  # the shape alone: each side draws its weights
+        return directory
     torch.manual_seed(settings.seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work (on CUDA), so that a clock read after it is right."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def make_prompts(settings: OfflineBenchSettings, model_dir: Path) -> list[list[int]]:
@@ -273,10 +317,11 @@ class EngineSide:
         self.settings = settings
         self.params = {"max_new_tokens": settings.output_len, "temperature": 0.0,
                        "ignore_eos": True}
-        # Every prompt runs in one batch, as the ceiling's rows do; on the CPU, where
-        # transformers runs, even on a machine with a GPU.
-        args = {"max_running_requests": settings.num_prompts, "device": "cpu", **engine_args}
-        self.engine = Engine(model_path=str(model_dir), dtype="float32",
+        # Every prompt runs in one batch, as the ceiling's rows do; on the device where
+        # transformers runs (the CPU by default, even on a machine with a GPU).
+        args = {"max_running_requests": settings.num_prompts, "device": settings.device,
+                "load_format": "dummy" if settings.dummy_weights else "auto", **engine_args}
+        self.engine = Engine(model_path=str(model_dir), dtype=settings.dtype,
                              torch_threads=threads, log_level="warning", **args)
         self.outputs: list[list[int]] = []
         #: Per run: the Scheduler's (step seconds, model forward seconds) during it.
@@ -319,10 +364,17 @@ class TransformersSide:
 
     def __init__(self, model_dir: Path, settings: OfflineBenchSettings) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         self.settings = settings
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        dtype = getattr(torch, settings.dtype)
+        if settings.dummy_weights:  # random weights, drawn on the device itself
+            config = AutoConfig.from_pretrained(model_dir)
+            with torch.device(settings.device):
+                self.model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+            self.model.to(settings.device)
         self.pad_id = self.model.config.pad_token_id
         self.outputs: list[list[int]] = []
 
@@ -330,8 +382,11 @@ class TransformersSide:
         import torch
 
         width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        device = self.settings.device
+        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts],
+                                 device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                            device=device)
         n = self.settings.output_len
         # No EOS: like the Engine's ignore_eos, every step takes the plain argmax (with an
         # EOS, min_new_tokens would mask it out and change the greedy choice).
@@ -387,7 +442,8 @@ class CeilingSide:
         self.lm_head = hf_model.lm_head
         self.hidden_size = hf_model.config.hidden_size
         generator = torch.Generator().manual_seed(settings.seed)
-        self.hidden = torch.randn(settings.num_prompts, self.hidden_size, generator=generator)
+        self.hidden = torch.randn(settings.num_prompts, self.hidden_size, generator=generator).to(
+            device=settings.device, dtype=getattr(torch, settings.dtype))
 
     def _layers(self, x: Any) -> Any:
         import torch.nn.functional as F
@@ -411,7 +467,7 @@ class CeilingSide:
         rows = self.hidden.repeat(total // len(self.hidden) + 1, 1)[:total]
         outputs = [self._layers(rows[start:start + self.prefill_chunk])
                    for start in range(0, total, self.prefill_chunk)]
-        last = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+        last = torch.tensor([len(p) for p in prompts], device=rows.device).cumsum(0) - 1
         self.lm_head(self.norm(torch.cat(outputs)[last]))
 
     def _run(self, prompts: list[list[int]], decode_steps: int) -> None:
@@ -428,6 +484,7 @@ class CeilingSide:
         steps = self.settings.output_len - (1 if self.with_prefill else 0)
         start = time.perf_counter()
         self._run(prompts, steps)
+        synchronize(self.settings.device)
         return time.perf_counter() - start
 
     def warm_up(self, prompts: list[list[int]]) -> None:
@@ -459,8 +516,9 @@ def run_benchmark(settings: OfflineBenchSettings, output_dir: str | Path,
               f"{max(map(len, prompts))} tokens, {settings.output_len} output tokens each, "
               f"{threads} torch thread(s)", flush=True)
         result = _measure(settings, model_dir, prompts, threads, engine_args or {})
-    identical = result.identical_outputs()
-    print(f"greedy outputs identical on {identical} of {len(prompts)} prompts", flush=True)
+    if not settings.dummy_weights:
+        identical = result.identical_outputs()
+        print(f"greedy outputs identical on {identical} of {len(prompts)} prompts", flush=True)
     result.paths = write_results(result, Path(output_dir))
     return result
 
@@ -517,6 +575,19 @@ def ratios(rows: list[OfflineBenchRow]) -> dict[str, float]:
     return out
 
 
+def _vocab_size(result: OfflineBenchResult) -> str:
+    return f"{result.settings.vocab:,}" if result.settings.vocab else "4,096 (the tokenizer's)"
+
+
+def _device_name(device: str) -> str:
+    """``CPU``, or the CUDA device's name."""
+    if device != "cuda":
+        return "CPU"
+    import torch
+
+    return f"CUDA ({torch.cuda.get_device_name()})"
+
+
 def write_results(result: OfflineBenchResult, output_dir: Path) -> list[Path]:
     """``offline.csv`` and ``offline.md`` (with the machine and the commit)."""
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -541,9 +612,12 @@ def render_markdown(result: OfflineBenchResult) -> str:
         f"- Machine: {machine_description()}",
         f"- Python {platform.python_version()}, commit {git_commit()}",
         f"- Run: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- Model: Llama, {s.layers} layers, hidden {s.hidden}, {s.heads} heads, "
-        f"intermediate {3 * s.hidden}, random weights (seed {s.seed}) saved as safetensors, "
-        "float32, CPU",
+        f"- Model: Llama, {s.layers} layers, hidden {s.hidden}, {s.heads} heads "
+        f"({s.num_kv_heads} key/value), intermediate {s.intermediate_size}, vocabulary "
+        f"{_vocab_size(result)}, "
+        + ("dummy random weights drawn by each side" if s.dummy_weights else
+           f"random weights (seed {s.seed}) saved as safetensors")
+        + f", {s.dtype}, {_device_name(s.device)}",
         f"- Workload: {s.num_prompts} prompts of {s.min_words}-{s.max_words} random words "
         f"({min(lengths)}-{max(lengths)} tokens, {sum(lengths):,} in all), {s.output_len} "
         "greedy output tokens each",
@@ -569,8 +643,11 @@ def render_markdown(result: OfflineBenchResult) -> str:
     if "engine_of_decode_ceiling" in gains:
         lines.append(f"The Engine reaches {gains['engine_of_decode_ceiling']:.1%} of the "
                      "decode-only ceiling.")
-    lines.append(f"Greedy outputs identical on {result.identical_outputs()} of "
-                 f"{len(result.prompts)} prompts.")
+    if s.dummy_weights:
+        lines.append("Greedy outputs not compared: each side drew its own dummy weights.")
+    else:
+        lines.append(f"Greedy outputs identical on {result.identical_outputs()} of "
+                     f"{len(result.prompts)} prompts.")
     lines.append(f"Engine, best run: {result.engine_step_seconds:.3f} s of Scheduler steps, "
                  f"{result.engine_forward_seconds:.3f} s of them in the model forward; "
                  f"non-model time {result.non_model_fraction:.1%} of step time.")
@@ -599,16 +676,23 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         value = getattr(default, name)
         shown = "" if value is None else f" (default: {value})"
         parser.add_argument(flag, type=kind, default=None, metavar="N", help=text + shown)
-    parser.add_argument("--quick", action="store_true",
-                        help="a tiny model and workload: seconds, rough numbers (flags given "
-                             "explicitly still apply)")
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument("--quick", action="store_true",
+                       help="a tiny model and workload: seconds, rough numbers (flags given "
+                            "explicitly still apply)")
+    shape.add_argument("--llama3-8b", action="store_true",
+                       help="Llama-3-8B's shape with dummy weights in bfloat16 on a CUDA GPU "
+                            "(flags given explicitly still apply)")
+    parser.add_argument("--attention-backend", default=None, metavar="NAME",
+                        help="the Engine's attention backend (default: the server's default)")
     parser.add_argument("--output", default=DEFAULT_OUTPUT, metavar="DIR",
                         help=f"where the result files go (default: {DEFAULT_OUTPUT})")
 
 
 def settings_from_args(args: argparse.Namespace) -> OfflineBenchSettings:
     """The defaults (or the quick ones), with every flag given on the command line."""
-    base = OfflineBenchSettings.quick() if args.quick else OfflineBenchSettings()
+    base = (OfflineBenchSettings.quick() if args.quick else
+            OfflineBenchSettings.llama3_8b() if args.llama3_8b else OfflineBenchSettings())
     given = {name: getattr(args, name) for name, _, _ in _FLAGS.values()
              if getattr(args, name) is not None}
     return dataclasses.replace(base, **given)
@@ -616,7 +700,9 @@ def settings_from_args(args: argparse.Namespace) -> OfflineBenchSettings:
 
 def run_from_cli(args: argparse.Namespace) -> int:
     """Entry point of ``framework bench offline``."""
-    result = run_benchmark(settings_from_args(args), args.output)
+    engine_args = {} if args.attention_backend is None else {
+        "attention_backend": args.attention_backend}
+    result = run_benchmark(settings_from_args(args), args.output, engine_args)
     for path in result.paths:
         print(f"wrote {path}")
     return 0

@@ -104,6 +104,23 @@ def test_the_ceiling_does_the_jobs_matrix_work_and_the_decode_ceiling_the_steps_
     assert seen == [3] * 4 and decode_only.name == "decode_ceiling"
 
 
+def test_dummy_weights_of_another_shape_and_dtype_run_on_both_sides(tmp_path: Path) -> None:
+    """The GPU preset's path, small and on the CPU: no checkpoint, bfloat16, GQA, a
+    vocabulary wider than the tokenizer's (ids it cannot show are generated too)."""
+    settings = dataclasses.replace(OfflineBenchSettings.quick(), vocab=8192, kv_heads=1,
+                                   intermediate=96, dtype="bfloat16", dummy_weights=True,
+                                   repeats=1, num_prompts=8, output_len=6)
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    result = run_benchmark(settings, tmp_path / "out", model_dir=model_dir,
+                           engine_args={"launch_mode": "thread", "transport": "inproc"})
+    assert not list(model_dir.glob("*.safetensors"))  # the shape only
+    assert all(len(t) == 6 for t in result.engine_outputs + result.transformers_outputs)
+    report = (tmp_path / "out" / "offline.md").read_text()
+    assert "2 heads (1 key/value), intermediate 96, vocabulary 8,192, dummy" in report
+    assert "bfloat16" in report and "not compared" in report
+
+
 def test_cli_knows_the_benchmark_and_applies_flags_over_quick() -> None:
     parser = build_parser()
     args = parser.parse_args(["bench", "offline", "--quick", "--repeats", "1",
@@ -111,6 +128,10 @@ def test_cli_knows_the_benchmark_and_applies_flags_over_quick() -> None:
     assert args.output == "x"
     assert settings_from_args(args) == dataclasses.replace(
         OfflineBenchSettings.quick(), repeats=1, torch_threads=2)
+    gpu = settings_from_args(parser.parse_args(["bench", "offline", "--llama3-8b",
+                                                "--repeats", "2"]))
+    assert (gpu.layers, gpu.hidden, gpu.kv_heads, gpu.vocab, gpu.dtype, gpu.device,
+            gpu.dummy_weights, gpu.repeats) == (32, 4096, 8, 128256, "bfloat16", "cuda", True, 2)
     defaults = parser.parse_args(["bench", "offline"])
     assert defaults.output == "benchmarks/results/offline"
     assert settings_from_args(defaults) == OfflineBenchSettings(
