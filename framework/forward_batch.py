@@ -63,6 +63,9 @@ class ForwardBatch:
     # EXTEND only: the last ``decode_tail`` requests are running requests decoding one
     # token each, in the same step as the prefills before them (a mixed step).
     decode_tail: int = 0
+    # With pipeline parallelism, which micro-batch of its step this is
+    # (``framework.distributed.micro_batch``): a request is always in the same one.
+    micro_batch: int = 0
 
     @property
     def num_tokens(self) -> int:

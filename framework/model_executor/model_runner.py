@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from framework.distributed.config import stage_layers
+from framework.distributed.micro_batch import merge_logits, split_micro_batches
 from framework.distributed.step_sync import announce_forward, announce_weight_update
 from framework.layers.attention.base import AttentionBackend, AttentionBackendArgs
 from framework.layers.attention.radix_attention import bind_attention_backend
@@ -141,6 +142,8 @@ class ModelRunner:
         self.attn_backend = self._build_attention_backend(server_args.attention_backend)
         bound = bind_attention_backend(self.model, self.attn_backend)
         self._sampler: Any = None
+        #: Pipeline micro-batches this rank has run (two per step of two or more requests).
+        self.micro_batches = 0
         #: Each rank's pid and bytes of parameters and of KV cache, in global rank order.
         self.rank_info: list[dict[str, int]] = self._gather_rank_info()
         logger.info(
@@ -227,7 +230,6 @@ class ModelRunner:
             assert self.parallel is not None
             announce_forward(self.parallel.control, batch,
                              self.pools.req_to_token_pool.req_to_token)
-        self.attn_backend.init_forward_metadata(batch)
         if not self.model_config.is_embedding:
             logits = self._logits(batch)
             if logits is None:  # a pipeline stage that does not hold the result
@@ -236,6 +238,7 @@ class ModelRunner:
                 return LogitsOutput(next_token_logits=logits)
             return LogitsOutput(next_token_logits=logits[:batch.batch_size],
                                 prompt_logits=logits[batch.batch_size:])
+        self.attn_backend.init_forward_metadata(batch)
         if self.model_config.is_native_embedding:
             embeddings = self.model(batch.input_ids, batch.positions, batch)
         else:
@@ -244,37 +247,58 @@ class ModelRunner:
 
     def _logits(self, batch: ForwardBatch) -> torch.Tensor | None:
         if self.pp_size == 1:
+            self.attn_backend.init_forward_metadata(batch)
             return self.model(batch.input_ids, batch.positions, batch).float()
         return self._pipeline_logits(batch)
 
     def _pipeline_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
         """This stage's part of the step; the logits on the first stage, else None.
 
-        Each stage receives the previous one's hidden states and residual and
-        sends its own to the next; the last stage's logits go back to the first,
-        whose Scheduler samples (only along tensor rank 0, the driver's).
+        The step's requests go through the stages as micro-batches
+        (``split_micro_batches``), so that while a stage computes one, the
+        stage before it computes the next. Each stage receives the previous
+        one's hidden states and residual and sends its own to the next; the
+        last stage keeps each micro-batch's logits until it has received them
+        all, then sends them back to the first stage, whose Scheduler samples
+        (only along tensor rank 0, the driver's). Sending them sooner could
+        deadlock: the first stage may still be sending it the next micro-batch.
         """
         assert self.parallel is not None
         pp = self.parallel.pp
+        returns_logits = self.parallel.tp_rank == 0
+        parts = split_micro_batches(batch)
+        kept: list[torch.Tensor] = []
+        for part in parts:
+            out = self._stage_forward(part.batch)
+            if isinstance(out, tuple):
+                for tensor in out:
+                    pp.send(tensor, dst=pp.rank + 1)
+            else:
+                kept.append(out)
+        self.micro_batches += len(parts)
+        if pp.is_last:
+            if returns_logits:
+                for logits in kept:
+                    pp.send(logits.float(), dst=0)
+            return None
+        if not (pp.is_first and returns_logits):
+            return None
+        vocab = self.model_config.vocab_size
+        received = [(part, pp.recv((len(part.logits_rows), vocab), torch.float32, self.device,
+                                   src=pp.size - 1)) for part in parts]
+        return merge_logits(received, sum(len(part.logits_rows) for part in parts))
+
+    def _stage_forward(self, batch: ForwardBatch) -> Any:
+        """This stage's layers on ``batch``: ``(hidden, residual)``, or logits on the last."""
+        assert self.parallel is not None
+        pp = self.parallel.pp
+        self.attn_backend.init_forward_metadata(batch)
         intermediate = None
         if not pp.is_first:
             shape = (batch.num_tokens, self.model_config.hidden_size)
             intermediate = (pp.recv(shape, self.dtype, self.device, src=pp.rank - 1),
                             pp.recv(shape, self.dtype, self.device, src=pp.rank - 1))
-        out = self.model(batch.input_ids, batch.positions, batch, intermediate=intermediate)
-        returns_logits = self.parallel.tp_rank == 0
-        if isinstance(out, tuple):
-            for tensor in out:
-                pp.send(tensor, dst=pp.rank + 1)
-            if not (pp.is_first and returns_logits):
-                return None
-            rows = batch.batch_size + (0 if batch.prompt_logprob_rows is None
-                                       else int(batch.prompt_logprob_rows.shape[0]))
-            return pp.recv((rows, self.model_config.vocab_size), torch.float32, self.device,
-                           src=pp.size - 1)
-        if returns_logits:
-            pp.send(out, dst=0)
-        return None
+        return self.model(batch.input_ids, batch.positions, batch, intermediate=intermediate)
 
     def sample(
         self,

@@ -346,6 +346,8 @@ class Scheduler:
             **ranks_info(),
             "tp_size": self.server_args.tp_size,
             "pp_size": self.server_args.pp_size,
+            # Micro-batches of the pipeline's steps so far (rank 0's; 0 without stages).
+            "pp_micro_batches": getattr(self.model_runner, "micro_batches", 0),
             "pid": os.getpid(),
             "scheduler_class": f"{type(self).__module__}.{type(self).__qualname__}",
             "aborted_requests": self.stats.aborted_requests,

@@ -43,7 +43,13 @@ def one_rank(model_dir: Path) -> dict[str, Any]:
     """Greedy tokens and server info of the model on one rank."""
     with Engine(model_path=str(model_dir), launch_mode="thread", **ENGINE_ARGS) as engine:
         return {"outputs": [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)],
-                "info": engine.get_server_info()}
+                "scored": _scored(engine), "info": engine.get_server_info()}
+
+
+def _scored(engine: Engine) -> list[list[float]]:
+    """Every prompt's prompt logprobs, all prompts in one batch."""
+    outs = engine.generate(PROMPTS, GREEDY, return_logprob=True, logprob_start_len=0)
+    return [[lp for lp, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]
 
 
 @pytest.mark.timeout(240)
@@ -87,12 +93,16 @@ def test_two_pipeline_stages_give_one_rank_s_tokens_each_holding_its_layers(
 ) -> None:
     with Engine(model_path=str(model_dir), pp_size=2, **ENGINE_ARGS) as engine:
         outputs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
-        # Prompt logprobs travel back from the last stage with the next-token logits.
-        scored = engine.generate(PROMPTS[1], GREEDY, return_logprob=True, logprob_start_len=0)
+        # Prompt logprobs travel back from the last stage with the next-token logits, each
+        # micro-batch's rows put back in place.
+        scored = _scored(engine)
         info = engine.get_server_info()
     assert outputs == one_rank["outputs"]
-    assert len(scored["meta_info"]["input_token_logprobs"]) > 1
+    for got, expected in zip(scored, one_rank["scored"], strict=True):
+        assert got == pytest.approx(expected, abs=1e-4)
     assert info["pp_size"] == 2 and info["kv_cache_idle_and_free"] is True, info
+    # The four requests' steps ran as two micro-batches each, overlapping the stages.
+    assert info["pp_micro_batches"] >= 2 * info["decode_steps"] > 0, info
     whole = one_rank["info"]
     config = tiny_config("llama")
     embedding = config.vocab_size * config.hidden_size * 4  # float32 bytes

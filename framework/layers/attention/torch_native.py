@@ -79,7 +79,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         super().__init__(args)
         self._groups: list[_Group] | None = None  # of an extend batch
         self._steps: list[GroupStep] | None = None  # of a decode batch
-        self._kept: KeptDecodeKV | None = None  # made with the first decode batch
+        # Per micro-batch (pipeline parallelism runs a step's requests in two, each
+        # request always in the same one): the decoding requests' kept keys and values.
+        self._kept: dict[int, KeptDecodeKV] = {}
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Build the groups, gather indices and masks once for all layers of this batch."""
@@ -87,24 +89,25 @@ class TorchNativeAttnBackend(AttentionBackend):
         seq_lens = forward_batch.seq_lens_cpu
         indices = forward_batch.req_pool_indices_cpu
         assert seq_lens is not None and indices is not None  # filled above
-        if self._kept is None:
-            self._kept = KeptDecodeKV(self.num_kv_heads, self.group_slack, self.device)
+        kept = self._kept.get(forward_batch.micro_batch)
+        if kept is None:
+            kept = self._kept[forward_batch.micro_batch] = KeptDecodeKV(
+                self.num_kv_heads, self.group_slack, self.device)
         table = self.req_to_token_pool.req_to_token
         if forward_batch.forward_mode.is_decode():
             self._groups = None
-            self._steps = self._kept.plan(indices, seq_lens, table)
+            self._steps = kept.plan(indices, seq_lens, table)
             return
         new_lens = forward_batch.extend_seq_lens_cpu
         prefix_lens = forward_batch.extend_prefix_lens_cpu
         assert new_lens is not None and prefix_lens is not None  # filled above
         prefills = len(indices) - forward_batch.decode_tail
         # A prefill fills these requests' pool rows anew: what was kept for them is stale.
-        self._kept.evict(indices[:prefills])
+        kept.evict(indices[:prefills])
         self._steps = None
         if forward_batch.decode_tail:  # a mixed step: its decode tokens attend as in decode
             token_rows = [sum(new_lens[:prefills]) + i for i in range(len(indices) - prefills)]
-            self._steps = self._kept.plan(indices[prefills:], seq_lens[prefills:], table,
-                                          token_rows)
+            self._steps = kept.plan(indices[prefills:], seq_lens[prefills:], table, token_rows)
         self._groups = self._extend_groups(forward_batch, prefills, seq_lens, new_lens,
                                            prefix_lens)
 
