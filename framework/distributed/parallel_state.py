@@ -20,6 +20,7 @@ collectives may wait as long as the server is idle.
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -113,6 +114,22 @@ class GroupCoordinator:
         out = torch.empty(shape, dtype=dtype, device=device)
         dist.recv(out, src=self.ranks[src], group=self.group)
         return out
+
+    def send_object(self, obj: Any, dst: int, device: torch.device) -> None:
+        """Send a picklable ``obj`` to the group rank ``dst`` (``recv_object`` there).
+
+        Its size goes first, then its bytes, as tensors on ``device`` (NCCL groups
+        carry device tensors only).
+        """
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        self.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), dst)
+        self.send(payload.to(device), dst)
+
+    def recv_object(self, src: int, device: torch.device) -> Any:
+        """The object the group rank ``src`` sent with ``send_object``."""
+        size = int(self.recv((1,), torch.int64, device, src).item())
+        payload = self.recv((size,), torch.uint8, device, src).cpu()
+        return pickle.loads(payload.numpy().tobytes())
 
 
 @dataclass

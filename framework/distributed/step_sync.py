@@ -28,7 +28,7 @@ class FollowedRunner(Protocol):
 
     device: torch.device
 
-    def forward(self, batch: ForwardBatch) -> Any:
+    def forward(self, batch: ForwardBatch, sampling: Any = None) -> Any:
         """Run one step (a follower's runner announces nothing)."""
 
     def update_weights_from_disk(self, model_path: str, load_format: str) -> tuple[bool, str]:
@@ -37,10 +37,11 @@ class FollowedRunner(Protocol):
 
 @dataclasses.dataclass
 class ForwardStep:
-    """One model step: the batch and the ``req_to_token`` rows it reads."""
+    """One model step: the batch, the ``req_to_token`` rows it reads and how to sample it."""
 
     batch: ForwardBatch
     rows: torch.Tensor  # [B, max seq_len] int64, rows batch.req_pool_indices of req_to_token
+    sampling: Any = None  # a SamplingRequest: the last pipeline stage samples the step
 
 
 @dataclasses.dataclass
@@ -59,11 +60,11 @@ def batch_to(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
 
 
 def announce_forward(control: GroupCoordinator, batch: ForwardBatch,
-                     req_to_token: torch.Tensor) -> None:
-    """Tell the other ranks to run ``batch`` (driver side)."""
+                     req_to_token: torch.Tensor, sampling: Any = None) -> None:
+    """Tell the other ranks to run ``batch`` (and sample it as ``sampling`` says)."""
     longest = int(batch.seq_lens.max()) if batch.batch_size else 0
     rows = req_to_token[batch.req_pool_indices, :longest]
-    _announce(control, ForwardStep(batch_to(batch, torch.device("cpu")), rows.cpu()))
+    _announce(control, ForwardStep(batch_to(batch, torch.device("cpu")), rows.cpu(), sampling))
 
 
 def announce_weight_update(control: GroupCoordinator, model_path: str, load_format: str) -> None:
@@ -112,7 +113,7 @@ class Follower:
             rows = command.rows.to(self.runner.device)
             self.req_to_token[batch.req_pool_indices, :rows.shape[1]] = rows
             try:
-                self.runner.forward(batch)
+                self.runner.forward(batch, command.sampling)
             except Exception:
                 # Every rank runs the same step on the same inputs, so rank 0 failed too and
                 # retries the batch request by request: follow on rather than end the server.

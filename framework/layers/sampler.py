@@ -23,6 +23,7 @@ reproducible, and every tensor-parallel rank, calling its own sampler in step, s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -227,6 +228,12 @@ class SamplingBatchInfo:
     def batch_size(self) -> int:
         """Number of rows (requests) in the batch."""
         return len(self.is_greedy)
+
+    def to(self, device: torch.device) -> SamplingBatchInfo:
+        """The same information with every tensor on ``device`` (for another rank)."""
+        changes = {f.name: value.to(device) for f in dataclasses.fields(self)
+                   if isinstance(value := getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, device=device, **changes)
 
     @property
     def all_greedy(self) -> bool:

@@ -64,6 +64,40 @@ class LogitsOutput:
     embeddings: torch.Tensor | None = None  # [B, hidden] float32, embedding models only
     # [m, vocab] float32 at the batch's ``prompt_logprob_rows``, when it has any.
     prompt_logits: torch.Tensor | None = None
+    # With pipeline parallelism, what the last stage sampled (then no logits come back).
+    sample: StepSample | None = None
+
+
+@dataclass
+class SamplingRequest:
+    """How to sample a step where its logits are: the last pipeline stage.
+
+    Built by the Scheduler before the step and sent with it: the batch rows that
+    sample, their ``SamplingBatchInfo`` (on the CPU), each row's number of top
+    logprobs and whether any row wants logprobs; and, per prompt-logprob row of
+    the batch, the prompt's own token there and its number of top logprobs.
+    """
+
+    rows: list[int]
+    info: SamplingBatchInfo | None
+    top_logprobs_nums: list[int]
+    return_logprob: bool
+    prompt_targets: list[int]
+    prompt_top_nums: list[int]
+
+
+@dataclass
+class StepSample:
+    """A step's sampled tokens and logprobs, computed on the stage holding its logits."""
+
+    next_ids: list[int]
+    logprobs: list[float]  # empty unless a row asked for logprobs
+    top_logprobs_val: list[list[float]]
+    top_logprobs_idx: list[list[int]]
+    # The prompt-logprob rows': the prompt token's logprob, and the top alternatives.
+    prompt_values: list[float]
+    prompt_top_values: list[list[float]]
+    prompt_top_ids: list[list[int]]
 
 
 def resolve_device(device: str, tp_rank: int = 0) -> torch.device:
@@ -223,17 +257,29 @@ class ModelRunner:
         return (self.parallel is not None and self.parallel.is_driver
                 and self.parallel.config.is_parallel)
 
+    @property
+    def samples_at_last_stage(self) -> bool:
+        """Whether steps are sampled on the last pipeline stage (``forward``'s ``sampling``)."""
+        return self.pp_size > 1
+
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch) -> LogitsOutput:
-        """Run one step; the new tokens' keys and values land in the KV cache."""
+    def forward(self, batch: ForwardBatch, sampling: SamplingRequest | None = None
+                ) -> LogitsOutput:
+        """Run one step; the new tokens' keys and values land in the KV cache.
+
+        With pipeline parallelism and ``sampling``, the last stage samples and
+        only its ``StepSample`` comes back (``LogitsOutput.sample``), not the logits.
+        """
         if self._announces():
             assert self.parallel is not None
             announce_forward(self.parallel.control, batch,
-                             self.pools.req_to_token_pool.req_to_token)
+                             self.pools.req_to_token_pool.req_to_token, sampling)
         if not self.model_config.is_embedding:
-            logits = self._logits(batch)
+            logits = self._logits(batch, sampling)
             if logits is None:  # a pipeline stage that does not hold the result
                 return LogitsOutput(next_token_logits=None)
+            if isinstance(logits, StepSample):
+                return LogitsOutput(next_token_logits=None, sample=logits)
             if batch.prompt_logprob_rows is None:
                 return LogitsOutput(next_token_logits=logits)
             return LogitsOutput(next_token_logits=logits[:batch.batch_size],
@@ -245,23 +291,27 @@ class ModelRunner:
             embeddings = self.model(batch.input_ids, batch.positions, batch, get_embedding=True)
         return LogitsOutput(next_token_logits=None, embeddings=embeddings.float())
 
-    def _logits(self, batch: ForwardBatch) -> torch.Tensor | None:
+    def _logits(self, batch: ForwardBatch, sampling: SamplingRequest | None
+                ) -> torch.Tensor | StepSample | None:
         if self.pp_size == 1:
             self.attn_backend.init_forward_metadata(batch)
             return self.model(batch.input_ids, batch.positions, batch).float()
-        return self._pipeline_logits(batch)
+        return self._pipeline_logits(batch, sampling)
 
-    def _pipeline_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """This stage's part of the step; the logits on the first stage, else None.
+    def _pipeline_logits(self, batch: ForwardBatch, sampling: SamplingRequest | None
+                         ) -> torch.Tensor | StepSample | None:
+        """This stage's part of the step; on the first stage, the sample or the logits.
 
         The step's requests go through the stages as micro-batches
         (``split_micro_batches``), so that while a stage computes one, the
         stage before it computes the next. Each stage receives the previous
         one's hidden states and residual and sends its own to the next; the
         last stage keeps each micro-batch's logits until it has received them
-        all, then sends them back to the first stage, whose Scheduler samples
-        (only along tensor rank 0, the driver's). Sending them sooner could
-        deadlock: the first stage may still be sending it the next micro-batch.
+        all; then, along tensor rank 0 (the driver's), it samples the step as
+        ``sampling`` says and sends the ``StepSample`` back to the first stage
+        (without ``sampling``: the logits, and the first stage samples). Sending
+        sooner could deadlock: the first stage may still be sending it the next
+        micro-batch.
         """
         assert self.parallel is not None
         pp = self.parallel.pp
@@ -277,12 +327,20 @@ class ModelRunner:
                 kept.append(out)
         self.micro_batches += len(parts)
         if pp.is_last:
-            if returns_logits:
+            if returns_logits and sampling is not None:
+                rows = sum(len(part.logits_rows) for part in parts)
+                whole = merge_logits(list(zip(parts, kept, strict=True)), rows)
+                pp.send_object(self.sample_step(whole, batch.batch_size, sampling), dst=0,
+                               device=self.device)
+            elif returns_logits:
                 for logits in kept:
                     pp.send(logits.float(), dst=0)
             return None
         if not (pp.is_first and returns_logits):
             return None
+        if sampling is not None:
+            sample: StepSample = pp.recv_object(src=pp.size - 1, device=self.device)
+            return sample
         vocab = self.model_config.vocab_size
         received = [(part, pp.recv((len(part.logits_rows), vocab), torch.float32, self.device,
                                    src=pp.size - 1)) for part in parts]
@@ -299,6 +357,30 @@ class ModelRunner:
             intermediate = (pp.recv(shape, self.dtype, self.device, src=pp.rank - 1),
                             pp.recv(shape, self.dtype, self.device, src=pp.rank - 1))
         return self.model(batch.input_ids, batch.positions, batch, intermediate=intermediate)
+
+    def sample_step(self, logits: torch.Tensor, batch_size: int, sampling: SamplingRequest
+                    ) -> StepSample:
+        """Sample a step from its ``[B + m, vocab]`` logits as ``sampling`` says."""
+        from framework.layers.sampler import token_logprobs
+
+        next_logits, prompt_logits = logits[:batch_size], logits[batch_size:]
+        step = StepSample([], [], [], [], [], [], [])
+        if sampling.rows and sampling.info is not None:
+            if len(sampling.rows) != batch_size:
+                next_logits = next_logits[torch.tensor(sampling.rows, device=logits.device)]
+            out = self.sample(next_logits, sampling.info.to(logits.device),
+                              sampling.top_logprobs_nums, sampling.return_logprob)
+            step.next_ids = out.next_token_ids.tolist()
+            step.logprobs = [] if out.logprobs is None else out.logprobs.tolist()
+            step.top_logprobs_val = out.top_logprobs_val
+            step.top_logprobs_idx = out.top_logprobs_idx
+        if sampling.prompt_targets:
+            targets = torch.tensor(sampling.prompt_targets, device=logits.device)
+            chosen, top_values, top_ids = token_logprobs(prompt_logits, targets,
+                                                         sampling.prompt_top_nums)
+            step.prompt_values = chosen.tolist()
+            step.prompt_top_values, step.prompt_top_ids = top_values, top_ids
+        return step
 
     def sample(
         self,

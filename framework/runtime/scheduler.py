@@ -514,14 +514,20 @@ class Scheduler:
         try:
             forward_batch = batch.to_forward_batch(
                 self.req_to_token_pool.req_to_token, out_cache_loc, self.model_runner.device)
-            output = self.timed_forward(forward_batch)
-            if output.embeddings is not None:
-                return StepResult(embeddings=output.embeddings)
             # Requests whose prompt is then fully in the cache sample a token; a partial
             # chunk does not (its logits are for a token in the middle of the prompt).
             sampled = [i for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens))
                        if req.kv_len + n == req.seq_len]
+            sampling = None
+            if getattr(self.model_runner, "samples_at_last_stage", False):
+                sampling = self.sampling_request(batch, sampled)
+            output = self.timed_forward(forward_batch, sampling)
+            if output.embeddings is not None:
+                return StepResult(embeddings=output.embeddings)
             result = StepResult(sampled=sampled)
+            if output.sample is not None:
+                self.take_sample(batch, output.sample, result)
+                return result
             if sampled:
                 self.sample(batch, output.next_token_logits, result)
             if output.prompt_logits is not None:
@@ -531,37 +537,77 @@ class Scheduler:
             self.allocator.free(out_cache_loc)
             raise
 
-    def timed_forward(self, forward_batch: ForwardBatch) -> Any:
+    def timed_forward(self, forward_batch: ForwardBatch, sampling: Any = None) -> Any:
         """``model_runner.forward``, its wall time added to the stats (device work included)."""
         started = time.perf_counter()
-        output = self.model_runner.forward(forward_batch)
+        output = (self.model_runner.forward(forward_batch) if sampling is None else
+                  self.model_runner.forward(forward_batch, sampling))
         if self.model_runner.device.type == "cuda":
             torch.cuda.synchronize(self.model_runner.device)  # the sampler would wait anyway
         self.stats.forward_seconds += time.perf_counter() - started
         return output
 
-    def sample(self, batch: ScheduledBatch, logits: torch.Tensor, result: StepResult) -> None:
-        """Pick the next token of each sampled row into ``result``."""
+    def sampling_info(self, reqs: list[Req], device: torch.device) -> Any:
+        """The ``SamplingBatchInfo`` of ``reqs`` on ``device``, with their grammars' mask."""
         from framework.layers.sampler import SamplingBatchInfo
 
+        info = SamplingBatchInfo.from_requests(
+            [r.sampling_params for r in reqs], [r.output_ids for r in reqs],
+            [r.origin_input_ids for r in reqs], self.eos_token_ids,
+            self.model_config.vocab_size, device, self.server_args.random_seed,
+            histories=[self.penalty_history(r, device) for r in reqs],
+        )
+        info.grammar_bitmask = self.grammars.bitmask([r.grammar for r in reqs], device)
+        return info
+
+    def sample(self, batch: ScheduledBatch, logits: torch.Tensor, result: StepResult) -> None:
+        """Pick the next token of each sampled row into ``result``."""
         rows = result.sampled or []
         reqs = [batch.reqs[i] for i in rows]
         if len(rows) != len(batch.reqs):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        info = SamplingBatchInfo.from_requests(
-            [r.sampling_params for r in reqs], [r.output_ids for r in reqs],
-            [r.origin_input_ids for r in reqs], self.eos_token_ids,
-            self.model_config.vocab_size, logits.device, self.server_args.random_seed,
-            histories=[self.penalty_history(r, logits.device) for r in reqs],
-        )
-        info.grammar_bitmask = self.grammars.bitmask([r.grammar for r in reqs], logits.device)
         top_n = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
-        out = self.model_runner.sample(logits, info, top_n,
+        out = self.model_runner.sample(logits, self.sampling_info(reqs, logits.device), top_n,
                                        return_logprob=any(r.return_logprob for r in reqs))
         result.next_ids = out.next_token_ids.tolist()
         result.logprobs = [] if out.logprobs is None else out.logprobs.tolist()
         result.top_logprobs_val = out.top_logprobs_val
         result.top_logprobs_idx = out.top_logprobs_idx
+
+    def sampling_request(self, batch: ScheduledBatch, sampled: list[int]) -> Any:
+        """How the last pipeline stage is to sample this step (see ``SamplingRequest``)."""
+        from framework.model_executor.model_runner import SamplingRequest
+
+        reqs = [batch.reqs[i] for i in sampled]
+        # On the CPU: it is pickled and sent with the step, to the stage's device.
+        info = self.sampling_info(reqs, torch.device("cpu")) if reqs else None
+        _, targets, prompt_top = self.prompt_targets(batch)
+        return SamplingRequest(
+            rows=sampled, info=info,
+            top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
+            return_logprob=any(r.return_logprob for r in reqs),
+            prompt_targets=targets, prompt_top_nums=prompt_top)
+
+    def take_sample(self, batch: ScheduledBatch, sample: Any, result: StepResult) -> None:
+        """Put what the last pipeline stage sampled (a ``StepSample``) into ``result``."""
+        result.next_ids = sample.next_ids
+        result.logprobs = sample.logprobs
+        result.top_logprobs_val = sample.top_logprobs_val
+        result.top_logprobs_idx = sample.top_logprobs_idx
+        if sample.prompt_values:
+            spans, _, _ = self.prompt_targets(batch)
+            result.prompt_logprobs = prompt_chunks(spans, sample.prompt_values,
+                                                   sample.prompt_top_values,
+                                                   sample.prompt_top_ids)
+
+    @staticmethod
+    def prompt_targets(batch: ScheduledBatch) -> tuple[list[range], list[int], list[int]]:
+        """The step's prompt-logprob spans, the prompt token at each, and each one's top count."""
+        spans = batch.prompt_logprob_spans()
+        targets = [t for req, span in zip(batch.reqs, spans)
+                   for t in req.origin_input_ids[span.start:span.stop]]
+        top_n = [req.top_logprobs_num for req, span in zip(batch.reqs, spans) for _ in span]
+        return spans, targets, top_n
 
     def prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor
                         ) -> list[PromptLogprobChunk]:
@@ -572,20 +618,10 @@ class Scheduler:
         """
         from framework.layers.sampler import token_logprobs
 
-        spans = batch.prompt_logprob_spans()
-        targets = [t for req, span in zip(batch.reqs, spans)
-                   for t in req.origin_input_ids[span.start:span.stop]]
-        top_n = [req.top_logprobs_num for req, span in zip(batch.reqs, spans) for _ in span]
+        spans, targets, top_n = self.prompt_targets(batch)
         chosen, top_values, top_ids = token_logprobs(
             logits, torch.tensor(targets, device=logits.device), top_n)
-        values = chosen.tolist()
-        chunks, start = [], 0
-        for span in spans:
-            end = start + len(span)
-            chunks.append(PromptLogprobChunk(values[start:end], top_values[start:end],
-                                             top_ids[start:end]))
-            start = end
-        return chunks
+        return prompt_chunks(spans, chosen.tolist(), top_values, top_ids)
 
     def penalty_history(self, req: Req, device: torch.device) -> Any:
         """The request's ``PenaltyHistory`` brought up to date, or None without penalties."""
@@ -757,3 +793,15 @@ class Scheduler:
         from framework.runtime.hf_tokenizer import load_tokenizer
 
         return load_tokenizer(self.server_args.resolved_tokenizer_path())
+
+
+def prompt_chunks(spans: list[range], values: list[float], top_values: list[list[float]],
+                  top_ids: list[list[int]]) -> list[PromptLogprobChunk]:
+    """The step's prompt logprobs (one per position of ``spans``, in order), per request."""
+    chunks, start = [], 0
+    for span in spans:
+        end = start + len(span)
+        chunks.append(PromptLogprobChunk(values[start:end], top_values[start:end],
+                                         top_ids[start:end]))
+        start = end
+    return chunks

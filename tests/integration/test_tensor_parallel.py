@@ -43,7 +43,21 @@ def one_rank(model_dir: Path) -> dict[str, Any]:
     """Greedy tokens and server info of the model on one rank."""
     with Engine(model_path=str(model_dir), launch_mode="thread", **ENGINE_ARGS) as engine:
         return {"outputs": [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)],
-                "scored": _scored(engine), "info": engine.get_server_info()}
+                "scored": _scored(engine), "sampled": _sampled(engine),
+                "info": engine.get_server_info()}
+
+
+# Seeded sampling with penalties and top logprobs, and a constraint: what the last pipeline
+# stage must sample exactly as rank 0 does alone.
+SAMPLED = [{"temperature": 0.8, "top_p": 0.9, "seed": 7 + i, "repetition_penalty": 1.3,
+            "max_new_tokens": 8, "ignore_eos": True} for i in range(3)] + [
+           {"temperature": 0.7, "seed": 3, "max_new_tokens": 8, "regex": "(yes|no|maybe)"}]
+
+
+def _sampled(engine: Engine) -> list[tuple[list[int], list[float]]]:
+    outs = engine.generate(PROMPTS, SAMPLED, return_logprob=True, top_logprobs_num=2)
+    return [(o["output_ids"], [lp for lp, _ in o["meta_info"]["output_token_logprobs"]])
+            for o in outs]
 
 
 def _scored(engine: Engine) -> list[list[float]]:
@@ -96,8 +110,14 @@ def test_two_pipeline_stages_give_one_rank_s_tokens_each_holding_its_layers(
         # Prompt logprobs travel back from the last stage with the next-token logits, each
         # micro-batch's rows put back in place.
         scored = _scored(engine)
+        # The last stage samples: seeded draws, penalties, grammars and logprobs as one rank.
+        sampled = _sampled(engine)
         info = engine.get_server_info()
     assert outputs == one_rank["outputs"]
+    for (ids, logprobs), (ref_ids, ref_logprobs) in zip(sampled, one_rank["sampled"],
+                                                        strict=True):
+        assert ids == ref_ids
+        assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
     for got, expected in zip(scored, one_rank["scored"], strict=True):
         assert got == pytest.approx(expected, abs=1e-4)
     assert info["pp_size"] == 2 and info["kv_cache_idle_and_free"] is True, info
