@@ -98,6 +98,14 @@ class StepSample:
     prompt_values: list[float]
     prompt_top_values: list[list[float]]
     prompt_top_ids: list[list[int]]
+    #: Why the last stage could not sample (then nothing else is set); None: it did.
+    error: str | None = None
+
+    def checked(self) -> StepSample:
+        """This sample; raises ``RuntimeError`` when the last stage failed to sample."""
+        if self.error is not None:
+            raise RuntimeError(f"the last pipeline stage failed to sample: {self.error}")
+        return self
 
 
 def resolve_device(device: str, tp_rank: int = 0) -> torch.device:
@@ -330,8 +338,12 @@ class ModelRunner:
             if returns_logits and sampling is not None:
                 rows = sum(len(part.logits_rows) for part in parts)
                 whole = merge_logits(list(zip(parts, kept, strict=True)), rows)
-                pp.send_object(self.sample_step(whole, batch.batch_size, sampling), dst=0,
-                               device=self.device)
+                try:
+                    sample = self.sample_step(whole, batch.batch_size, sampling)
+                except Exception as exc:  # rank 0 waits for an answer: it gets the reason
+                    logger.exception("sampling a step on the last pipeline stage failed")
+                    sample = StepSample([], [], [], [], [], [], [], error=repr(exc))
+                pp.send_object(sample, dst=0, device=self.device)
             elif returns_logits:
                 for logits in kept:
                     pp.send(logits.float(), dst=0)
@@ -340,7 +352,7 @@ class ModelRunner:
             return None
         if sampling is not None:
             sample: StepSample = pp.recv_object(src=pp.size - 1, device=self.device)
-            return sample
+            return sample.checked()
         vocab = self.model_config.vocab_size
         received = [(part, pp.recv((len(part.logits_rows), vocab), torch.float32, self.device,
                                    src=pp.size - 1)) for part in parts]

@@ -145,3 +145,13 @@ def test_an_engine_is_node_0_only() -> None:
 
     with pytest.raises(ValueError, match="node_rank above 0 runs scheduler ranks only"):
         Engine(tp_size=2, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:1")
+
+
+def test_a_sample_the_last_stage_could_not_make_raises_on_rank_0() -> None:
+    from framework.model_executor.model_runner import StepSample
+
+    good = StepSample([4], [], [[]], [[]], [], [], [])
+    assert good.checked() is good
+    failed = StepSample([], [], [], [], [], [], [], error="ValueError('bad row')")
+    with pytest.raises(RuntimeError, match=r"last pipeline stage failed to sample.*bad row"):
+        failed.checked()

@@ -48,3 +48,4 @@ def test_a_batch_in_one_micro_batch_stays_whole() -> None:
     (part,) = split_micro_batches(batch)
     assert part.batch.micro_batch == 0 and part.logits_rows == [0, 1]
     assert part.batch.input_ids.tolist() == [7, 8] and part.batch.decode_tail == 0
+
