@@ -196,15 +196,19 @@ class ModelRunner:
 
     def _decide_kv_cache_tokens(self) -> int:
         config = self.model_config
+        per_token = kv_cache_bytes_per_token(
+            config.num_kv_heads_per_rank(self.tp_size),
+            config.head_dim,
+            self.end_layer - self.start_layer,  # this stage's layers
+            self.dtype,
+        )
+        # Room for what the attention backend keeps beyond the pool (its kept copies).
+        backend = ATTENTION_BACKENDS.get(self.server_args.attention_backend)
+        extra = getattr(backend, "extra_kv_copies", 0.0)
         return decide_max_total_tokens(
             max_total_tokens=self.server_args.max_total_tokens,
             mem_fraction=self.server_args.mem_fraction,
-            bytes_per_token=kv_cache_bytes_per_token(
-                config.num_kv_heads_per_rank(self.tp_size),
-                config.head_dim,
-                self.end_layer - self.start_layer,  # this stage's layers
-                self.dtype,
-            ),
+            bytes_per_token=int(per_token * (1 + extra)),
             context_len=config.context_len,
             max_running_requests=self.server_args.max_running_requests,
             device=self.device,

@@ -169,3 +169,24 @@ def test_kv_cache_pools_refuse_an_allocator_that_does_not_match_the_buffers() ->
             token_to_kv_pool=MHATokenToKVPool(16, torch.float32, 1, 4, 1, CPU),
             allocator=TokenToKVPoolAllocator(17, CPU),
         )
+
+
+def test_on_cuda_the_pool_leaves_room_for_the_backend_s_kept_copies(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch backend keeps up to a second copy of the KV: the pool gets half the room."""
+    from types import SimpleNamespace
+
+    from framework.layers.attention.torch_native import TorchNativeAttnBackend
+    from framework.model_executor.model_runner import ModelRunner
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10_000_000, 80_000_000))
+    config = SimpleNamespace(num_kv_heads_per_rank=lambda tp: 2, head_dim=16, context_len=64)
+    runner = SimpleNamespace(
+        model_config=config, tp_size=1, start_layer=0, end_layer=2, dtype=torch.float32,
+        device=torch.device("cuda", 0),
+        server_args=SimpleNamespace(max_total_tokens=None, mem_fraction=0.5,
+                                    max_running_requests=4, attention_backend="torch"))
+    per_token = kv_cache_bytes_per_token(2, 16, 2, torch.float32)
+    assert TorchNativeAttnBackend.extra_kv_copies == 1.0
+    tokens = ModelRunner._decide_kv_cache_tokens(runner)  # type: ignore[arg-type]
+    assert tokens == 5_000_000 // (2 * per_token)

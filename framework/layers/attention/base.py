@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -85,6 +85,11 @@ class AttentionBackend(ABC):
     every backend as ``ATTENTION_BACKENDS.get(name)(args)``), call
     ``super().__init__(args)`` and allocate their buffers there, once.
     """
+
+    #: Memory the backend keeps of the KV cache beyond the pool, as a multiple of the
+    #: pool's bytes per token: the pool is sized to leave room for it (on CUDA, where
+    #: ``--mem-fraction`` sizes it). 0 for a backend that reads the pool in place.
+    extra_kv_copies: ClassVar[float] = 0.0
 
     def __init__(self, args: AttentionBackendArgs) -> None:
         self.args = args

@@ -74,6 +74,8 @@ class TorchNativeAttnBackend(AttentionBackend):
     #: A group takes the requests within ``max(group_slack, longest // 4)`` tokens of
     #: its longest one (``length_groups``).
     group_slack = 64
+    #: The kept decode keys and values: up to a second copy of the running requests'.
+    extra_kv_copies = 1.0
 
     def __init__(self, args: AttentionBackendArgs) -> None:
         super().__init__(args)
