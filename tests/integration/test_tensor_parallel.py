@@ -198,3 +198,18 @@ def test_the_all_reduce_is_what_makes_the_ranks_agree(model_dir: Path) -> None:
     reference = _greedy_tokens(ModelRunner(_runner_args(str(model_dir), 1), str(model_dir)))
     assert run_two_ranks(model_dir, no_op_all_reduce=False) == reference
     assert run_two_ranks(model_dir, no_op_all_reduce=True) != reference
+
+
+@pytest.mark.timeout(240)
+def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path: Path) -> None:
+    """One key/value head over two ranks: each keeps a copy, the tokens are one rank's."""
+    mqa = make_tiny_checkpoint(tmp_path, "llama", seed=5, num_key_value_heads=1)
+    with Engine(model_path=str(mqa), launch_mode="thread", **ENGINE_ARGS) as engine:
+        expected = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
+        whole = engine.get_server_info()
+    with Engine(model_path=str(mqa), tp_size=2, **ENGINE_ARGS) as engine:
+        outputs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
+        info = engine.get_server_info()
+    assert outputs == expected
+    for rank in (0, 1):  # the whole (single) head on each rank, not half of it
+        assert info[f"kv_cache_bytes_rank_{rank}"] == whole["kv_cache_bytes_rank_0"]
