@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 
@@ -29,40 +30,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 1
 
 
-def _cmd_bench_transport(args: argparse.Namespace) -> int:
-    from framework.bench.transport import run_from_cli
-
-    return run_from_cli(args)
-
-
-def _cmd_bench_prefix_cache(args: argparse.Namespace) -> int:
-    from framework.bench.prefix_cache import run_from_cli
-
-    return run_from_cli(args)
-
-
-def _cmd_bench_offline(args: argparse.Namespace) -> int:
-    from framework.bench.offline import run_from_cli
-
-    return run_from_cli(args)
-
-
-def _cmd_bench_serving(args: argparse.Namespace) -> int:
-    from framework.bench.serving import run_from_cli
-
-    return run_from_cli(args)
-
-
-def _cmd_bench_structured(args: argparse.Namespace) -> int:
-    from framework.bench.structured import run_from_cli
-
-    return run_from_cli(args)
-
-
-def _cmd_bench_soak(args: argparse.Namespace) -> int:
-    from framework.bench.soak import run_from_cli
-
-    return run_from_cli(args)
+# ``framework bench NAME``: the module holding its ``add_cli_args`` and ``run_from_cli``,
+# and its help line (in the order the help lists them).
+_BENCHMARKS: dict[str, tuple[str, str]] = {
+    "transport": ("framework.bench.transport", "compare transport × codec pairs"),
+    "prefix-cache": ("framework.bench.prefix_cache",
+                     "time to first token and throughput, radix cache on vs off"),
+    "offline": ("framework.bench.offline",
+                "output tokens/s: the Engine vs transformers generate, and a ceiling"),
+    "serving": ("framework.bench.serving",
+                "load an OpenAI-compatible server with streaming requests"),
+    "structured": ("framework.bench.structured",
+                   "output tokens/s with JSON-schema constraints vs without"),
+    "soak": ("framework.bench.soak",
+             "minutes of mixed traffic: flat memory, no error, no leaked slot"),
+}
 
 
 def _formatter(prog: str) -> argparse.HelpFormatter:
@@ -98,41 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark harness")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")
     bench_sub.required = True
-    transport = bench_sub.add_parser("transport", help="compare transport × codec pairs")
-    from framework.bench.transport import add_cli_args as add_transport_args
-
-    add_transport_args(transport)
-    transport.set_defaults(handler=_cmd_bench_transport)
-    prefix_cache = bench_sub.add_parser(
-        "prefix-cache", help="time to first token and throughput, radix cache on vs off")
-    from framework.bench.prefix_cache import add_cli_args as add_prefix_cache_args
-
-    add_prefix_cache_args(prefix_cache)
-    prefix_cache.set_defaults(handler=_cmd_bench_prefix_cache)
-    offline = bench_sub.add_parser(
-        "offline", help="output tokens/s: the Engine vs transformers generate, and a ceiling")
-    from framework.bench.offline import add_cli_args as add_offline_args
-
-    add_offline_args(offline)
-    offline.set_defaults(handler=_cmd_bench_offline)
-    serving = bench_sub.add_parser(
-        "serving", help="load an OpenAI-compatible server with streaming requests")
-    from framework.bench.serving import add_cli_args as add_serving_args
-
-    add_serving_args(serving)
-    serving.set_defaults(handler=_cmd_bench_serving)
-    structured = bench_sub.add_parser(
-        "structured", help="output tokens/s with JSON-schema constraints vs without")
-    from framework.bench.structured import add_cli_args as add_structured_args
-
-    add_structured_args(structured)
-    structured.set_defaults(handler=_cmd_bench_structured)
-    soak = bench_sub.add_parser(
-        "soak", help="minutes of mixed traffic: flat memory, no error, no leaked slot")
-    from framework.bench.soak import add_cli_args as add_soak_args
-
-    add_soak_args(soak)
-    soak.set_defaults(handler=_cmd_bench_soak)
+    for name, (module_name, text) in _BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        benchmark = bench_sub.add_parser(name, help=text)
+        module.add_cli_args(benchmark)
+        benchmark.set_defaults(handler=module.run_from_cli)
     return parser
 
 
