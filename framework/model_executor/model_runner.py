@@ -29,6 +29,7 @@ from framework.distributed.step_sync import announce_forward, announce_weight_up
 from framework.layers.attention.base import AttentionBackend, AttentionBackendArgs
 from framework.layers.attention.radix_attention import bind_attention_backend
 from framework.layers.linear import bind_tp_group
+from framework.layers.sampler import Sampler, StepSample, sample_step
 from framework.mem_cache.memory_pool import (
     KVCachePools,
     decide_max_total_tokens,
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from framework.config import ServerArgs
     from framework.distributed.parallel_state import ParallelContext
     from framework.forward_batch import ForwardBatch
-    from framework.layers.sampler import SampleOutput, SamplingBatchInfo
+    from framework.layers.sampler import SampleOutput, SamplingBatchInfo, SamplingRequest
 
 logger = logging.getLogger(__name__)
 
@@ -66,46 +67,6 @@ class LogitsOutput:
     prompt_logits: torch.Tensor | None = None
     # With pipeline parallelism, what the last stage sampled (then no logits come back).
     sample: StepSample | None = None
-
-
-@dataclass
-class SamplingRequest:
-    """How to sample a step where its logits are: the last pipeline stage.
-
-    Built by the Scheduler before the step and sent with it: the batch rows that
-    sample, their ``SamplingBatchInfo`` (on the CPU), each row's number of top
-    logprobs and whether any row wants logprobs; and, per prompt-logprob row of
-    the batch, the prompt's own token there and its number of top logprobs.
-    """
-
-    rows: list[int]
-    info: SamplingBatchInfo | None
-    top_logprobs_nums: list[int]
-    return_logprob: bool
-    prompt_targets: list[int]
-    prompt_top_nums: list[int]
-
-
-@dataclass
-class StepSample:
-    """A step's sampled tokens and logprobs, computed on the stage holding its logits."""
-
-    next_ids: list[int]
-    logprobs: list[float]  # empty unless a row asked for logprobs
-    top_logprobs_val: list[list[float]]
-    top_logprobs_idx: list[list[int]]
-    # The prompt-logprob rows': the prompt token's logprob, and the top alternatives.
-    prompt_values: list[float]
-    prompt_top_values: list[list[float]]
-    prompt_top_ids: list[list[int]]
-    #: Why the last stage could not sample (then nothing else is set); None: it did.
-    error: str | None = None
-
-    def checked(self) -> StepSample:
-        """This sample; raises ``RuntimeError`` when the last stage failed to sample."""
-        if self.error is not None:
-            raise RuntimeError(f"the last pipeline stage failed to sample: {self.error}")
-        return self
 
 
 def resolve_device(device: str, tp_rank: int = 0) -> torch.device:
@@ -183,7 +144,7 @@ class ModelRunner:
         self.pools = self._build_pools()
         self.attn_backend = self._build_attention_backend(server_args.attention_backend)
         bound = bind_attention_backend(self.model, self.attn_backend)
-        self._sampler: Any = None
+        self._sampler: Sampler | None = None
         #: Pipeline micro-batches this rank has run (two per step of two or more requests).
         self.micro_batches = 0
         #: Each rank's pid and bytes of parameters and of KV cache, in global rank order.
@@ -342,11 +303,12 @@ class ModelRunner:
             if returns_logits and sampling is not None:
                 rows = sum(len(part.logits_rows) for part in parts)
                 whole = merge_logits(list(zip(parts, kept, strict=True)), rows)
+                size = batch.batch_size
                 try:
-                    sample = self.sample_step(whole, batch.batch_size, sampling)
+                    sample = sample_step(self.sample, whole[:size], whole[size:], sampling)
                 except Exception as exc:  # rank 0 waits for an answer: it gets the reason
                     logger.exception("sampling a step on the last pipeline stage failed")
-                    sample = StepSample([], [], [], [], [], [], [], error=repr(exc))
+                    sample = StepSample(error=repr(exc))
                 pp.send_object(sample, dst=0, device=self.device)
             elif returns_logits:
                 for logits in kept:
@@ -374,30 +336,6 @@ class ModelRunner:
                             pp.recv(shape, self.dtype, self.device, src=pp.rank - 1))
         return self.model(batch.input_ids, batch.positions, batch, intermediate=intermediate)
 
-    def sample_step(self, logits: torch.Tensor, batch_size: int, sampling: SamplingRequest
-                    ) -> StepSample:
-        """Sample a step from its ``[B + m, vocab]`` logits as ``sampling`` says."""
-        from framework.layers.sampler import token_logprobs
-
-        next_logits, prompt_logits = logits[:batch_size], logits[batch_size:]
-        step = StepSample([], [], [], [], [], [], [])
-        if sampling.rows and sampling.info is not None:
-            if len(sampling.rows) != batch_size:
-                next_logits = next_logits[torch.tensor(sampling.rows, device=logits.device)]
-            out = self.sample(next_logits, sampling.info.to(logits.device),
-                              sampling.top_logprobs_nums, sampling.return_logprob)
-            step.next_ids = out.next_token_ids.tolist()
-            step.logprobs = [] if out.logprobs is None else out.logprobs.tolist()
-            step.top_logprobs_val = out.top_logprobs_val
-            step.top_logprobs_idx = out.top_logprobs_idx
-        if sampling.prompt_targets:
-            targets = torch.tensor(sampling.prompt_targets, device=logits.device)
-            chosen, top_values, top_ids = token_logprobs(prompt_logits, targets,
-                                                         sampling.prompt_top_nums)
-            step.prompt_values = chosen.tolist()
-            step.prompt_top_values, step.prompt_top_ids = top_values, top_ids
-        return step
-
     def sample(
         self,
         logits: torch.Tensor,
@@ -407,9 +345,6 @@ class ModelRunner:
     ) -> SampleOutput:
         """Pick each request's next token (and its logprobs, when asked) with the ``Sampler``."""
         if self._sampler is None:
-            # Imported here: the sampler is a separate layer that forward() never needs.
-            from framework.layers.sampler import Sampler
-
             self._sampler = Sampler()
         return self._sampler(logits, sampling_info, top_logprobs_nums, return_logprob)
 

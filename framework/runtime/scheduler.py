@@ -35,6 +35,12 @@ from framework.comm.transport import Receiver, RpcServer, Sender, Transport
 from framework.config import PortArgs, ServerArgs
 from framework.constrained.manager import GrammarManager
 from framework.forward_batch import ForwardBatch, ForwardMode
+from framework.layers.sampler import (
+    SamplingBatchInfo,
+    SamplingRequest,
+    StepSample,
+    sample_step,
+)
 from framework.mem_cache.prefix_cache import ChunkCache, PrefixCache
 from framework.messages import (
     AbortReq,
@@ -518,20 +524,19 @@ class Scheduler:
             # chunk does not (its logits are for a token in the middle of the prompt).
             sampled = [i for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens))
                        if req.kv_len + n == req.seq_len]
-            sampling = None
-            if getattr(self.model_runner, "samples_at_last_stage", False):
-                sampling = self.sampling_request(batch, sampled)
-            output = self.timed_forward(forward_batch, sampling)
-            if output.embeddings is not None:
-                return StepResult(embeddings=output.embeddings)
+            if self.model_config.is_embedding:
+                return StepResult(embeddings=self.timed_forward(forward_batch).embeddings)
+            # With pipeline parallelism the last stage samples: the request goes with the
+            # step (built on the CPU) and the sample comes back instead of the logits.
+            remote = getattr(self.model_runner, "samples_at_last_stage", False)
+            sampling = self.sampling_request(
+                batch, sampled, torch.device("cpu") if remote else self.model_runner.device)
+            output = self.timed_forward(forward_batch, sampling if remote else None)
+            sample = output.sample or sample_step(
+                self.model_runner.sample, output.next_token_logits, output.prompt_logits,
+                sampling)
             result = StepResult(sampled=sampled)
-            if output.sample is not None:
-                self.take_sample(batch, output.sample, result)
-                return result
-            if sampled:
-                self.sample(batch, output.next_token_logits, result)
-            if output.prompt_logits is not None:
-                result.prompt_logprobs = self.prompt_logprobs(batch, output.prompt_logits)
+            self.take_sample(batch, sample, result)
             return result
         except BaseException:
             self.allocator.free(out_cache_loc)
@@ -547,10 +552,8 @@ class Scheduler:
         self.stats.forward_seconds += time.perf_counter() - started
         return output
 
-    def sampling_info(self, reqs: list[Req], device: torch.device) -> Any:
+    def sampling_info(self, reqs: list[Req], device: torch.device) -> SamplingBatchInfo:
         """The ``SamplingBatchInfo`` of ``reqs`` on ``device``, with their grammars' mask."""
-        from framework.layers.sampler import SamplingBatchInfo
-
         info = SamplingBatchInfo.from_requests(
             [r.sampling_params for r in reqs], [r.output_ids for r in reqs],
             [r.origin_input_ids for r in reqs], self.eos_token_ids,
@@ -560,27 +563,11 @@ class Scheduler:
         info.grammar_bitmask = self.grammars.bitmask([r.grammar for r in reqs], device)
         return info
 
-    def sample(self, batch: ScheduledBatch, logits: torch.Tensor, result: StepResult) -> None:
-        """Pick the next token of each sampled row into ``result``."""
-        rows = result.sampled or []
-        reqs = [batch.reqs[i] for i in rows]
-        if len(rows) != len(batch.reqs):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        top_n = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
-        out = self.model_runner.sample(logits, self.sampling_info(reqs, logits.device), top_n,
-                                       return_logprob=any(r.return_logprob for r in reqs))
-        result.next_ids = out.next_token_ids.tolist()
-        result.logprobs = [] if out.logprobs is None else out.logprobs.tolist()
-        result.top_logprobs_val = out.top_logprobs_val
-        result.top_logprobs_idx = out.top_logprobs_idx
-
-    def sampling_request(self, batch: ScheduledBatch, sampled: list[int]) -> Any:
-        """How the last pipeline stage is to sample this step (see ``SamplingRequest``)."""
-        from framework.model_executor.model_runner import SamplingRequest
-
+    def sampling_request(self, batch: ScheduledBatch, sampled: list[int],
+                         device: torch.device) -> SamplingRequest:
+        """How to sample this step: the ``sampled`` rows, and its prompt-logprob rows."""
         reqs = [batch.reqs[i] for i in sampled]
-        # On the CPU: it is pickled and sent with the step, to the stage's device.
-        info = self.sampling_info(reqs, torch.device("cpu")) if reqs else None
+        info = self.sampling_info(reqs, device) if reqs else None
         _, targets, prompt_top = self.prompt_targets(batch)
         return SamplingRequest(
             rows=sampled, info=info,
@@ -588,8 +575,8 @@ class Scheduler:
             return_logprob=any(r.return_logprob for r in reqs),
             prompt_targets=targets, prompt_top_nums=prompt_top)
 
-    def take_sample(self, batch: ScheduledBatch, sample: Any, result: StepResult) -> None:
-        """Put what the last pipeline stage sampled (a ``StepSample``) into ``result``."""
+    def take_sample(self, batch: ScheduledBatch, sample: StepSample, result: StepResult) -> None:
+        """Put a step's ``StepSample`` (its tokens and logprobs) into ``result``."""
         result.next_ids = sample.next_ids
         result.logprobs = sample.logprobs
         result.top_logprobs_val = sample.top_logprobs_val
@@ -608,20 +595,6 @@ class Scheduler:
                    for t in req.origin_input_ids[span.start:span.stop]]
         top_n = [req.top_logprobs_num for req, span in zip(batch.reqs, spans) for _ in span]
         return spans, targets, top_n
-
-    def prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor
-                        ) -> list[PromptLogprobChunk]:
-        """The logprobs of the prompt positions the step computed, split per request.
-
-        ``logits`` has one row per position of ``batch.prompt_logprob_spans()``, in
-        order; each position's logprob is that of the prompt's own token there.
-        """
-        from framework.layers.sampler import token_logprobs
-
-        spans, targets, top_n = self.prompt_targets(batch)
-        chosen, top_values, top_ids = token_logprobs(
-            logits, torch.tensor(targets, device=logits.device), top_n)
-        return prompt_chunks(spans, chosen.tolist(), top_values, top_ids)
 
     def penalty_history(self, req: Req, device: torch.device) -> Any:
         """The request's ``PenaltyHistory`` brought up to date, or None without penalties."""

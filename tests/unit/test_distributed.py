@@ -148,7 +148,7 @@ def test_an_engine_is_node_0_only() -> None:
 
 
 def test_a_sample_the_last_stage_could_not_make_raises_on_rank_0() -> None:
-    from framework.model_executor.model_runner import StepSample
+    from framework.layers.sampler import StepSample
 
     good = StepSample([4], [], [[]], [[]], [], [], [])
     assert good.checked() is good

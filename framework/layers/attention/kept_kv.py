@@ -108,12 +108,9 @@ class GroupStep:
 
     def kv_slots(self, slots: list[int]) -> torch.Tensor:
         """``[len(slots), L]`` KV slots of those slots' requests (0 past each one's end)."""
-        group, device = self.group, self.req_to_token.device
-        lens = torch.tensor([group.lens[s] for s in slots], device=device)
-        longest = max(group.lens[s] for s in slots)
-        owners = torch.tensor([group.owners[s] for s in slots], device=device)
-        in_request = torch.arange(longest, device=device)[None, :] < lens[:, None]
-        return torch.where(in_request, self.req_to_token[owners, :longest], 0)
+        owners = [self.group.owners[s] for s in slots]
+        return padded_kv_slots(self.req_to_token, [idx for idx in owners if idx is not None],
+                               [self.group.lens[s] for s in slots])
 
     def occupied(self) -> list[int]:
         """The slots that hold a request."""
@@ -245,3 +242,17 @@ def flat_rows(slots: list[int], positions: list[int], heads: int, capacity: int,
     first = (torch.tensor(slots, device=device)[:, None] * heads
              + torch.arange(heads, device=device)[None, :]) * capacity
     return (first + torch.tensor(positions, device=device)[:, None]).flatten()
+
+
+def padded_kv_slots(req_to_token: torch.Tensor, req_pool_indices: list[int],
+                    lens: list[int]) -> torch.Tensor:
+    """``[n, max(lens)]``: the KV slots of each request's first ``lens`` tokens, then 0.
+
+    Slot 0 is the pool's padding slot, so the padded positions gather harmless keys.
+    """
+    device = req_to_token.device
+    longest = max(lens)
+    rows = torch.tensor(req_pool_indices, dtype=torch.int64, device=device)
+    lengths = torch.tensor(lens, dtype=torch.int64, device=device)
+    in_request = torch.arange(longest, device=device)[None, :] < lengths[:, None]
+    return torch.where(in_request, req_to_token[rows, :longest], 0)

@@ -38,7 +38,12 @@ import torch
 import torch.nn.functional as F
 
 from framework.layers.attention.base import AttentionBackend, AttentionBackendArgs
-from framework.layers.attention.kept_kv import GroupStep, KeptDecodeKV, length_groups
+from framework.layers.attention.kept_kv import (
+    GroupStep,
+    KeptDecodeKV,
+    length_groups,
+    padded_kv_slots,
+)
 
 if TYPE_CHECKING:
     from framework.forward_batch import ForwardBatch
@@ -108,7 +113,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         kept.evict(indices[:prefills])
         self._steps = None
         if forward_batch.decode_tail:  # a mixed step: its decode tokens attend as in decode
-            token_rows = [sum(new_lens[:prefills]) + i for i in range(len(indices) - prefills)]
+            first = sum(new_lens[:prefills])  # the decode tokens come after the prefills'
+            token_rows = list(range(first, first + forward_batch.decode_tail))
             self._steps = kept.plan(indices[prefills:], seq_lens[prefills:], table, token_rows)
         self._groups = self._extend_groups(forward_batch, prefills, seq_lens, new_lens,
                                            prefix_lens)
@@ -133,7 +139,11 @@ class TorchNativeAttnBackend(AttentionBackend):
             for members in length_groups(lengths, self.group_slack):
                 group = self._token_layout([family[m] for m in members], starts, new_lens)
                 if family is cached:
-                    group.kv_slots = self._kv_slots(forward_batch, group, seq_lens)
+                    indices = forward_batch.req_pool_indices_cpu or []
+                    group.kv_slots = padded_kv_slots(
+                        self.req_to_token_pool.req_to_token,
+                        [indices[i] for i in group.members],
+                        [seq_lens[i] for i in group.members])
                     group.mask = self._mask(group, seq_lens, new_lens)
                 groups.append(group)
         return groups
@@ -150,15 +160,6 @@ class TorchNativeAttnBackend(AttentionBackend):
         group.token_src = torch.tensor(src, dtype=torch.int64, device=self.device)
         group.token_dst = torch.tensor(dst, dtype=torch.int64, device=self.device)
         return group
-
-    def _kv_slots(self, forward_batch: ForwardBatch, group: _Group,
-                  seq_lens: list[int]) -> torch.Tensor:
-        longest = max(seq_lens[i] for i in group.members)
-        table = self.req_to_token_pool.req_to_token
-        req_rows = table[forward_batch.req_pool_indices[group.rows], :longest]
-        lens = self._lengths(group, seq_lens)
-        in_request = torch.arange(longest, device=self.device)[None, :] < lens[:, None]
-        return torch.where(in_request, req_rows, 0)
 
     def _lengths(self, group: _Group, lengths: list[int]) -> torch.Tensor:
         return torch.tensor([lengths[i] for i in group.members], dtype=torch.int64,
