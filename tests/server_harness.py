@@ -81,6 +81,20 @@ def start_server(model_dir: Path, log_dir: Path, *extra: str, timeout: float = 1
     raise RuntimeError(f"server did not become healthy:\n{server.log()}")
 
 
+def serving(model_dir: Path, log_dir: Path, *extra: str, **options: Any
+            ) -> Iterator[ServerProcess]:
+    """A started server, for a fixture to ``yield from``; it must then stop with status 0."""
+    proc = start_server(model_dir, log_dir, *extra, **options)
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+def http_client(server: ServerProcess, timeout: float = 60) -> Iterator[httpx.Client]:
+    """An HTTP client of ``server``, for a fixture to ``yield from``."""
+    with httpx.Client(base_url=server.base_url, timeout=timeout) as client:
+        yield client
+
+
 def sse_events(response: httpx.Response) -> Iterator[Any]:
     """Parsed ``data:`` payloads of an SSE response; ``[DONE]`` is yielded as the string."""
     for line in response.iter_lines():

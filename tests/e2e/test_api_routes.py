@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from tests.model_fixtures import TINY_VOCAB_SIZE, make_tiny_checkpoint
-from tests.server_harness import ServerProcess, sse_events, start_server, wait_until_idle
+from tests.server_harness import ServerProcess, serving, sse_events, wait_until_idle
 
 KEY = "sk-test"
 MODEL = "tiny"
@@ -55,10 +55,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     # A long context, so that the abort test's requests are still running when it aborts.
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama",
                                 max_position_embeddings=8192)
-    proc = start_server(ckpt, tmp_path_factory.mktemp("logs"), "--api-key", KEY,
-                        "--served-model-name", MODEL, "--log-requests", "--log-level", "info")
-    yield proc
-    assert proc.stop() == 0, proc.log()
+    yield from serving(ckpt, tmp_path_factory.mktemp("logs"), "--api-key", KEY,
+                       "--served-model-name", MODEL, "--log-requests", "--log-level", "info")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 
 from framework import Engine
 from tests.model_fixtures import TINY_VOCAB_SIZE, make_tiny_checkpoint
-from tests.server_harness import ServerProcess, start_server
+from tests.server_harness import ServerProcess, http_client, serving
 
 VOCAB = TINY_VOCAB_SIZE
 CHAT = [{"role": "user", "content": "hello"}]
@@ -111,16 +111,13 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """One server for the whole module; msgpack, the codec with the narrowest integers."""
-    proc = start_server(checkpoint, tmp_path_factory.mktemp("logs"), "--transport", "zmq",
-                        "--codec", "msgpack")
-    yield proc
-    assert proc.stop() == 0, proc.log()
+    yield from serving(checkpoint, tmp_path_factory.mktemp("logs"), "--transport", "zmq",
+                       "--codec", "msgpack")
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        yield c
+    yield from http_client(server, timeout=60)
 
 
 def _counters(client: httpx.Client) -> dict[str, Any]:

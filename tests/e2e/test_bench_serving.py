@@ -30,7 +30,7 @@ from framework.bench.serving import (
 from framework.cli import main
 from framework.comm.zmq import free_tcp_port
 from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import ServerProcess, start_server
+from tests.server_harness import ServerProcess, serving
 
 RECORD_FIELDS = {
     "index", "group", "input_len", "output_len", "success", "error", "prompt_tokens",
@@ -43,9 +43,7 @@ RECORD_FIELDS = {
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("serving_bench")
     model = make_tiny_checkpoint(tmp, "llama")
-    proc = start_server(model, tmp, "--served-model-name", "tiny")
-    yield proc
-    assert proc.stop() == 0, proc.log()
+    yield from serving(model, tmp, "--served-model-name", "tiny")
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

@@ -24,7 +24,9 @@ from framework import Engine
 from tests.model_fixtures import make_tiny_checkpoint
 from tests.server_harness import (
     ServerProcess,
+    http_client,
     scheduler_info,
+    serving,
     sse_events,
     start_server,
     wait_until_idle,
@@ -52,16 +54,13 @@ def reference(model_dir: Path) -> list[list[int]]:
 @pytest.fixture(scope="module", params=["round_robin", "shortest_queue"])
 def server(request: pytest.FixtureRequest, model_dir: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = start_server(model_dir, tmp_path_factory.mktemp("dp_logs"), "--dp-size", "2",
-                        "--load-balance-method", request.param, "--enable-metrics")
-    yield proc
-    assert proc.stop() == 0, proc.log()
+    yield from serving(model_dir, tmp_path_factory.mktemp("dp_logs"), "--dp-size", "2",
+                       "--load-balance-method", request.param, "--enable-metrics")
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=120) as c:
-        yield c
+    yield from http_client(server, timeout=120)
 
 
 def replicas(client: httpx.Client) -> list[dict[str, Any]]:

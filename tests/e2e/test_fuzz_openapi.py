@@ -17,7 +17,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import ServerProcess, start_server, wait_until_idle
+from tests.server_harness import ServerProcess, serving, wait_until_idle
 
 EXAMPLES = 20
 # Fields whose generated values would make a call long rather than interesting.
@@ -28,10 +28,8 @@ CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "max_new_tokens": 4, "n": 2
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", seed=4)
-    proc = start_server(ckpt, tmp_path_factory.mktemp("logs"), "--context-length", "64",
-                        "--max-total-tokens", "512")
-    yield proc
-    assert proc.stop() == 0, proc.log()
+    yield from serving(ckpt, tmp_path_factory.mktemp("logs"), "--context-length", "64",
+                       "--max-total-tokens", "512")
 
 
 def cap(value: Any) -> None:

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import ServerProcess, start_server, wait_until_idle
+from tests.server_harness import ServerProcess, http_client, serving, start_server, wait_until_idle
 
 NEW_TOKENS = 8
 PROMPTS = [" ".join(f"w{(seed * 7 + i) % 50}" for i in range(3 + seed % 11)) for seed in range(20)]
@@ -45,16 +45,13 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerProcess]:
     # A pool of 256 tokens for 8 running requests: retraction and queueing, not just batching.
-    proc = start_server(checkpoint, tmp_path_factory.mktemp("logs"), "--max-running-requests",
-                        "8", "--max-total-tokens", "256", "--chunked-prefill-size", "64")
-    yield proc
-    assert proc.stop() == 0, proc.log()
+    yield from serving(checkpoint, tmp_path_factory.mktemp("logs"), "--max-running-requests",
+                       "8", "--max-total-tokens", "256", "--chunked-prefill-size", "64")
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=120) as c:
-        yield c
+    yield from http_client(server, timeout=120)
 
 
 @pytest.fixture(scope="module")

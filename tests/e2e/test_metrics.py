@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from framework.messages import SchedulerMetrics
 from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import ServerProcess, start_server, stream_events
+from tests.server_harness import ServerProcess, serving, stream_events
 
 PROMPT = "The scheduler picks which requests run next, and the tokenizer turns text into ids."
 GAUGES = ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate",
@@ -29,9 +29,7 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("metrics_server")
     model = make_tiny_checkpoint(tmp, "llama", seed=5)
-    proc = start_server(model, tmp, "--served-model-name", "tiny", "--enable-metrics")
-    yield proc
-    assert proc.stop() == 0, proc.log()
+    yield from serving(model, tmp, "--served-model-name", "tiny", "--enable-metrics")
 
 
 def scrape(server: ServerProcess) -> Samples:

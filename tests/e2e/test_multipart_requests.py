@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import ServerProcess, start_server, wait_until_idle
+from tests.server_harness import ServerProcess, http_client, serving, wait_until_idle
 
 CONTEXT = 64
 SHORT_IDS = [5, 6, 7]
@@ -47,16 +47,13 @@ ONE_PART_TOO_LONG: list[tuple[str, dict[str, Any]]] = [
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """One server for the module, with a context small enough for one prompt to overflow."""
     checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", seed=4)
-    proc = start_server(checkpoint, tmp_path_factory.mktemp("logs"),
-                        "--context-length", str(CONTEXT))
-    yield proc
-    assert proc.stop() == 0, proc.log()
+    yield from serving(checkpoint, tmp_path_factory.mktemp("logs"),
+                       "--context-length", str(CONTEXT))
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        yield c
+    yield from http_client(server, timeout=60)
 
 
 @pytest.mark.parametrize(("path", "body"), ONE_PART_TOO_LONG,

@@ -20,7 +20,12 @@ from framework.sampling_params import SamplingParams
 from framework.server.app import OPEN_PATHS, ServerState, build_app
 from framework.server.openapi_schema import BOUNDS, openapi_path
 from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import ServerProcess, start_server, stream_events, wait_until_idle
+from tests.server_harness import (
+    ServerProcess,
+    serving,
+    stream_events,
+    wait_until_idle,
+)
 
 KEY = "sk-openapi"
 PROMPT = "hello there"
@@ -29,10 +34,8 @@ PROMPT = "hello there"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
-    proc = start_server(ckpt, tmp_path_factory.mktemp("logs"), "--api-key", KEY,
-                        "--enable-metrics")
-    yield proc
-    assert proc.stop() == 0, proc.log()
+    yield from serving(ckpt, tmp_path_factory.mktemp("logs"), "--api-key", KEY,
+                       "--enable-metrics")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import ServerProcess, start_server, wait_until_idle
+from tests.server_harness import ServerProcess, serving, wait_until_idle
 
 SHARED = ("The scheduler picks which requests run next; the tokenizer turns text into ids. "
           "Paged memory splits the cache into slots so that requests of any length fit "
@@ -20,9 +20,7 @@ SHARED = ("The scheduler picks which requests run next; the tokenizer turns text
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("prefix_server")
     model = make_tiny_checkpoint(tmp, "llama", seed=4)
-    proc = start_server(model, tmp, "--served-model-name", "tiny")
-    yield proc
-    assert proc.stop() == 0, proc.log()
+    yield from serving(model, tmp, "--served-model-name", "tiny")
 
 
 def complete(client: openai.OpenAI, prompt: str) -> openai.types.Completion:

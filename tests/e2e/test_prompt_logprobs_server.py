@@ -17,7 +17,13 @@ import torch
 import transformers
 
 from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import ServerProcess, start_server, stream_events, wait_until_idle
+from tests.server_harness import (
+    ServerProcess,
+    http_client,
+    serving,
+    stream_events,
+    wait_until_idle,
+)
 
 ATOL = 1e-4
 MODEL = "tiny"
@@ -33,16 +39,13 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerProcess]:
     # Small chunks: the prompt's logprobs are gathered over several prefill steps.
-    proc = start_server(checkpoint, tmp_path_factory.mktemp("logs"),
-                        "--chunked-prefill-size", "4", "--served-model-name", MODEL)
-    yield proc
-    assert proc.stop() == 0, proc.log()
+    yield from serving(checkpoint, tmp_path_factory.mktemp("logs"),
+                       "--chunked-prefill-size", "4", "--served-model-name", MODEL)
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        yield c
+    yield from http_client(server, timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,9 @@ from tests.model_fixtures import make_tiny_checkpoint
 from tests.server_harness import (
     ServerProcess,
     child_pids,
+    http_client,
     private_tmp,
+    serving,
     start_server,
     still_running,
     stream_events,
@@ -68,16 +70,13 @@ def server(request: pytest.FixtureRequest, checkpoints: tuple[Path, Path],
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     transport, codec = request.param
     log_dir = tmp_path_factory.mktemp("logs")
-    proc = start_server(checkpoints[0], log_dir, "--transport", transport, "--codec", codec,
-                        "--stream-interval", str(STREAM_INTERVAL))
-    yield proc
-    assert proc.stop() == 0, proc.log()
+    yield from serving(checkpoints[0], log_dir, "--transport", transport, "--codec", codec,
+                       "--stream-interval", str(STREAM_INTERVAL))
 
 
 @pytest.fixture
 def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        yield c
+    yield from http_client(server, timeout=60)
 
 
 def _completion_body(prompt: str, stream: bool = False, **extra: Any) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_harness import ServerProcess, start_server, wait_until_idle
+from tests.server_harness import ServerProcess, serving, wait_until_idle
 from tests.structured_cases import EBNF, REGEXES, SCHEMAS, check_json, check_regex, lark_parser
 
 pytest.importorskip("xgrammar")
@@ -24,9 +24,7 @@ MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = start_server(None, tmp_path_factory.mktemp("structured"))
-    yield proc
-    assert proc.stop() == 0, proc.log()
+    yield from serving(None, tmp_path_factory.mktemp("structured"))
 
 
 @pytest.fixture(scope="module")
