@@ -7,6 +7,12 @@ that very batch on its share of the model: the ``ForwardBatch`` (moved to
 the CPU) and the rows of ``req_to_token`` the batch reads, which the
 followers copy into their own request pool before running it. Weight updates
 are announced the same way. A ``Follower`` is the loop of a rank other than 0.
+
+A model step that fails on any rank ends that rank (``RankStepFailed``): the
+others are inside the step's collectives, or will wait on them, and can
+neither finish the step nor start the next one without it. The launcher sees
+the rank end and brings the whole server down, naming it, at once rather than
+when a collective times out.
 """
 
 from __future__ import annotations
@@ -33,6 +39,18 @@ class FollowedRunner(Protocol):
 
     def update_weights_from_disk(self, model_path: str, load_format: str) -> tuple[bool, str]:
         """Load new weights."""
+
+
+class RankStepFailed(SystemExit):
+    """A model step failed on one rank of several: the rank ends, and the server with it.
+
+    A ``SystemExit``, so that it passes the Scheduler's per-request containment
+    (retrying the batch request by request would wait forever on the other ranks).
+    """
+
+    def __init__(self, rank: int, error: BaseException) -> None:
+        super().__init__(f"scheduler rank {rank}: a model step failed ({error!r}); the other "
+                         "ranks cannot finish it without this one, so the server stops")
 
 
 @dataclasses.dataclass
@@ -85,9 +103,9 @@ def _announce(control: GroupCoordinator, command: ForwardStep | WeightUpdate) ->
 class Follower:
     """The loop of a rank other than 0: run whatever the driver announces, forever.
 
-    It ends when the process is terminated, or with ``SystemExit`` when the
-    driver's connection breaks (the driver died). A step that fails is
-    logged and followed by the next one, as rank 0 contains it too.
+    It ends when the process is terminated, with ``SystemExit`` when the
+    driver's connection breaks (the driver died), and with ``RankStepFailed``
+    (from the runner) when a step fails here.
     """
 
     def __init__(self, control: GroupCoordinator, runner: FollowedRunner,
@@ -112,13 +130,7 @@ class Follower:
             batch = batch_to(command.batch, self.runner.device)
             rows = command.rows.to(self.runner.device)
             self.req_to_token[batch.req_pool_indices, :rows.shape[1]] = rows
-            try:
-                self.runner.forward(batch, command.sampling)
-            except Exception:
-                # Every rank runs the same step on the same inputs, so rank 0 failed too and
-                # retries the batch request by request: follow on rather than end the server.
-                # A lost rank shows at the next command, which then ends this one.
-                logger.exception("rank %d: a step failed", self.control.rank)
+            self.runner.forward(batch, command.sampling)
         elif isinstance(command, WeightUpdate):
             ok, message = self.runner.update_weights_from_disk(command.model_path,
                                                                command.load_format)

@@ -25,7 +25,11 @@ import torch
 
 from framework.distributed.config import stage_layers
 from framework.distributed.micro_batch import merge_logits, split_micro_batches
-from framework.distributed.step_sync import announce_forward, announce_weight_update
+from framework.distributed.step_sync import (
+    RankStepFailed,
+    announce_forward,
+    announce_weight_update,
+)
 from framework.layers.attention.base import AttentionBackend, AttentionBackendArgs
 from framework.layers.attention.radix_attention import bind_attention_backend
 from framework.layers.linear import bind_tp_group
@@ -241,8 +245,26 @@ class ModelRunner:
         """Run one step; the new tokens' keys and values land in the KV cache.
 
         With pipeline parallelism and ``sampling``, the last stage samples and
-        only its ``StepSample`` comes back (``LogitsOutput.sample``), not the logits.
+        only its ``StepSample`` comes back (``LogitsOutput.sample``), not the logits;
+        why it could not sample, if so, is raised here (a ``RuntimeError``).
+
+        Raises:
+            RankStepFailed: on a rank of several, the step failed here, and the
+                ranks are out of step for good (``step_sync``).
         """
+        if self.parallel is None or not self.parallel.config.is_parallel:
+            output = self._forward(batch, sampling)
+        else:
+            try:
+                output = self._forward(batch, sampling)
+            except Exception as exc:
+                logger.exception("rank %d: a model step failed", self.parallel.rank)
+                raise RankStepFailed(self.parallel.rank, exc) from exc
+        if output.sample is not None:
+            output.sample.checked()  # every rank is done with the step: it can be contained
+        return output
+
+    def _forward(self, batch: ForwardBatch, sampling: SamplingRequest | None) -> LogitsOutput:
         if self._announces():
             assert self.parallel is not None
             announce_forward(self.parallel.control, batch,
@@ -318,7 +340,7 @@ class ModelRunner:
             return None
         if sampling is not None:
             sample: StepSample = pp.recv_object(src=pp.size - 1, device=self.device)
-            return sample.checked()
+            return sample
         vocab = self.model_config.vocab_size
         received = [(part, pp.recv((len(part.logits_rows), vocab), torch.float32, self.device,
                                    src=pp.size - 1)) for part in parts]

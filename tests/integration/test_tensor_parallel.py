@@ -4,7 +4,8 @@ Through the Engine, the greedy tokens must be those of one rank (float32, the
 tiny model) while each rank reports its share of the parameter and KV bytes
 (half of every matrix with TP, its own layers with PP). A
 two-rank harness that drives the ``ModelRunner`` directly shows the
-all-reduce is load-bearing: replaced by a no-op, the tokens change. (A killed
+all-reduce is load-bearing: replaced by a no-op, the tokens change; and that a
+step failing on either rank ends that rank rather than hang the other. (A killed
 rank ending the server is tested through ``framework serve``, in
 ``tests/e2e/test_tensor_parallel_server.py``.)
 """
@@ -154,8 +155,20 @@ def _greedy_tokens(runner: ModelRunner) -> list[list[int]]:
     return tokens
 
 
+def _fail_at_step(runner: ModelRunner, step: int) -> None:
+    """Make the model of ``runner`` raise at its ``step``-th forward (counting from 0)."""
+    real, calls = runner.model.forward, iter(range(step + 1))
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if next(calls, None) is None:
+            raise RuntimeError("a step broken on purpose")
+        return real(*args, **kwargs)
+
+    runner.model.forward = forward  # type: ignore[method-assign]
+
+
 def _harness_rank(rank: int, port: int, model_dir: str, no_op_all_reduce: bool,
-                  results: Any) -> None:
+                  failing_rank: int | None, results: Any) -> None:
     """One of two TP ranks: rank 0 drives greedy steps, rank 1 follows them."""
     torch.set_num_threads(1)
     from framework.distributed.parallel_state import init_parallel
@@ -166,31 +179,47 @@ def _harness_rank(rank: int, port: int, model_dir: str, no_op_all_reduce: bool,
     if no_op_all_reduce:
         context.tp.all_reduce = lambda x: x  # type: ignore[method-assign]
     runner = ModelRunner(_runner_args(model_dir, 2), model_dir, parallel=context)
+    if rank == failing_rank:
+        _fail_at_step(runner, 2)
     if rank == 0:
-        results.put(_greedy_tokens(runner))
+        try:
+            results.put(_greedy_tokens(runner))
+        except Exception as exc:  # what the Scheduler contains (RankStepFailed is not one)
+            results.put(repr(exc))
     else:
         Follower(context.control, runner, runner.pools.req_to_token_pool.req_to_token).run()
 
 
-def run_two_ranks(model_dir: Path, *, no_op_all_reduce: bool) -> list[list[int]]:
-    """Rank 0's greedy tokens from a two-rank harness; both processes are ended."""
+def _start_two_ranks(model_dir: Path, *, no_op_all_reduce: bool = False,
+                     failing_rank: int | None = None) -> tuple[list[Any], Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_tcp_port()
     ranks = [ctx.Process(target=_harness_rank, daemon=True,
-                         args=(rank, port, str(model_dir), no_op_all_reduce, results))
+                         args=(rank, port, str(model_dir), no_op_all_reduce, failing_rank,
+                               results))
              for rank in range(2)]
     for process in ranks:
         process.start()
+    return ranks, results
+
+
+def _end_two_ranks(ranks: list[Any], results: Any) -> None:
+    for process in reversed(ranks):  # the follower first: it never returns by itself
+        process.kill()
+        process.join(10)
+    results.close()
+
+
+def run_two_ranks(model_dir: Path, *, no_op_all_reduce: bool) -> list[list[int]]:
+    """Rank 0's greedy tokens from a two-rank harness; both processes are ended."""
+    ranks, results = _start_two_ranks(model_dir, no_op_all_reduce=no_op_all_reduce)
     try:
         return results.get(timeout=HARNESS_TIMEOUT_S)
     except Empty:
         pytest.fail("the two-rank harness gave no tokens")
     finally:
-        for process in reversed(ranks):  # the follower first: it never returns by itself
-            process.kill()
-            process.join(10)
-        results.close()
+        _end_two_ranks(ranks, results)
 
 
 @pytest.mark.timeout(240)
@@ -198,6 +227,24 @@ def test_the_all_reduce_is_what_makes_the_ranks_agree(model_dir: Path) -> None:
     reference = _greedy_tokens(ModelRunner(_runner_args(str(model_dir), 1), str(model_dir)))
     assert run_two_ranks(model_dir, no_op_all_reduce=False) == reference
     assert run_two_ranks(model_dir, no_op_all_reduce=True) != reference
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_step_that_fails_on_one_rank_ends_that_rank(model_dir: Path,
+                                                      failing_rank: int) -> None:
+    """Not contained (the other rank waits inside the step's all-reduce): the rank exits.
+
+    The launcher then stops the server, as for a killed rank
+    (``tests/e2e/test_tensor_parallel_server.py``).
+    """
+    ranks, results = _start_two_ranks(model_dir, failing_rank=failing_rank)
+    try:
+        ranks[failing_rank].join(HARNESS_TIMEOUT_S)  # a liveness bound, not a timing
+        assert ranks[failing_rank].exitcode == 1
+        assert results.empty()  # rank 0 drove no run to the end
+    finally:
+        _end_two_ranks(ranks, results)
 
 
 @pytest.mark.timeout(240)

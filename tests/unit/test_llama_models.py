@@ -31,7 +31,7 @@ from framework.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from framework.layers.rotary import RopeConfig
+from framework.layers.rotary import RopeConfig, RotaryEmbedding
 from framework.model_executor import model_runner as model_runner_module
 from framework.model_executor.model_config import resolve_dtype
 from framework.model_executor.model_runner import EXTRA_REQ_SLOTS, ModelRunner
@@ -480,6 +480,29 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> No
         assert name in str(info.value)
         assert name in supported_architectures()
     assert resolve_architecture(["Foo", "Qwen2ForCausalLM"]) == "Qwen2ForCausalLM"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_is_bit_for_bit_transformers_rotate_half(dtype: torch.dtype) -> None:
+    """Queries and keys given as column slices of one qkv tensor, as the model passes them."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    heads, kv_heads, head_dim, rows = 4, 2, 64, 37
+    rope = RotaryEmbedding(head_dim, RopeConfig(theta=10000.0))
+    generator = torch.Generator().manual_seed(0)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    positions = torch.randint(0, 4096, (rows,), generator=generator)
+    rotated_q, rotated_k = rope(positions, q, k)
+
+    angles = positions.float()[:, None] * rope.inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    expected_q, expected_k = apply_rotary_pos_emb(
+        q.reshape(rows, heads, head_dim).transpose(0, 1),
+        k.reshape(rows, kv_heads, head_dim).transpose(0, 1),
+        angles.cos().to(dtype), angles.sin().to(dtype), unsqueeze_dim=0)
+    assert torch.equal(rotated_q, expected_q.transpose(0, 1).reshape(rows, -1))
+    assert torch.equal(rotated_k, expected_k.transpose(0, 1).reshape(rows, -1))
 
 
 def test_unsupported_rope_type_is_rejected() -> None:
