@@ -1,6 +1,6 @@
 """`framework bench offline`: the Engine against transformers ``generate``, and a ceiling.
 
-Four sides run on the same number of torch threads; the first two produce the
+Five sides run on the same number of torch threads; the first two produce the
 same greedy output tokens from the same checkpoint:
 
 * **engine**: ``framework.Engine`` with every prompt in one ``generate`` call
@@ -13,7 +13,10 @@ same greedy output tokens from the same checkpoint:
   is what every runtime has to do, and no runtime on these threads can do it
   much faster;
 * **decode_ceiling**: the same on the decode steps alone (``output_len`` of
-  them, no prefill), a bound on the decode phase.
+  them, no prefill), a bound on the decode phase;
+* **kv_read**: every decode step's keys and values read once, nothing else:
+  what decode attention costs at the least. ``ceiling + kv_read`` is a lower
+  bound on the Engine's time for the job.
 
 The model is a Llama of the configured shape with random weights from a
 fixed seed, written once as a real Hugging Face checkpoint (safetensors plus
@@ -21,7 +24,7 @@ the embedded model's tokenizer) that both sides load from disk. The prompts
 are random words from a fixed seed, tokenized once by that tokenizer; both
 sides get the same token ids.
 
-The runs alternate (engine, transformers, ceiling, decode_ceiling, engine, ...)
+The runs alternate (engine, transformers, ceiling, decode_ceiling, kv_read, engine, ...)
 after one warm-up call per side, and each side keeps its best run: another job on the
 machine can slow a single run badly, never speed one up.
 """
@@ -47,7 +50,7 @@ from typing import Any, Protocol
 from framework.bench.environment import git_commit, machine_description
 
 DEFAULT_OUTPUT = "benchmarks/results/offline"
-SIDES = ("engine", "transformers", "ceiling", "decode_ceiling")
+SIDES = ("engine", "transformers", "ceiling", "decode_ceiling", "kv_read")
 CSV_COLUMNS = ("side", "output_tokens_per_s", "best_seconds")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -492,6 +495,57 @@ class CeilingSide:
         self._run(prompts[:1], 1)
 
 
+class KVReadSide:
+    """The decode steps' keys and values read once each, nothing else: attention's least.
+
+    At decode step ``t`` (1 .. ``output_len - 1``) a request of ``n`` prompt
+    tokens holds ``n + t`` keys and values per layer, and any attention must
+    read them all. This side streams exactly that many bytes per layer and
+    step, a ``sum`` over a prefix of buffers of its own per layer (so that, as
+    in the Engine, one step's keys and values of every layer together are the
+    working set): what memory bandwidth alone costs the job's decode attention.
+    ``ceiling + kv_read`` bounds the Engine from below; prefill attention,
+    sampling and scheduling come on top.
+    """
+
+    name = "kv_read"
+
+    def __init__(self, settings: OfflineBenchSettings) -> None:
+        self.settings = settings
+        self.buffers: list[Any] = []
+
+    def _ensure_buffers(self, rows: int) -> None:
+        import torch
+
+        if self.buffers and self.buffers[0].shape[0] >= rows:
+            return
+        s = self.settings
+        width = s.num_kv_heads * (s.hidden // s.heads)
+        dtype = getattr(torch, s.dtype)
+        # Ones, not empty: every page is touched before the timed reads.
+        self.buffers = [torch.ones(rows, width, dtype=dtype, device=s.device)
+                        for _ in range(2 * s.layers)]  # a key and a value buffer per layer
+
+    def _run(self, prompts: list[list[int]]) -> None:
+        prompt_tokens, steps = sum(len(p) for p in prompts), self.settings.output_len - 1
+        self._ensure_buffers(prompt_tokens + len(prompts) * steps)
+        for step in range(1, steps + 1):
+            held = prompt_tokens + len(prompts) * step
+            for buffer in self.buffers:
+                buffer[:held].sum()
+
+    def generate(self, prompts: list[list[int]]) -> float:
+        """Seconds to read every decode step's keys and values once."""
+        start = time.perf_counter()
+        self._run(prompts)
+        synchronize(self.settings.device)
+        return time.perf_counter() - start
+
+    def warm_up(self, prompts: list[list[int]]) -> None:
+        """One pass: allocates the buffers."""
+        self._run(prompts)
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -532,7 +586,7 @@ def _measure(settings: OfflineBenchSettings, model_dir: Path, prompts: list[list
                 for prefill in (True, False)]
     engine = EngineSide(model_dir, settings, threads, engine_args)
     try:
-        sides: list[BenchSide] = [engine, transformers_side, *ceilings]
+        sides: list[BenchSide] = [engine, transformers_side, *ceilings, KVReadSide(settings)]
         for side in sides:
             side.warm_up(prompts)
         times: dict[str, list[float]] = {side.name: [] for side in sides}
@@ -572,6 +626,13 @@ def ratios(rows: list[OfflineBenchRow]) -> dict[str, float]:
         out["engine_of_ceiling"] = rate["engine"] / rate["ceiling"]
     if "engine" in rate and "decode_ceiling" in rate:
         out["engine_of_decode_ceiling"] = rate["engine"] / rate["decode_ceiling"]
+    if "ceiling" in rate and "kv_read" in rate:
+        # Seconds add up, rates do not: the bound's rate is 1 / (1 / ceiling + 1 / kv_read).
+        bound = 1.0 / (1.0 / rate["ceiling"] + 1.0 / rate["kv_read"])
+        if "engine" in rate:
+            out["engine_of_bound"] = rate["engine"] / bound
+        if "transformers" in rate:
+            out["bound_vs_transformers"] = bound / rate["transformers"]
     return out
 
 
@@ -627,7 +688,8 @@ def render_markdown(result: OfflineBenchResult) -> str:
         f"left-padded batches of {s.hf_batch_size}; ceiling: linear layers, norms and LM head "
         f"only, on every prompt token (chunks of 2,048 rows), then {s.output_len - 1} steps of "
         f"{s.num_prompts} rows; decode_ceiling: the same on {s.output_len} steps of "
-        f"{s.num_prompts} rows alone (no prefill)",
+        f"{s.num_prompts} rows alone (no prefill); kv_read: every decode step's keys and "
+        "values read once (a sum over them), nothing else",
         "",
         "| side | output tokens/s | best seconds | runs (s) |",
         "|---|---:|---:|---|",
@@ -643,6 +705,11 @@ def render_markdown(result: OfflineBenchResult) -> str:
     if "engine_of_decode_ceiling" in gains:
         lines.append(f"The Engine reaches {gains['engine_of_decode_ceiling']:.1%} of the "
                      "decode-only ceiling.")
+    if "engine_of_bound" in gains and "bound_vs_transformers" in gains:
+        bound = result.row("ceiling").best_seconds + result.row("kv_read").best_seconds
+        lines.append(f"The ceiling plus kv_read ({bound:.3f} s) bounds the Engine from below: "
+                     f"at best {gains['bound_vs_transformers']:.2f}× transformers here; the "
+                     f"Engine reaches {gains['engine_of_bound']:.1%} of that bound.")
     if s.dummy_weights:
         lines.append("Greedy outputs not compared: each side drew its own dummy weights.")
     else:

@@ -13,8 +13,11 @@ from framework.bench.offline import (
     CSV_COLUMNS,
     SIDES,
     CeilingSide,
+    KVReadSide,
     OfflineBenchResult,
+    OfflineBenchRow,
     OfflineBenchSettings,
+    ratios,
     run_benchmark,
     settings_from_args,
 )
@@ -61,6 +64,7 @@ def test_quick_run_writes_every_side_with_a_positive_rate(
     report = (output_dir / "offline.md").read_text()
     assert "Machine:" in report and "commit" in report
     assert "× transformers" in report and "of the ceiling" in report
+    assert "of that bound" in report  # ceiling + kv_read
     # The Scheduler's step time of the best run, and the model forward's share of it.
     assert 0 < result.engine_forward_seconds < result.engine_step_seconds
     assert "non-model time" in report
@@ -102,6 +106,31 @@ def test_the_ceiling_does_the_jobs_matrix_work_and_the_decode_ceiling_the_steps_
     decode_only = CeilingSide(hf_model, settings, with_prefill=False)
     decode_only.generate(prompts)
     assert seen == [3] * 4 and decode_only.name == "decode_ceiling"
+
+
+def test_kv_read_reads_each_decode_step_s_keys_and_values_once(
+        quick_run: tuple[OfflineBenchResult, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per step, per layer, a key and a value buffer: prompt tokens + prompts × step rows."""
+    result, _ = quick_run
+    settings = dataclasses.replace(result.settings, layers=2, output_len=4)
+    side = KVReadSide(settings)
+    side.warm_up([[1] * 5, [2] * 9, [3] * 3])
+    read: list[tuple[int, ...]] = []
+    sum_ = torch.Tensor.sum
+    monkeypatch.setattr(torch.Tensor, "sum",
+                        lambda self, *a, **k: (read.append(tuple(self.shape)), sum_(self))[1])
+    side.generate([[1] * 5, [2] * 9, [3] * 3])
+    width = settings.num_kv_heads * settings.hidden // settings.heads
+    assert read == [(17 + 3 * step, width) for step in (1, 2, 3) for _ in range(4)]
+
+
+def test_the_bound_adds_the_ceiling_s_and_kv_read_s_seconds() -> None:
+    rows = [OfflineBenchRow(side, 120.0 / seconds, seconds, (seconds,))
+            for side, seconds in (("engine", 4.0), ("transformers", 6.0), ("ceiling", 1.0),
+                                  ("kv_read", 2.0))]
+    gains = ratios(rows)
+    assert gains["engine_of_bound"] == pytest.approx(3.0 / 4.0)
+    assert gains["bound_vs_transformers"] == pytest.approx(6.0 / 3.0)
 
 
 def test_dummy_weights_of_another_shape_and_dtype_run_on_both_sides(tmp_path: Path) -> None:
