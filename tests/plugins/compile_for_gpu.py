@@ -13,11 +13,13 @@ Usage: ``python tests/plugins/compile_for_gpu.py [head_dims] [dtypes]``, comma l
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -94,22 +96,31 @@ def configurations(head_dim: int, dtype: torch.dtype, group: int
     return out
 
 
+def compile_rows(dtype_name: str, head_dim: int, group: int) -> list[dict[str, Any]]:
+    """The report line of every kernel of one dtype, head dim and group size."""
+    dtype = getattr(torch, dtype_name)
+    rows = []
+    for name, kernel, constants, num_warps in configurations(head_dim, dtype, group):
+        compiled = compile_kernel(kernel, dtype, constants, num_warps)
+        rows.append({"kernel": name, "dtype": str(dtype), "head_dim": head_dim,
+                     "group": group, "stack_bytes": stack_bytes(compiled)})
+    return rows
+
+
 def main(argv: list[str]) -> int:
-    """Compile every configuration asked for; one JSON line each."""
+    """Compile every configuration asked for, one process per core; one JSON line each."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("compile_for_gpu.py: unset TRITON_INTERPRET first", file=sys.stderr)
         return 2
     head_dims = [int(d) for d in (argv[0] if argv else "16,32,64,128,256").split(",")]
-    dtypes = [getattr(torch, d) for d in (argv[1] if len(argv) > 1 else
-                                          "float32,float16,bfloat16").split(",")]
-    for dtype in dtypes:
-        for head_dim in head_dims:
-            for group in (1, 8):
-                for name, kernel, constants, num_warps in configurations(head_dim, dtype, group):
-                    compiled = compile_kernel(kernel, dtype, constants, num_warps)
-                    print(json.dumps({"kernel": name, "dtype": str(dtype), "head_dim": head_dim,
-                                      "group": group, "stack_bytes": stack_bytes(compiled)}),
-                          flush=True)
+    dtypes = (argv[1] if len(argv) > 1 else "float32,float16,bfloat16").split(",")
+    jobs = [(dtype, head_dim, group) for dtype in dtypes for head_dim in head_dims
+            for group in (1, 8)]
+    workers = min(len(jobs), len(os.sched_getaffinity(0)))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for rows in pool.map(compile_rows, *zip(*jobs, strict=True)):
+            for row in rows:
+                print(json.dumps(row), flush=True)
     return 0
 
 
