@@ -64,8 +64,8 @@ class ServerArgs:
                                      "start-up)", "transport")
     # runtime
     device: str = _opt("auto", "cpu, cuda, or auto (cuda when available)", "runtime")
-    attention_backend: str = _opt("torch", "attention backend (see `framework plugins`)",
-                                  "runtime")
+    attention_backend: str = _opt("auto", "attention backend (see `framework plugins`); auto: "
+                                  "cpu for float32 on a CPU, else torch", "runtime")
     max_running_requests: int = _opt(64, "most requests in the running batch", "runtime")
     max_queued_requests: int | None = _opt(None, "most requests in flight beyond the running "
                                            "batches; a request past it gets 503 with "

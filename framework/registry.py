@@ -130,6 +130,7 @@ CODECS.register("json", "framework.comm.codec:JsonCodec")
 ATTENTION_BACKENDS.register(
     "torch", "framework.layers.attention.torch_native:TorchNativeAttnBackend"
 )
+ATTENTION_BACKENDS.register("cpu", "framework.layers.attention.cpu_native:CpuNativeAttnBackend")
 GRAMMAR_BACKENDS.register("xgrammar", "framework.constrained.xgrammar_backend:XGrammarBackend")
 
 REGISTRIES: tuple[Registry[Any], ...] = (TRANSPORTS, CODECS, ATTENTION_BACKENDS, GRAMMAR_BACKENDS)

@@ -178,6 +178,8 @@ class OfflineBenchResult:
     #: The Engine's best run: its Scheduler's step seconds and model forward seconds.
     engine_step_seconds: float = 0.0
     engine_forward_seconds: float = 0.0
+    #: The Engine's attention backend (``auto`` resolved).
+    attention_backend: str = ""
     paths: list[Path] = field(default_factory=list)
 
     @property
@@ -329,6 +331,7 @@ class EngineSide:
         self.outputs: list[list[int]] = []
         #: Per run: the Scheduler's (step seconds, model forward seconds) during it.
         self.step_split: list[tuple[float, float]] = []
+        self.attention_backend: str = self.engine.get_server_info()["attention_backend"]
 
     def _scheduler_seconds(self) -> tuple[float, float]:
         info = self.engine.get_server_info()
@@ -608,7 +611,8 @@ def _measure(settings: OfflineBenchSettings, model_dir: Path, prompts: list[list
     print(f"engine: non-model time {1 - best_forward / best_step:.1%} of step time "
           f"({best_step:.3f} s of steps, {best_forward:.3f} s in the model)", flush=True)
     return OfflineBenchResult(settings, threads, rows, prompts, engine.outputs,
-                              transformers_side.outputs, best_step, best_forward)
+                              transformers_side.outputs, best_step, best_forward,
+                              engine.attention_backend)
 
 
 def _format_row(row: OfflineBenchRow) -> str:
@@ -684,7 +688,8 @@ def render_markdown(result: OfflineBenchResult) -> str:
         "greedy output tokens each",
         f"- {result.threads} torch thread(s) on every side; best of {s.repeats} alternating "
         "runs after one warm-up call each",
-        f"- engine: one `Engine.generate` call with every prompt; transformers: `generate` in "
+        f"- engine: one `Engine.generate` call with every prompt, attention backend "
+        f"`{result.attention_backend}`; transformers: `generate` in "
         f"left-padded batches of {s.hf_batch_size}; ceiling: linear layers, norms and LM head "
         f"only, on every prompt token (chunks of 2,048 rows), then {s.output_len - 1} steps of "
         f"{s.num_prompts} rows; decode_ceiling: the same on {s.output_len} steps of "

@@ -73,6 +73,13 @@ class LogitsOutput:
     sample: StepSample | None = None
 
 
+def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto`` → ``cpu`` (the native CPU decode kernel) for float32 on a CPU, else ``torch``."""
+    if name != "auto":
+        return name
+    return "cpu" if device.type == "cpu" and dtype == torch.float32 else "torch"
+
+
 def resolve_device(device: str, tp_rank: int = 0) -> torch.device:
     """``auto`` → CUDA when available, else CPU; CUDA ranks take GPUs in order."""
     if device == "auto":
@@ -128,6 +135,9 @@ class ModelRunner:
         self.start_layer, self.end_layer = stage_layers(
             self.model_config.num_layers, self.pp_rank, self.pp_size)
         self.dtype = self.model_config.dtype
+        #: The attention backend's registered name (``auto`` resolved).
+        self.attention_backend = resolve_attention_backend(server_args.attention_backend,
+                                                           self.device, self.dtype)
         self.model_path = model_path
         self.load_format = server_args.load_format
         self.model = load_model(
@@ -146,7 +156,7 @@ class ModelRunner:
         # fraction of the memory they leave free.
         self.max_total_num_tokens = self._decide_kv_cache_tokens()
         self.pools = self._build_pools()
-        self.attn_backend = self._build_attention_backend(server_args.attention_backend)
+        self.attn_backend = self._build_attention_backend(self.attention_backend)
         bound = bind_attention_backend(self.model, self.attn_backend)
         self._sampler: Sampler | None = None
         #: Pipeline micro-batches this rank has run (two per step of two or more requests).
@@ -156,7 +166,7 @@ class ModelRunner:
         logger.info(
             "loaded %s (%s) on %s in %s; KV cache %d tokens; attention backend %s on %d layers",
             model_path, self.model_config.architecture, self.device, self.dtype,
-            self.max_total_num_tokens, server_args.attention_backend, bound,
+            self.max_total_num_tokens, self.attention_backend, bound,
         )
 
     def _decide_kv_cache_tokens(self) -> int:
@@ -168,7 +178,7 @@ class ModelRunner:
             self.dtype,
         )
         # Room for what the attention backend keeps beyond the pool (its kept copies).
-        backend = ATTENTION_BACKENDS.get(self.server_args.attention_backend)
+        backend = ATTENTION_BACKENDS.get(self.attention_backend)
         extra = getattr(backend, "extra_kv_copies", 0.0)
         return decide_max_total_tokens(
             max_total_tokens=self.server_args.max_total_tokens,

@@ -380,7 +380,7 @@ class Scheduler:
             "req_slots": self.req_to_token_pool.size,
             "context_length": self.context_len,
             "kv_cache_idle_and_free": self.memory_is_free(),
-            "attention_backend": self.server_args.attention_backend,
+            "attention_backend": self.model_runner.attention_backend,
             "device": str(self.model_runner.device),
             "dtype": str(self.model_runner.dtype).removeprefix("torch."),
             "torch_threads": torch.get_num_threads(),

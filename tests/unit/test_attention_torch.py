@@ -1,11 +1,12 @@
-"""The torch attention backend against a float64 softmax(QK^T)V reference.
+"""The torch attention backends against a float64 softmax(QK^T)V reference.
 
 Each case lays requests out in the paged pool the way the scheduler does
 (shuffled KV slots, a cached prefix written beforehand, new tokens packed
 back to back) and compares every output row with attention computed from the
 unpaged tensors in float64. The backend is built once from an
 ``AttentionBackendArgs`` holding the pools and bound to the layer; batches
-carry indices only.
+carry indices only. Every case runs on both the torch backend (SDPA) and the
+CPU backend (its native kernel over the pool).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from hypothesis import strategies as st
 import framework.forward_batch
 from framework.forward_batch import ForwardBatch, ForwardMode
 from framework.layers.attention import kept_kv
-from framework.layers.attention.base import AttentionBackendArgs
+from framework.layers.attention.base import AttentionBackend, AttentionBackendArgs
+from framework.layers.attention.cpu_native import CpuNativeAttnBackend
 from framework.layers.attention.kept_kv import length_groups
 from framework.layers.attention.radix_attention import RadixAttention, bind_attention_backend
 from framework.layers.attention.torch_native import TorchNativeAttnBackend
@@ -35,6 +37,7 @@ CPU = torch.device("cpu")
 HEAD_DIM = 8
 POOL_TOKENS = 256
 CONTEXT_LEN = 64
+BACKENDS = [TorchNativeAttnBackend, CpuNativeAttnBackend]
 
 
 
@@ -106,6 +109,7 @@ def run_case(
     save_kv_cache: bool = True,
     seed: int = 0,
     group_slack: int | None = None,
+    backend_cls: type[AttentionBackend] = TorchNativeAttnBackend,
 ) -> tuple[list[RequestData], torch.Tensor, MHATokenToKVPool, torch.Tensor]:
     """Lay the requests out in shuffled pool slots and run one layer of the backend.
 
@@ -152,7 +156,7 @@ def run_case(
     if mode.is_extend():
         batch.extend_prefix_lens = torch.tensor(prefix_lens)
         batch.extend_seq_lens = torch.tensor(new_lens)
-    backend = TorchNativeAttnBackend(backend_args(req_pool, kv_pool, num_heads))
+    backend = backend_cls(backend_args(req_pool, kv_pool, num_heads))
     if group_slack is not None:
         backend.group_slack = group_slack
     assert bind_attention_backend(layer, backend) == 1
@@ -200,14 +204,16 @@ def test_length_groups_keep_padding_within_the_slack() -> None:
     lengths=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 12)), min_size=1, max_size=6),
     group_slack=st.integers(1, 16),
     decode=st.booleans(),
+    backend_cls=st.sampled_from(BACKENDS),
 )
 def test_any_grouping_of_any_batch_matches_the_reference(
-        lengths: list[tuple[int, int]], group_slack: int, decode: bool) -> None:
+        lengths: list[tuple[int, int]], group_slack: int, decode: bool,
+        backend_cls: type[AttentionBackend]) -> None:
     prefix_lens = [prefix for prefix, _ in lengths]
     new_lens = [1] * len(lengths) if decode else [new for _, new in lengths]
     mode = ForwardMode.DECODE if decode else ForwardMode.EXTEND
     requests, output, _, _ = run_case(mode, prefix_lens, new_lens, 4, 2,
-                                      group_slack=group_slack)
+                                      group_slack=group_slack, backend_cls=backend_cls)
     assert_matches_reference(requests, output, 4)
 
 
@@ -215,34 +221,41 @@ def test_any_grouping_of_any_batch_matches_the_reference(
 GROUP_SLACKS = [None, 1]
 
 
+@pytest.mark.parametrize("backend_cls", BACKENDS)
 @pytest.mark.parametrize("group_slack", GROUP_SLACKS)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEAD_LAYOUTS)
 def test_extend_over_cached_prefixes_with_mixed_lengths(
-        num_heads: int, num_kv_heads: int, group_slack: int | None) -> None:
+        num_heads: int, num_kv_heads: int, group_slack: int | None,
+        backend_cls: type[AttentionBackend]) -> None:
     prefix_lens = [0, 5, 0, 17, 3]
     new_lens = [7, 1, 12, 4, 9]
     requests, output, _, _ = run_case(
         ForwardMode.EXTEND, prefix_lens, new_lens, num_heads, num_kv_heads,
-        group_slack=group_slack,
+        group_slack=group_slack, backend_cls=backend_cls,
     )
     assert output.shape == (sum(new_lens), num_heads * HEAD_DIM)
     assert_matches_reference(requests, output, num_heads)
 
 
+@pytest.mark.parametrize("backend_cls", BACKENDS)
 @pytest.mark.parametrize("group_slack", GROUP_SLACKS)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEAD_LAYOUTS)
 def test_decode_with_mixed_lengths(num_heads: int, num_kv_heads: int,
-                                   group_slack: int | None) -> None:
+                                   group_slack: int | None,
+                                   backend_cls: type[AttentionBackend]) -> None:
     prefix_lens = [0, 1, 9, 30, 4]
     requests, output, _, _ = run_case(
         ForwardMode.DECODE, prefix_lens, [1] * len(prefix_lens), num_heads, num_kv_heads, seed=1,
-        group_slack=group_slack,
+        group_slack=group_slack, backend_cls=backend_cls,
     )
     assert_matches_reference(requests, output, num_heads)
 
 
-def test_backend_writes_new_keys_and_values_at_out_cache_loc() -> None:
-    requests, _, kv_pool, new_slots = run_case(ForwardMode.EXTEND, [2, 0], [3, 4], 4, 2, seed=2)
+@pytest.mark.parametrize("backend_cls", BACKENDS)
+def test_backend_writes_new_keys_and_values_at_out_cache_loc(
+        backend_cls: type[AttentionBackend]) -> None:
+    requests, _, kv_pool, new_slots = run_case(ForwardMode.EXTEND, [2, 0], [3, 4], 4, 2, seed=2,
+                                               backend_cls=backend_cls)
     k_buffer, v_buffer = kv_pool.get_kv_buffer(1)
     expected_k = torch.cat([r.keys[r.prefix_len :] for r in requests])
     expected_v = torch.cat([r.values[r.prefix_len :] for r in requests])
@@ -251,9 +264,12 @@ def test_backend_writes_new_keys_and_values_at_out_cache_loc() -> None:
     assert not kv_pool.get_kv_buffer(0)[0].any(), "only the layer's own buffers are written"
 
 
-def test_without_saving_the_backend_reads_keys_already_in_the_pool() -> None:
+@pytest.mark.parametrize("backend_cls", BACKENDS)
+def test_without_saving_the_backend_reads_keys_already_in_the_pool(
+        backend_cls: type[AttentionBackend]) -> None:
     requests, output, _, _ = run_case(
-        ForwardMode.EXTEND, [3, 0], [5, 2], 4, 2, save_kv_cache=False, seed=3
+        ForwardMode.EXTEND, [3, 0], [5, 2], 4, 2, save_kv_cache=False, seed=3,
+        backend_cls=backend_cls,
     )
     assert_matches_reference(requests, output, 4)
 
@@ -376,15 +392,17 @@ def test_forward_batch_imports_nothing_from_layers_or_the_kv_cache() -> None:
     assert field_names.isdisjoint({"req_to_token_pool", "token_to_kv_pool", "attn_backend"})
 
 
+@pytest.mark.parametrize("backend_cls", BACKENDS)
 @pytest.mark.parametrize("group_slack", GROUP_SLACKS)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEAD_LAYOUTS)
 def test_consecutive_decode_steps_keep_matching_the_reference(
-        num_heads: int, num_kv_heads: int, group_slack: int | None) -> None:
+        num_heads: int, num_kv_heads: int, group_slack: int | None,
+        backend_cls: type[AttentionBackend]) -> None:
     """Decode steps of an unchanged batch append to kept keys; a changed batch gathers anew."""
     generator = torch.Generator().manual_seed(7)
     req_pool = ReqToTokenPool(size=4, max_context_len=CONTEXT_LEN, device=CPU)
     kv_pool = MHATokenToKVPool(POOL_TOKENS, torch.float32, num_kv_heads, HEAD_DIM, 2, CPU)
-    backend = TorchNativeAttnBackend(backend_args(req_pool, kv_pool, num_heads))
+    backend = backend_cls(backend_args(req_pool, kv_pool, num_heads))
     if group_slack is not None:
         backend.group_slack = group_slack
     layer = RadixAttention(num_heads, HEAD_DIM, HEAD_DIM**-0.5, num_kv_heads, layer_id=0)
@@ -442,13 +460,14 @@ _step = st.one_of(
 
 @settings(max_examples=30, deadline=None)
 @given(steps=st.lists(_step, min_size=1, max_size=14), group_slack=st.sampled_from([1, 3, 64]),
-       headroom=st.sampled_from([1, 2, 64]))
+       headroom=st.sampled_from([1, 2, 64]), backend_cls=st.sampled_from(BACKENDS))
 # A row decoded at 4 tokens, then taken by a new request of 4 prompt tokens: its next
 # decode step is one token longer than what was kept, yet nothing kept is its own.
 @example(steps=[("prefill", 0, 3), ("decode", (0,), 1), ("prefill", 0, 4), ("decode", (0,), 1)],
-         group_slack=64, headroom=64)
+         group_slack=64, headroom=64, backend_cls=TorchNativeAttnBackend)
 def test_requests_coming_and_going_keep_matching_the_reference(
-        steps: list[tuple[str, object, int]], group_slack: int, headroom: int) -> None:
+        steps: list[tuple[str, object, int]], group_slack: int, headroom: int,
+        backend_cls: type[AttentionBackend]) -> None:
     """Random prefills (a pool row taken by a new request), decode batches of any subset
     and mixed steps (a prefill with decode tokens after it).
 
@@ -457,14 +476,15 @@ def test_requests_coming_and_going_keep_matching_the_reference(
     """
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kept_kv, "DECODE_HEADROOM", headroom)
-        _come_and_go(steps, group_slack)
+        _come_and_go(steps, group_slack, backend_cls)
 
 
-def _come_and_go(steps: list[tuple[str, object, int]], group_slack: int) -> None:
+def _come_and_go(steps: list[tuple[str, object, int]], group_slack: int,
+                 backend_cls: type[AttentionBackend]) -> None:
     generator = torch.Generator().manual_seed(len(steps))
     req_pool = ReqToTokenPool(size=_ROWS, max_context_len=CONTEXT_LEN, device=CPU)
     kv_pool = MHATokenToKVPool(1024, torch.float32, 2, HEAD_DIM, 1, CPU)
-    backend = TorchNativeAttnBackend(backend_args(req_pool, kv_pool, 4))
+    backend = backend_cls(backend_args(req_pool, kv_pool, 4))
     backend.group_slack = group_slack
     layer = RadixAttention(4, HEAD_DIM, HEAD_DIM**-0.5, 2, layer_id=0)
     bind_attention_backend(layer, backend)

@@ -183,9 +183,9 @@ def test_on_cuda_the_pool_leaves_room_for_the_backend_s_kept_copies(
     config = SimpleNamespace(num_kv_heads_per_rank=lambda tp: 2, head_dim=16, context_len=64)
     runner = SimpleNamespace(
         model_config=config, tp_size=1, start_layer=0, end_layer=2, dtype=torch.float32,
-        device=torch.device("cuda", 0),
+        device=torch.device("cuda", 0), attention_backend="torch",
         server_args=SimpleNamespace(max_total_tokens=None, mem_fraction=0.5,
-                                    max_running_requests=4, attention_backend="torch"))
+                                    max_running_requests=4))
     per_token = kv_cache_bytes_per_token(2, 16, 2, torch.float32)
     assert TorchNativeAttnBackend.extra_kv_copies == 1.0
     tokens = ModelRunner._decide_kv_cache_tokens(runner)  # type: ignore[arg-type]

@@ -1,0 +1,94 @@
+"""The CPU attention backend: a native kernel over the paged pool, in place.
+
+On a CPU the torch backend's attention is far from what the machine can do:
+decode is bound by reading every request's keys and values, which SDPA reads
+at about half the memory's rate after the backend has copied them into
+padded tensors (``kept_kv``); prefill runs SDPA over padded length groups, a
+fraction of the arithmetic rate on these small per-request products. The
+kernel in ``csrc/paged_attention.cpp`` takes the whole batch in one call per
+layer: for each request and key/value head it copies that head's keys and
+values out of the pool (through ``req_to_token``) into contiguous blocks that
+stay in cache, then runs every new token of the request against them,
+causally. Prefill, decode and mixed steps are the same call (a decode token
+is a request with one new token); nothing is kept between steps, so the pool
+needs no room for copies.
+
+The backend runs the kernel for float32 on a CPU when it could be built
+(``native_build``); anywhere else (another device or dtype, no C++ compiler)
+it is the torch backend, which it then delegates everything to.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from framework.layers.attention.base import AttentionBackend, AttentionBackendArgs
+from framework.layers.attention.native_build import load_cpu_kernels
+from framework.layers.attention.torch_native import TorchNativeAttnBackend
+
+if TYPE_CHECKING:
+    from framework.forward_batch import ForwardBatch
+    from framework.layers.attention.radix_attention import RadixAttention
+
+
+class CpuNativeAttnBackend(AttentionBackend):
+    """Causal attention by the native CPU kernel (float32 on CPU), else the torch backend."""
+
+    extra_kv_copies = 0.0
+
+    def __init__(self, args: AttentionBackendArgs) -> None:
+        super().__init__(args)
+        native = args.device.type == "cpu" and args.dtype == torch.float32
+        self._ops = load_cpu_kernels() if native else None
+        self._fallback = None if self._ops is not None else TorchNativeAttnBackend(args)
+        # Of the planned batch: each request's row in req_to_token, its tokens and its
+        # new tokens (None until init_forward_metadata has run).
+        self._batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def native(self) -> bool:
+        """Whether the native kernel runs (else the torch backend does everything)."""
+        return self._ops is not None
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Check the batch and keep its lengths for the layers' kernel calls."""
+        if self._fallback is not None:
+            self._fallback.init_forward_metadata(forward_batch)
+            return
+        super().init_forward_metadata(forward_batch)
+        seq_lens = forward_batch.seq_lens.contiguous()
+        new = forward_batch.extend_seq_lens
+        if forward_batch.forward_mode.is_decode() or new is None:
+            new = torch.ones_like(seq_lens)
+        self._batch = (forward_batch.req_pool_indices.contiguous(), seq_lens, new.contiguous())
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       layer: RadixAttention, forward_batch: ForwardBatch,
+                       save_kv_cache: bool = True) -> torch.Tensor:
+        """Prefill (and a mixed step's decode tail): every new token, causally."""
+        if self._fallback is not None:
+            return self._fallback.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       layer: RadixAttention, forward_batch: ForwardBatch,
+                       save_kv_cache: bool = True) -> torch.Tensor:
+        """Decode: each request's one new token over all of its tokens."""
+        if self._fallback is not None:
+            return self._fallback.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                forward_batch: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
+        if self._ops is None or self._batch is None:
+            raise RuntimeError("init_forward_metadata must run before the layers")
+        if save_kv_cache:  # else the new tokens' keys and values are in the pool already
+            self.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        queries = q.reshape(q.shape[0], layer.num_heads, layer.head_dim).contiguous()
+        out = self._ops.paged_attention(queries, k_buffer, v_buffer,
+                                        self.req_to_token_pool.req_to_token, *self._batch,
+                                        layer.scaling)
+        return out.view(q.shape[0], layer.num_heads * layer.head_dim).to(q.dtype)

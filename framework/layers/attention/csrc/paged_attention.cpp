@@ -1,0 +1,327 @@
+// Causal attention on the CPU, read straight from the paged KV pool.
+//
+// Each request's new tokens (one in a decode step, a prompt's worth in a
+// prefill, both in a mixed step) attend to its cached tokens and to the new
+// tokens before them; the request's tokens are found through req_to_token.
+// The pool keeps each token's keys (and values) for all heads in one row.
+//
+// * A request with one new token (decode) is bound by reading its rows once:
+//   it walks them in place, each row's heads at once, for the scores, then
+//   again for the values, with the rows a few tokens ahead prefetched.
+// * A request with several new tokens (prefill, extend) reads each row many
+//   times: it is split by key/value head, and the head's keys and values are
+//   first copied into two contiguous [seq_len, head_dim] blocks that stay in
+//   the core's caches while every query of the head's group reads them.
+//
+// Scores take four keys (or heads) at a time, each with its own accumulator,
+// so that their multiply-adds overlap instead of waiting on one another. Work
+// items run on torch's own thread pool (at::parallel_for), so the kernel
+// shares the cores the way the model's other operators do.
+//
+// Built at first use by framework/layers/attention/native_build.py; registered
+// as torch.ops.framework_cpu.paged_attention.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// Eight floats: one AVX register, or two NEON ones; the compiler picks the instructions.
+typedef float float8 __attribute__((vector_size(32)));
+
+inline float8 load8(const float* p) {
+  float8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store8(float* p, float8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float8 splat8(float x) { return float8{x, x, x, x, x, x, x, x}; }
+
+inline float sum8(float8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// Rows this far ahead are prefetched while copying: a request's tokens sit anywhere in
+// the pool, so the hardware prefetcher cannot follow them.
+constexpr int64_t kPrefetchDistance = 4;
+
+inline void prefetch(const float* p, int64_t floats) {
+  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 0);
+}
+
+// Copies head `head`'s [dim] slice of each token's pool row into out [len, dim].
+void gather_head(const float* __restrict buffer, const int64_t* __restrict slots, int64_t len,
+                 int64_t row, int64_t head, int64_t dim, float* __restrict out) {
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kPrefetchDistance < len)
+      prefetch(buffer + slots[t + kPrefetchDistance] * row + head * dim, dim);
+    std::memcpy(out + t * dim, buffer + slots[t] * row + head * dim, dim * sizeof(float));
+  }
+}
+
+// s[j] = scale * (q . k_j) for keys j < n of k [n, dim]. Four keys at a time, each with
+// its own accumulator, so that their multiply-adds overlap instead of waiting on one
+// another.
+void scores(const float* __restrict q, const float* __restrict k, int64_t n, int64_t dim,
+            float scale, float* __restrict s) {
+  if (dim % 8 != 0) {
+    for (int64_t j = 0; j < n; ++j) {
+      float acc = 0.f;
+      for (int64_t d = 0; d < dim; ++d) acc += q[d] * k[j * dim + d];
+      s[j] = acc * scale;
+    }
+    return;
+  }
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float* k0 = k + j * dim;
+    float8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t d = 0; d < dim; d += 8) {
+      const float8 qd = load8(q + d);
+      a0 += qd * load8(k0 + d);
+      a1 += qd * load8(k0 + dim + d);
+      a2 += qd * load8(k0 + 2 * dim + d);
+      a3 += qd * load8(k0 + 3 * dim + d);
+    }
+    s[j] = sum8(a0) * scale;
+    s[j + 1] = sum8(a1) * scale;
+    s[j + 2] = sum8(a2) * scale;
+    s[j + 3] = sum8(a3) * scale;
+  }
+  for (; j < n; ++j) {
+    float8 acc = {};
+    for (int64_t d = 0; d < dim; d += 8) acc += load8(q + d) * load8(k + j * dim + d);
+    s[j] = sum8(acc) * scale;
+  }
+}
+
+// In place: s [n] becomes softmax(s).
+void softmax(float* __restrict s, int64_t n) {
+  float top = s[0];  // subtracted first, so that exp() cannot overflow
+  for (int64_t j = 1; j < n; ++j) top = std::max(top, s[j]);
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = std::exp(s[j] - top);
+    total += s[j];
+  }
+  const float inv = 1.f / total;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+}
+
+// out [dim] = sum over j < n of w[j] * v_j, v [n, dim]; four partial sums per column
+// block, for the same reason as in scores().
+void weighted_sum(const float* __restrict w, const float* __restrict v, int64_t n,
+                  int64_t dim, float* __restrict out) {
+  if (dim % 8 != 0) {
+    std::fill(out, out + dim, 0.f);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < dim; ++d) out[d] += w[j] * v[j * dim + d];
+    return;
+  }
+  for (int64_t d = 0; d < dim; d += 8) {
+    float8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+      const float* vj = v + j * dim + d;
+      a0 += splat8(w[j]) * load8(vj);
+      a1 += splat8(w[j + 1]) * load8(vj + dim);
+      a2 += splat8(w[j + 2]) * load8(vj + 2 * dim);
+      a3 += splat8(w[j + 3]) * load8(vj + 3 * dim);
+    }
+    for (; j < n; ++j) a0 += splat8(w[j]) * load8(v + j * dim + d);
+    store8(out + d, (a0 + a1) + (a2 + a3));
+  }
+}
+
+struct Shapes {
+  int64_t heads, kv_heads, dim, context;
+};
+
+// s[h * len] = scale * (q_h . k_{h / group}) for every query head h of one pool row.
+void row_scores(const Shapes& sh, const float* __restrict q, const float* __restrict k,
+                float scale, int64_t len, float* __restrict s) {
+  const int64_t dim = sh.dim, group = sh.heads / sh.kv_heads;
+  if (dim % 8 != 0) {
+    for (int64_t h = 0; h < sh.heads; ++h) scores(q + h * dim, k + (h / group) * dim, 1, dim,
+                                                  scale, s + h * len);
+    return;
+  }
+  for (int64_t h0 = 0; h0 < sh.heads; h0 += 4) {
+    const int64_t n = std::min<int64_t>(4, sh.heads - h0);
+    float8 acc[4] = {};
+    for (int64_t d = 0; d < dim; d += 8)
+      for (int64_t j = 0; j < n; ++j)
+        acc[j] += load8(q + (h0 + j) * dim + d) * load8(k + ((h0 + j) / group) * dim + d);
+    for (int64_t j = 0; j < n; ++j) s[(h0 + j) * len] = sum8(acc[j]) * scale;
+  }
+}
+
+// out_h += w[h * len] * v_{h / group} for every query head h of one pool row.
+void row_values(const Shapes& sh, const float* __restrict w, const float* __restrict v,
+                int64_t len, float* __restrict out) {
+  const int64_t dim = sh.dim, group = sh.heads / sh.kv_heads;
+  for (int64_t h = 0; h < sh.heads; ++h) {
+    const float weight = w[h * len];
+    const float* vh = v + (h / group) * dim;
+    float* oh = out + h * dim;
+    if (dim % 8 != 0) {
+      for (int64_t d = 0; d < dim; ++d) oh[d] += weight * vh[d];
+      continue;
+    }
+    for (int64_t d = 0; d < dim; d += 8)
+      store8(oh + d, load8(oh + d) + splat8(weight) * load8(vh + d));
+  }
+}
+
+// One decode token: q, out [heads, dim]; the request's len tokens at `slots`.
+void decode_one(const Shapes& sh, const float* q, const float* k_buffer,
+                const float* v_buffer, const int64_t* slots, int64_t len, float scale,
+                float* out, std::vector<float>& scratch) {
+  const int64_t row = sh.kv_heads * sh.dim;
+  scratch.resize(static_cast<size_t>(sh.heads * len));
+  float* s = scratch.data();  // [heads, len]
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kPrefetchDistance < len) prefetch(k_buffer + slots[t + kPrefetchDistance] * row, row);
+    row_scores(sh, q, k_buffer + slots[t] * row, scale, len, s + t);
+  }
+  for (int64_t h = 0; h < sh.heads; ++h) softmax(s + h * len, len);
+  std::fill(out, out + sh.heads * sh.dim, 0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kPrefetchDistance < len) prefetch(v_buffer + slots[t + kPrefetchDistance] * row, row);
+    row_values(sh, s + t, v_buffer + slots[t] * row, len, out);
+  }
+}
+
+// Every new token of one request, for the query heads of key/value head g.
+// q, out: the request's [num_new, heads, dim] rows.
+void extend_one(const Shapes& sh, const float* q, const float* k_buffer,
+                const float* v_buffer, const int64_t* slots, int64_t seq_len, int64_t num_new,
+                int64_t g, float scale, float* out, std::vector<float>& scratch) {
+  const int64_t dim = sh.dim, group = sh.heads / sh.kv_heads, row = sh.kv_heads * dim;
+  scratch.resize(static_cast<size_t>(2 * seq_len * dim + seq_len));
+  float* keys = scratch.data();
+  float* values = keys + seq_len * dim;
+  float* s = values + seq_len * dim;
+  gather_head(k_buffer, slots, seq_len, row, g, dim, keys);
+  gather_head(v_buffer, slots, seq_len, row, g, dim, values);
+  const int64_t prefix = seq_len - num_new;
+  for (int64_t i = 0; i < num_new; ++i) {
+    const int64_t visible = prefix + i + 1;  // causal: itself and the tokens before it
+    for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+      const int64_t at = (i * sh.heads + h) * dim;
+      scores(q + at, keys, visible, dim, scale, s);
+      softmax(s, visible);
+      weighted_sum(s, values, visible, dim, out + at);
+    }
+  }
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
+                  const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                  const at::Tensor& seq_lens, const at::Tensor& extend_seq_lens) {
+  TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.dim() == 3,
+              "paged_attention: q and the KV buffers must be 3-dimensional");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_buffer.scalar_type() == at::kFloat &&
+                  v_buffer.scalar_type() == at::kFloat,
+              "paged_attention: float32 only");
+  for (const at::Tensor* t : {&req_to_token, &req_pool_indices, &seq_lens, &extend_seq_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong, "paged_attention: int64 indices only");
+  for (const at::Tensor* t : {&q, &k_buffer, &v_buffer, &req_to_token, &req_pool_indices,
+                              &seq_lens, &extend_seq_lens})
+    TORCH_CHECK(t->is_contiguous(), "paged_attention: contiguous tensors only");
+  TORCH_CHECK(k_buffer.size(2) == q.size(2) && v_buffer.sizes() == k_buffer.sizes(),
+              "paged_attention: the KV buffers do not match q's head_dim");
+  TORCH_CHECK(q.size(1) % k_buffer.size(1) == 0,
+              "paged_attention: heads must be a multiple of kv_heads");
+  const int64_t batch = req_pool_indices.numel();
+  TORCH_CHECK(seq_lens.numel() == batch && extend_seq_lens.numel() == batch,
+              "paged_attention: one seq_len and extend_seq_len per request");
+  const int64_t* idx = req_pool_indices.const_data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
+  const int64_t* news = extend_seq_lens.const_data_ptr<int64_t>();
+  int64_t tokens = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(news[b] >= 1 && news[b] <= lens[b] && lens[b] <= req_to_token.size(1) &&
+                    idx[b] >= 0 && idx[b] < req_to_token.size(0),
+                "paged_attention: request ", b, " has ", news[b], " new of ", lens[b],
+                " tokens or req_pool_index ", idx[b], ": out of range");
+    tokens += news[b];
+  }
+  TORCH_CHECK(tokens == q.size(0), "paged_attention: ", q.size(0),
+              " query rows for ", tokens, " new tokens");
+}
+
+// q: [tokens, heads, dim], the batch's new tokens packed request after request;
+// k_buffer, v_buffer: [pool_slots, kv_heads, dim], the new tokens' keys and values
+// already written; req_to_token: [requests, context]; req_pool_indices, seq_lens,
+// extend_seq_lens: [batch], int64. Returns [tokens, heads, dim].
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buffer,
+                           const at::Tensor& v_buffer, const at::Tensor& req_to_token,
+                           const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                           const at::Tensor& extend_seq_lens, double scale) {
+  check_inputs(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+               extend_seq_lens);
+  const Shapes sh{q.size(1), k_buffer.size(1), q.size(2), req_to_token.size(1)};
+  const int64_t batch = req_pool_indices.numel();
+  const int64_t* idx = req_pool_indices.const_data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
+  const int64_t* news = extend_seq_lens.const_data_ptr<int64_t>();
+  std::vector<int64_t> first(static_cast<size_t>(batch));  // each request's first q row
+  for (int64_t b = 0, row = 0; b < batch; row += news[b++]) first[b] = row;
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const float* qp = q.const_data_ptr<float>();
+  const float* kp = k_buffer.const_data_ptr<float>();
+  const float* vp = v_buffer.const_data_ptr<float>();
+  const int64_t* table = req_to_token.const_data_ptr<int64_t>();
+  float* op = out.mutable_data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  const int64_t row_floats = sh.heads * sh.dim;
+  // Work items: (request, -1) for a decode token, (request, g) for each key/value head
+  // of a request with several new tokens.
+  std::vector<std::pair<int64_t, int64_t>> items;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (news[b] == 1) {
+      items.emplace_back(b, -1);
+    } else {
+      for (int64_t g = 0; g < sh.kv_heads; ++g) items.emplace_back(b, g);
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t item = begin; item < end; ++item) {
+      const auto [b, g] = items[item];
+      const int64_t* slots = table + idx[b] * sh.context;
+      const float* q_rows = qp + first[b] * row_floats;
+      float* out_rows = op + first[b] * row_floats;
+      if (g < 0) {
+        decode_one(sh, q_rows, kp, vp, slots, lens[b], s, out_rows, scratch);
+      } else {
+        extend_one(sh, q_rows, kp, vp, slots, lens[b], news[b], g, s, out_rows, scratch);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(framework_cpu, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
+      "Tensor req_pool_indices, Tensor seq_lens, Tensor extend_seq_lens, float scale) "
+      "-> Tensor");
+  m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+}

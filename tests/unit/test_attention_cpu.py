@@ -1,0 +1,178 @@
+"""The native CPU attention kernel and its backend.
+
+The kernel is checked against attention computed in float64 from the
+unpaged keys and values, on head layouts and lengths the models use
+(head_dim 64 and 128, grouped-query heads, a few to a few hundred tokens),
+with each request's tokens scattered over the pool as the allocator leaves
+them, for decode (one new token), prefill (every token new) and extend over
+a cached prefix in one batch. The backend's own cases (mixed steps, requests
+coming and going) run in test_attention_torch.py, which runs every case on
+both backends.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from framework.forward_batch import ForwardMode
+from framework.layers.attention import cpu_native, native_build
+from framework.layers.attention.cpu_native import CpuNativeAttnBackend
+from framework.layers.attention.native_build import load_cpu_kernels
+from framework.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from framework.model_executor.model_runner import resolve_attention_backend
+from tests.unit.test_attention_torch import (
+    assert_matches_reference,
+    backend_args,
+    run_case,
+)
+
+
+def kernels() -> Any:  # the torch.ops.framework_cpu namespace
+    ops = load_cpu_kernels()
+    assert ops is not None, "the native kernels did not build (see the warning logged)"
+    return ops
+
+
+def scattered_case(heads: int, kv_heads: int, dim: int, lens: list[int], news: list[int],
+                   seed: int) -> tuple[torch.Tensor, ...]:
+    """The kernel's arguments (but the scale), each token at a random slot of the pool.
+
+    ``lens``: each request's tokens; ``news``: how many of them, the last ones, are new.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    total = sum(lens)
+    k_buffer = torch.randn(total + 1, kv_heads, dim, generator=generator)
+    v_buffer = torch.randn(total + 1, kv_heads, dim, generator=generator)
+    slots = torch.randperm(total, generator=generator) + 1
+    req_to_token = torch.zeros(len(lens) + 1, max(lens) + 3, dtype=torch.int64)
+    start = 0
+    for row, n in enumerate(lens, start=1):
+        req_to_token[row, :n] = slots[start:start + n]
+        start += n
+    rows = torch.arange(1, len(lens) + 1)
+    q = torch.randn(sum(news), heads, dim, generator=generator)
+    return q, k_buffer, v_buffer, req_to_token, rows, torch.tensor(lens), torch.tensor(news)
+
+
+def float64_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                      req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
+                      news: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal softmax(q K^T * scale) V of every new token, in float64, from unpaged tensors."""
+    out = []
+    group = q.shape[1] // k_buffer.shape[1]
+    first = 0
+    for row, n, new in zip(rows.tolist(), lens.tolist(), news.tolist()):
+        slots = req_to_token[row, :n]
+        keys = k_buffer[slots].double().repeat_interleave(group, dim=1)  # [n, heads, dim]
+        values = v_buffer[slots].double().repeat_interleave(group, dim=1)
+        queries = q[first:first + new].double()
+        scores = torch.einsum("ihd,nhd->hin", queries, keys) * scale
+        position = torch.arange(n - new, n)[:, None]  # each new token's own position
+        scores = scores.masked_fill(torch.arange(n)[None, :] > position, float("-inf"))
+        out.append(torch.einsum("hin,nhd->ihd", scores.softmax(-1), values))
+        first += new
+    return torch.cat(out)
+
+
+LENGTHS = [1, 2, 5, 17, 64, 131, 300, 7]
+WORKLOADS = {
+    "decode": [1] * len(LENGTHS),
+    "prefill": LENGTHS,
+    "extend": [1, 2, 3, 17, 9, 130, 1, 4],  # after a cached prefix, or all new
+}
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"),
+                         [(4, 4, 64), (8, 2, 128), (6, 1, 8), (32, 8, 128), (2, 2, 20)])
+def test_kernel_matches_a_float64_reference(heads: int, kv_heads: int, dim: int,
+                                            workload: str) -> None:
+    case = scattered_case(heads, kv_heads, dim, LENGTHS, WORKLOADS[workload], seed=heads * dim)
+    scale = dim**-0.5
+    out = kernels().paged_attention(*case, scale)
+    assert out.shape == case[0].shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), float64_attention(*case, scale), atol=2e-6,
+                               rtol=1e-5)
+
+
+def test_large_scores_do_not_overflow_the_softmax() -> None:
+    q, *rest = scattered_case(4, 2, 64, [40, 3], [40, 1], seed=5)
+    q = q * 60  # scores past 100: exp() of them unshifted would overflow float32
+    out = kernels().paged_attention(q, *rest, 0.125)
+    assert torch.isfinite(out).all()
+    # float32 scores of that size carry errors of about 1e-5 into the exponent
+    torch.testing.assert_close(out.double(), float64_attention(q, *rest, 0.125), atol=1e-4,
+                               rtol=1e-4)
+
+
+def test_bad_inputs_are_refused_with_a_reason() -> None:
+    ops = kernels()
+    q, k_buffer, v_buffer, table, rows, lens, news = scattered_case(4, 2, 16, [5, 9], [2, 1],
+                                                                     seed=1)
+    pool = (k_buffer, v_buffer, table)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.paged_attention(q.double(), *pool, rows, lens, news, 1.0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.paged_attention(q, *pool, rows, lens, news * 0, 1.0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.paged_attention(q, *pool, rows + 5, lens, news, 1.0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.paged_attention(q, *pool, rows, lens, lens + 1, 1.0)
+    with pytest.raises(RuntimeError, match="query rows"):
+        ops.paged_attention(q[:2], *pool, rows, lens, news, 1.0)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        ops.paged_attention(q[:, :3].contiguous(), *pool, rows, lens, news, 1.0)
+
+
+def test_the_backend_runs_the_kernel_in_float32_on_cpu_and_keeps_no_copies() -> None:
+    req_pool = ReqToTokenPool(size=2, max_context_len=16, device=torch.device("cpu"))
+    for dtype, native in ((torch.float32, True), (torch.bfloat16, False)):
+        kv_pool = MHATokenToKVPool(16, dtype, 2, 8, 1, torch.device("cpu"))
+        backend = CpuNativeAttnBackend(backend_args(req_pool, kv_pool, 4, dtype=dtype))
+        assert backend.native is native
+    assert CpuNativeAttnBackend.extra_kv_copies == 0.0
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+def test_without_the_kernels_the_torch_backend_does_the_work(
+        monkeypatch: pytest.MonkeyPatch, mode: ForwardMode) -> None:
+    monkeypatch.setattr(cpu_native, "load_cpu_kernels", lambda: None)
+    new_lens = [1, 1, 1] if mode.is_decode() else [3, 1, 5]
+    requests, output, _, _ = run_case(mode, [0, 6, 20], new_lens, 4, 2,
+                                      backend_cls=CpuNativeAttnBackend)
+    assert_matches_reference(requests, output, 4)
+
+
+def test_a_failed_build_says_why_and_leaves_nothing_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path))
+    with pytest.raises(RuntimeError, match="failed"):
+        native_build.build("false")  # a "compiler" that always fails
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_build_is_kept_per_machine_and_reused(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    kernels()  # built into the default cache
+    compiler = native_build.find_compiler()
+    assert compiler is not None
+    built = native_build.library_path(compiler)
+    assert built.exists()
+    stamp = built.stat().st_mtime_ns
+    assert native_build.build(compiler) == built
+    assert built.stat().st_mtime_ns == stamp, "a cached build is not compiled again"
+    monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path))
+    assert native_build.library_path("c++").parent == tmp_path
+
+
+def test_auto_picks_the_cpu_backend_for_float32_on_a_cpu_and_torch_elsewhere() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert resolve_attention_backend("auto", cpu, torch.float32) == "cpu"
+    assert resolve_attention_backend("auto", cpu, torch.bfloat16) == "torch"
+    assert resolve_attention_backend("auto", cuda, torch.float32) == "torch"
+    assert resolve_attention_backend("torch", cpu, torch.float32) == "torch"
+    assert resolve_attention_backend("triton", cuda, torch.float16) == "triton"
