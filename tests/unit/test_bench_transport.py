@@ -5,11 +5,12 @@ from __future__ import annotations
 import csv
 import multiprocessing
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -108,12 +109,17 @@ def test_unknown_names_are_refused() -> None:
 
 
 @pytest.fixture
-def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Temporary directories of the run go here, so the test sees what is left behind."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+def private_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Temporary directories of the run go here, so the test sees what is left behind.
+
+    A short path of its own under the system's temporary directory, not under
+    ``tmp_path``: the run's ipc:// socket paths must fit in 107 bytes, and
+    ``tmp_path`` can be long (under pytest-xdist, for one).
+    """
+    tmp = Path(tempfile.mkdtemp(prefix="fw-bench-"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-    return tmp
+    yield tmp
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_run_measures_every_pair_and_cleans_up(tmp_path: Path, private_tmp: Path) -> None:
