@@ -64,21 +64,16 @@ class CpuNativeAttnBackend(AttentionBackend):
             new = torch.ones_like(seq_lens)
         self._batch = (forward_batch.req_pool_indices.contiguous(), seq_lens, new.contiguous())
 
-    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       layer: RadixAttention, forward_batch: ForwardBatch,
-                       save_kv_cache: bool = True) -> torch.Tensor:
-        """Prefill (and a mixed step's decode tail): every new token, causally."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        """Any batch (prefill, decode or mixed): every new token, causally, in one call."""
         if self._fallback is not None:
-            return self._fallback.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+            return self._fallback.forward(q, k, v, layer, forward_batch, save_kv_cache)
         return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
 
-    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       layer: RadixAttention, forward_batch: ForwardBatch,
-                       save_kv_cache: bool = True) -> torch.Tensor:
-        """Decode: each request's one new token over all of its tokens."""
-        if self._fallback is not None:
-            return self._fallback.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
-        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
+    # One kernel for both modes.
+    forward_extend = forward
+    forward_decode = forward
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                 forward_batch: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
