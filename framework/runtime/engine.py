@@ -96,15 +96,17 @@ class Engine:
             raise
 
     def _start(self) -> None:
-        from framework.runtime.hf_tokenizer import load_tokenizer
+        from framework.runtime.hf_tokenizer import start_loading_tokenizer
 
         args, components = self.server_args, self.components
-        tokenizer = load_tokenizer(args.resolved_tokenizer_path(), args.chat_template)
+        # Loaded while the components start.
+        tokenizer = start_loading_tokenizer(args.resolved_tokenizer_path(), args.chat_template)
         # The TokenizerManager binds its receivers before the components connect to them.
         manager = components.classes.tokenizer_manager(args, components.tokenizer_port_args,
                                                        components.transport, tokenizer)
         self.tokenizer_manager = manager
         apply_scheduler_info(manager, components.start())
+        tokenizer.result()  # a tokenizer that fails to load ends start-up
         self._run(self._start_manager(manager))
         self._watcher = threading.Thread(target=self._watch, name="engine-watcher", daemon=True)
         self._watcher.start()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import threading
 from typing import Any
 
 # Any one of these marks a directory as holding a tokenizer that transformers can load.
@@ -32,6 +34,31 @@ def load_tokenizer(path: str, chat_template: str | None = None) -> Any:
     if template is not None:
         tokenizer.chat_template = template
     return tokenizer
+
+
+def start_loading_tokenizer(path: str, chat_template: str | None = None
+                            ) -> concurrent.futures.Future[Any]:
+    """``load_tokenizer`` on a thread of its own: a future of the tokenizer.
+
+    Loading imports transformers and torch, seconds in a fresh process; the
+    server and the Engine start their components meanwhile. What can be checked
+    at once still is, here (``ValueError``): a bad ``chat_template``, a path that
+    is no directory or holds no tokenizer files.
+    """
+    _tokenizer_files(path)
+    if chat_template is not None:
+        read_chat_template(chat_template)
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def load() -> None:
+        try:
+            future.set_result(load_tokenizer(path, chat_template))
+        except BaseException as exc:  # handed to whoever waits on the future
+            future.set_exception(exc)
+
+    # A daemon: a start-up that fails meanwhile does not wait for the load to end.
+    threading.Thread(target=load, name="tokenizer-load", daemon=True).start()
+    return future
 
 
 def read_chat_template(spec: str) -> str:
@@ -75,7 +102,8 @@ def _compile_chat_template(template: str) -> None:
     _compile_jinja_template(template)
 
 
-def _load(path: str) -> Any:
+def _tokenizer_files(path: str) -> list[str]:
+    """The tokenizer files in ``path``; ``ValueError`` if it is no directory or holds none."""
     if not os.path.isdir(path):
         raise ValueError(f"tokenizer path {path!r} is not a directory")
     present = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(path, name))]
@@ -83,6 +111,11 @@ def _load(path: str) -> Any:
         raise ValueError(
             f"no tokenizer files in {path!r}: expected at least one of {', '.join(TOKENIZER_FILES)}"
         )
+    return present
+
+
+def _load(path: str) -> Any:
+    present = _tokenizer_files(path)
     # Imported here so that importing the runtime does not pay for transformers.
     from transformers import AutoTokenizer
 

@@ -18,6 +18,7 @@ room in a full channel.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import itertools
@@ -301,8 +302,10 @@ class TokenizerManager:
         tokenizer: Any,
         context_len: int | None = None,
     ) -> None:
+        # The tokenizer, or a future of it (``start_loading_tokenizer``), resolved at first
+        # use: the channels are bound without waiting for it.
+        self._tokenizer = tokenizer
         self.server_args = server_args
-        self.tokenizer = tokenizer
         self.context_len = context_len
         # Set at start-up from the Scheduler's ready info; bounds token ids at the edge.
         self.vocab_size: int | None = None
@@ -331,6 +334,17 @@ class TokenizerManager:
         self._tasks: list[asyncio.Task[None]] = []
         self._rpc_lock: asyncio.Lock | None = None
         self.dead_reason: str | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer (waiting for it the first time, if it was handed over as a future)."""
+        if isinstance(self._tokenizer, concurrent.futures.Future):
+            self._tokenizer = self._tokenizer.result()
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -11,7 +11,7 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 
 from framework.config import ServerArgs
-from framework.runtime.hf_tokenizer import load_tokenizer
+from framework.runtime.hf_tokenizer import start_loading_tokenizer
 from framework.runtime.launch import (
     ComponentTree,
     apply_scheduler_info,
@@ -40,12 +40,14 @@ async def _serve(server_args: ServerArgs) -> int:
     manager = None
     try:
         model_path = server_args.resolved_model_path()
-        tokenizer = load_tokenizer(server_args.resolved_tokenizer_path(),
-                                   server_args.chat_template)
+        # Loaded while the components start (seconds of imports in this fresh process).
+        tokenizer = start_loading_tokenizer(server_args.resolved_tokenizer_path(),
+                                            server_args.chat_template)
         # The TokenizerManager binds its receivers before the components connect to them.
         manager = components.classes.tokenizer_manager(server_args, components.tokenizer_port_args,
                                                        components.transport, tokenizer)
         info = await asyncio.to_thread(components.start)
+        await asyncio.wrap_future(tokenizer)  # a tokenizer that fails to load ends start-up
         apply_scheduler_info(manager, info)
         manager.start()
         state = ServerState(

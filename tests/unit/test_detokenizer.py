@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import framework.default_model
 from framework.comm.codec import MsgpackCodec
 from framework.comm.inproc import InprocTransport
 from framework.comm.transport import TransportError
@@ -29,7 +30,7 @@ from framework.messages import (
     RequestConstants,
 )
 from framework.runtime.detokenizer import Detokenizer
-from framework.runtime.hf_tokenizer import load_tokenizer
+from framework.runtime.hf_tokenizer import load_tokenizer, start_loading_tokenizer
 from framework.runtime.incremental_decoder import REPLACEMENT_CHAR, IncrementalDecoder
 from tests.chunks import split
 from tests.message_strategies import token_id_outputs
@@ -635,6 +636,22 @@ def test_load_tokenizer_refuses_a_directory_without_tokenizer_files(tmp_path: Pa
 def test_load_tokenizer_refuses_a_missing_directory(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a directory"):
         load_tokenizer(str(tmp_path / "absent"))
+
+
+def test_a_tokenizer_loads_in_the_background_but_a_bad_path_is_refused_at_once(
+        tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a directory"):
+        start_loading_tokenizer(str(tmp_path / "absent"))
+    with pytest.raises(ValueError, match="no tokenizer files"):
+        start_loading_tokenizer(str(tmp_path))
+    default = str(Path(framework.default_model.__file__).parent)
+    loading = start_loading_tokenizer(default)
+    assert loading.result(timeout=120).encode("def f():") == load_tokenizer(default).encode(
+        "def f():")
+    (tmp_path / "tokenizer.json").write_text("not json")
+    broken = start_loading_tokenizer(str(tmp_path))  # found, but fails to load: later
+    with pytest.raises(ValueError, match="cannot load a tokenizer"):
+        broken.result(timeout=120)
 
 
 def test_load_tokenizer_reports_broken_files(tmp_path: Path) -> None:
