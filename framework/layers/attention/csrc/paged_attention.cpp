@@ -57,7 +57,7 @@ inline float sum8(float8 v) {
 constexpr int64_t kPrefetchDistance = 4;
 
 inline void prefetch(const float* p, int64_t floats) {
-  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 0);
+  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 1);
 }
 
 // Copies head `head`'s [dim] slice of each token's pool row into out [len, dim].
