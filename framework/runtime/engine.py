@@ -99,8 +99,9 @@ class Engine:
         from framework.runtime.hf_tokenizer import start_loading_tokenizer
 
         args, components = self.server_args, self.components
-        # Loaded while the components start.
-        tokenizer = start_loading_tokenizer(args.resolved_tokenizer_path(), args.chat_template)
+        # Loaded while the component processes start; first, when they are threads.
+        tokenizer = start_loading_tokenizer(args.resolved_tokenizer_path(), args.chat_template,
+                                            background=args.launch_mode == "process")
         # The TokenizerManager binds its receivers before the components connect to them.
         manager = components.classes.tokenizer_manager(args, components.tokenizer_port_args,
                                                        components.transport, tokenizer)

@@ -36,19 +36,27 @@ def load_tokenizer(path: str, chat_template: str | None = None) -> Any:
     return tokenizer
 
 
-def start_loading_tokenizer(path: str, chat_template: str | None = None
-                            ) -> concurrent.futures.Future[Any]:
+def start_loading_tokenizer(path: str, chat_template: str | None = None, *,
+                            background: bool = True) -> concurrent.futures.Future[Any]:
     """``load_tokenizer`` on a thread of its own: a future of the tokenizer.
 
     Loading imports transformers and torch, seconds in a fresh process; the
     server and the Engine start their components meanwhile. What can be checked
     at once still is, here (``ValueError``): a bad ``chat_template``, a path that
     is no directory or holds no tokenizer files.
+
+    ``background=False`` loads it here, before returning: for components that
+    run as threads of this process, which import transformers themselves, and
+    transformers' lazy module is not safe to import from two threads at once
+    (one of them can find names missing from a half-initialised module).
     """
     _tokenizer_files(path)
     if chat_template is not None:
         read_chat_template(chat_template)
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    if not background:
+        future.set_result(load_tokenizer(path, chat_template))
+        return future
 
     def load() -> None:
         try:

@@ -40,9 +40,11 @@ async def _serve(server_args: ServerArgs) -> int:
     manager = None
     try:
         model_path = server_args.resolved_model_path()
-        # Loaded while the components start (seconds of imports in this fresh process).
+        # Loaded while the component processes start (seconds of imports in this fresh
+        # process); first, when the components are threads of this one.
         tokenizer = start_loading_tokenizer(server_args.resolved_tokenizer_path(),
-                                            server_args.chat_template)
+                                            server_args.chat_template,
+                                            background=server_args.launch_mode == "process")
         # The TokenizerManager binds its receivers before the components connect to them.
         manager = components.classes.tokenizer_manager(server_args, components.tokenizer_port_args,
                                                        components.transport, tokenizer)

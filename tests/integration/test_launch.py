@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -119,6 +121,29 @@ def test_thread_mode_over_inproc_gives_the_same_greedy_tokens(
         assert torch.get_num_threads() == caller_threads
     assert [o["output_ids"] for o in outputs] == [
         o["output_ids"] for o in process_outputs["outputs"]]
+
+
+@pytest.mark.parametrize("launch_mode", ["thread", "process"])
+def test_an_engine_starts_in_a_fresh_interpreter(model_dir: Path, launch_mode: str) -> None:
+    """Nothing imported beforehand: the tokenizer's load overlaps the components' start.
+
+    In thread mode the components import transformers in this very process, so
+    the tokenizer is loaded first (two threads importing transformers at once can
+    find names missing from its half-initialised lazy module).
+    """
+    script = (
+        "import sys\n"
+        "from framework import Engine\n"
+        "assert 'transformers' not in sys.modules\n"
+        f"with Engine(model_path={str(model_dir)!r}, launch_mode={launch_mode!r},"
+        " log_level='warning') as engine:\n"
+        "    out = engine.generate('hello', {'max_new_tokens': 3, 'temperature': 0})\n"
+        "print(len(out['output_ids']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "3"
 
 
 def test_process_mode_refuses_the_inproc_transport(model_dir: Path) -> None:
