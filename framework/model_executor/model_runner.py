@@ -74,7 +74,7 @@ class LogitsOutput:
 
 
 def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``auto`` → ``cpu`` (the native CPU decode kernel) for float32 on a CPU, else ``torch``."""
+    """``auto`` → ``cpu`` (the native CPU attention kernel) for float32 on a CPU, else ``torch``."""
     if name != "auto":
         return name
     return "cpu" if device.type == "cpu" and dtype == torch.float32 else "torch"
