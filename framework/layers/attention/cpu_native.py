@@ -59,10 +59,12 @@ class CpuNativeAttnBackend(AttentionBackend):
             return
         super().init_forward_metadata(forward_batch)
         seq_lens = forward_batch.seq_lens.contiguous()
-        new = forward_batch.extend_seq_lens
-        if forward_batch.forward_mode.is_decode() or new is None:
+        if forward_batch.forward_mode.is_decode():
             new = torch.ones_like(seq_lens)
-        self._batch = (forward_batch.req_pool_indices.contiguous(), seq_lens, new.contiguous())
+        else:  # the check above refused an extend batch without them
+            assert forward_batch.extend_seq_lens is not None
+            new = forward_batch.extend_seq_lens.contiguous()
+        self._batch = (forward_batch.req_pool_indices.contiguous(), seq_lens, new)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                 forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
