@@ -62,10 +62,16 @@ class Detokenizer:
 
     @classmethod
     def from_server_args(
-        cls, server_args: ServerArgs, port_args: PortArgs, transport: Transport
+        cls, server_args: ServerArgs, port_args: PortArgs, transport: Transport,
+        tokenizer_class: str | None = None,
     ) -> Detokenizer:
-        """A Detokenizer with the server's tokenizer, bound to its channels."""
-        detokenizer = cls(load_tokenizer(server_args.resolved_tokenizer_path()))
+        """A Detokenizer with the server's tokenizer, bound to its channels.
+
+        ``tokenizer_class`` (``"module:Name"``) is the class to load, when
+        another process already had AutoTokenizer pick it.
+        """
+        detokenizer = cls(load_tokenizer(server_args.resolved_tokenizer_path(),
+                                         tokenizer_class=tokenizer_class))
         detokenizer.receiver = transport.receiver(
             port_args.detokenizer_input, create_codec(server_args.codec)
         )

@@ -96,14 +96,10 @@ class Engine:
             raise
 
     def _start(self) -> None:
-        from framework.runtime.hf_tokenizer import start_loading_tokenizer
-
         args, components = self.server_args, self.components
-        # Loaded while the component processes start; first, when they are threads.
-        tokenizer = start_loading_tokenizer(args.resolved_tokenizer_path(), args.chat_template,
-                                            background=args.launch_mode == "process")
+        tokenizer = components.start_loading_tokenizer()
         # The TokenizerManager binds its receivers before the components connect to them.
-        manager = components.classes.tokenizer_manager(args, components.tokenizer_port_args,
+        manager = components.tokenizer_manager_class(args, components.tokenizer_port_args,
                                                        components.transport, tokenizer)
         self.tokenizer_manager = manager
         apply_scheduler_info(manager, components.start())

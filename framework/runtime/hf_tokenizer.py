@@ -20,47 +20,62 @@ TOKENIZER_FILES: tuple[str, ...] = (
 )
 
 
-def load_tokenizer(path: str, chat_template: str | None = None) -> Any:
-    """Load the tokenizer stored in the directory ``path`` with ``transformers.AutoTokenizer``.
+def load_tokenizer(path: str, chat_template: str | None = None,
+                   tokenizer_class: str | None = None) -> Any:
+    """Load the tokenizer stored in the directory ``path``.
 
-    Only local files are read. Raises ``ValueError`` when ``path`` is not a
-    directory, holds no tokenizer files, or transformers cannot build a
-    tokenizer from them. ``chat_template`` (``--chat-template``: a file, or the
-    template itself) replaces the tokenizer's own; see ``read_chat_template``.
+    ``transformers.AutoTokenizer`` picks the class, unless ``tokenizer_class``
+    (``"module:Name"``, see ``tokenizer_class_path``) names the one it picked
+    for the same directory in another process: AutoTokenizer reads the model's
+    configuration, which imports torch (seconds of a process's start), and a
+    process that needs only a tokenizer (the HTTP process, the Detokenizer)
+    skips that. Only local files are read. Raises ``ValueError`` when ``path``
+    is not a directory, holds no tokenizer files, or transformers cannot build
+    a tokenizer from them. ``chat_template`` (``--chat-template``: a file, or
+    the template itself) replaces the tokenizer's own; see ``read_chat_template``.
     """
     # Read first: a bad template is refused before the (slower) tokenizer load.
     template = read_chat_template(chat_template) if chat_template is not None else None
-    tokenizer = _load(path)
+    tokenizer = _load(path, tokenizer_class)
     if template is not None:
         tokenizer.chat_template = template
     return tokenizer
 
 
-def start_loading_tokenizer(path: str, chat_template: str | None = None, *,
-                            background: bool = True) -> concurrent.futures.Future[Any]:
-    """``load_tokenizer`` on a thread of its own: a future of the tokenizer.
+def tokenizer_class_path(tokenizer: Any) -> str:
+    """``"module:Name"`` of ``tokenizer``'s class, for ``load_tokenizer(tokenizer_class=...)``."""
+    cls = type(tokenizer)
+    return f"{cls.__module__}:{cls.__qualname__}"
 
-    Loading imports transformers and torch, seconds in a fresh process; the
-    server and the Engine start their components meanwhile. What can be checked
-    at once still is, here (``ValueError``): a bad ``chat_template``, a path that
-    is no directory or holds no tokenizer files.
 
-    ``background=False`` loads it here, before returning: for components that
-    run as threads of this process, which import transformers themselves, and
-    transformers' lazy module is not safe to import from two threads at once
-    (one of them can find names missing from a half-initialised module).
+def start_loading_tokenizer(
+        path: str, chat_template: str | None = None,
+        tokenizer_class: concurrent.futures.Future[str] | None = None,
+) -> concurrent.futures.Future[Any]:
+    """``load_tokenizer``, as a future of the tokenizer.
+
+    With ``tokenizer_class`` (a future of the class AutoTokenizer picked
+    elsewhere: the first Scheduler's) the load runs on a thread of its own once
+    that class is known, while the caller goes on starting the components.
+    Without, it runs here, before returning, with AutoTokenizer: for components
+    that run as threads of this process, which import transformers themselves,
+    and transformers' lazy module is not safe to import from two threads at
+    once (one of them can find names missing from a half-initialised module).
+    What can be checked at once still is, here (``ValueError``): a bad
+    ``chat_template``, a path that is no directory or holds no tokenizer files.
     """
     _tokenizer_files(path)
     if chat_template is not None:
         read_chat_template(chat_template)
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-    if not background:
+    if tokenizer_class is None:
         future.set_result(load_tokenizer(path, chat_template))
         return future
+    known_class = tokenizer_class
 
     def load() -> None:
         try:
-            future.set_result(load_tokenizer(path, chat_template))
+            future.set_result(load_tokenizer(path, chat_template, known_class.result()))
         except BaseException as exc:  # handed to whoever waits on the future
             future.set_exception(exc)
 
@@ -122,14 +137,22 @@ def _tokenizer_files(path: str) -> list[str]:
     return present
 
 
-def _load(path: str) -> Any:
+def _load(path: str, tokenizer_class: str | None) -> Any:
     present = _tokenizer_files(path)
-    # Imported here so that importing the runtime does not pay for transformers.
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return _tokenizer_class(tokenizer_class).from_pretrained(path, local_files_only=True)
     except Exception as exc:  # transformers and the Rust tokenizers raise assorted types
         raise ValueError(
             f"cannot load a tokenizer from {path!r} (found {', '.join(present)}): {exc}"
         ) from exc
+
+
+def _tokenizer_class(path: str | None) -> Any:
+    if path is not None:
+        from framework.registry import import_dotted
+
+        return import_dotted(path)
+    # Imported here so that importing the runtime does not pay for transformers.
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer

@@ -10,7 +10,10 @@ ready, watches them and stops them:
    first;
 3. ``start()`` starts the components, gathers the ready message of each (the
    first failure stops them all and raises ``ComponentError``) and returns
-   scheduler rank 0's;
+   scheduler rank 0's. A Scheduler's ready message names the tokenizer class
+   that AutoTokenizer picked there, which the tree hands to each Detokenizer
+   (waiting for it) and to the caller's tokenizer load
+   (``start_loading_tokenizer``): only the Schedulers import torch;
 4. ``wait_for_death()`` blocks until a component ends; ``stop()`` ends them
    all and removes the channels' directory.
 
@@ -34,6 +37,7 @@ the processes of one machine do not oversubscribe its cores.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import logging
@@ -52,6 +56,7 @@ from typing import Any, NoReturn
 from framework.config import PortArgs, ServerArgs
 from framework.distributed.config import ParallelConfig
 from framework.registry import create_transport, import_dotted
+from framework.runtime.hf_tokenizer import start_loading_tokenizer
 
 logger = logging.getLogger("framework.launch")
 
@@ -61,34 +66,36 @@ _JOIN_TIMEOUT_S = 5.0
 LAUNCH_MODES = ("process", "thread")
 
 
-@dataclass(frozen=True)
-class ComponentClasses:
-    """The classes to run: the built-ins or the user's subclasses named in ServerArgs."""
+# Each kind of component, and the built-in class that ``--<kind>-class`` must subclass.
+_BUILT_IN_CLASSES = {
+    "scheduler": "framework.runtime.scheduler.Scheduler",
+    "tokenizer_manager": "framework.runtime.tokenizer_manager.TokenizerManager",
+    "detokenizer": "framework.runtime.detokenizer.Detokenizer",
+}
 
-    scheduler: type
-    tokenizer_manager: type
-    detokenizer: type
+
+def component_class(server_args: ServerArgs, kind: str) -> type:
+    """The class to run for ``kind``: the built-in, or the subclass ``--<kind>-class`` names.
+
+    Only that kind's modules are imported: the Scheduler's bring torch, which a
+    process that runs no Scheduler (the HTTP process, the Detokenizer) does not
+    pay for.
+    """
+    base = import_dotted(_BUILT_IN_CLASSES[kind])
+    path = getattr(server_args, f"{kind}_class")
+    if path is None:
+        return base
+    cls = import_dotted(path)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ValueError(f"{path} is not a subclass of {base.__name__}")
+    return cls
 
 
-def component_classes(server_args: ServerArgs) -> ComponentClasses:
-    """Resolve ``--scheduler-class`` and friends, checking each is a subclass of the built-in."""
-    from framework.runtime.detokenizer import Detokenizer
-    from framework.runtime.scheduler import Scheduler
-    from framework.runtime.tokenizer_manager import TokenizerManager
-
-    def pick(path: str | None, base: type) -> type:
-        if path is None:
-            return base
-        cls = import_dotted(path)
-        if not (isinstance(cls, type) and issubclass(cls, base)):
-            raise ValueError(f"{path} is not a subclass of {base.__name__}")
-        return cls
-
-    return ComponentClasses(
-        scheduler=pick(server_args.scheduler_class, Scheduler),
-        tokenizer_manager=pick(server_args.tokenizer_manager_class, TokenizerManager),
-        detokenizer=pick(server_args.detokenizer_class, Detokenizer),
-    )
+def check_component_classes(server_args: ServerArgs) -> None:
+    """Refuse, before anything starts, a ``--<kind>-class`` that is no subclass of its built-in."""
+    for kind in _BUILT_IN_CLASSES:
+        if getattr(server_args, f"{kind}_class") is not None:
+            component_class(server_args, kind)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -246,6 +253,10 @@ def apply_scheduler_info(manager: Any, info: Mapping[str, Any]) -> None:
     manager.vocab_size = info["vocab_size"]
 
 
+class _StoppedBeforeStart(Exception):
+    """A thread component was told to stop while it waited for what it starts with."""
+
+
 class _StopRequested(Exception):
     """SIGINT or SIGTERM reached a node that runs scheduler ranks only."""
 
@@ -301,13 +312,23 @@ class RunningComponent:
 
 
 def build_component(spec: ComponentSpec, server_args: ServerArgs, port_args: PortArgs,
-                    transport: Any) -> RunningComponent:
-    """Build the component of ``spec`` on its channels (in the process or thread that runs it)."""
-    classes = component_classes(server_args)
+                    transport: Any, launcher: Connection) -> RunningComponent:
+    """Build the component of ``spec`` on its channels (in the process or thread that runs it).
+
+    ``launcher`` is this component's end of its pipe to the ComponentTree: a
+    Detokenizer first receives on it the tokenizer class the first Scheduler
+    loaded (``ComponentTree.tokenizer_class``), so that it need not import
+    torch to find it.
+    """
     if spec.kind == "scheduler":
-        return _build_scheduler(classes.scheduler, spec, server_args, port_args, transport)
+        return _build_scheduler(component_class(server_args, "scheduler"), spec, server_args,
+                                port_args, transport)
     if spec.kind == "detokenizer":
-        detokenizer = classes.detokenizer.from_server_args(server_args, port_args, transport)
+        tokenizer_class = launcher.recv()
+        if tokenizer_class is None:
+            raise _StoppedBeforeStart
+        detokenizer = component_class(server_args, "detokenizer").from_server_args(
+            server_args, port_args, transport, tokenizer_class=tokenizer_class)
         return RunningComponent({}, lambda: asyncio.run(detokenizer.serve()), detokenizer.stop,
                                 detokenizer.close)
     raise ValueError(f"unknown component kind {spec.kind!r}")
@@ -325,10 +346,14 @@ def _build_scheduler(cls: type, spec: ComponentSpec, server_args: ServerArgs,
 def _scheduler_component(scheduler: Any, spec: ComponentSpec) -> RunningComponent:
     import torch
 
+    from framework.runtime.hf_tokenizer import tokenizer_class_path
+
     info = {
+        "tokenizer_class": tokenizer_class_path(scheduler.tokenizer),
         "context_len": scheduler.context_len,
         "is_embedding": scheduler.model_config.is_embedding,
         "vocab_size": scheduler.model_config.vocab_size,
+        "attention_backend": scheduler.model_runner.attention_backend,
         "rank": spec.rank,
         "pid": os.getpid(),
         "torch_threads": torch.get_num_threads(),
@@ -438,7 +463,7 @@ def run_component_process(spec: ComponentSpec, server_args: ServerArgs, port_arg
     _child_setup(server_args)
     _use_torch_threads(spec, own_process=True)
     try:
-        component = build_component(spec, server_args, port_args, transport)
+        component = build_component(spec, server_args, port_args, transport, ready)
     except Exception as exc:
         _report_start_failure(ready, spec.name, exc)
     if component.exit_on_sigterm:
@@ -479,13 +504,18 @@ class _ProcessHandle:
 
     def __init__(self, ctx: Any, spec: ComponentSpec, args: tuple[Any, ...]) -> None:
         self.spec = spec
-        self.ready, self._ready_writer = ctx.Pipe(duplex=False)
+        # Both ways: the child reports on it; the tree sends a Detokenizer its tokenizer class.
+        self.ready, self._child_end = ctx.Pipe()
         self.process = ctx.Process(target=run_component_process, name=spec.name.replace(" ", "-"),
-                                   args=(spec, *args, self._ready_writer), daemon=True)
+                                   args=(spec, *args, self._child_end), daemon=True)
 
     def start(self) -> None:
         self.process.start()
-        self._ready_writer.close()  # the child holds the other copy: EOF once it exits
+        self._child_end.close()  # the child holds the other copy: EOF once it exits
+
+    def send_tokenizer_class(self, name: str) -> None:
+        with contextlib.suppress(OSError):  # a child that died is reported by its sentinel
+            self.ready.send(name)
 
     @property
     def sentinel(self) -> int:
@@ -528,7 +558,7 @@ class _ProcessHandle:
 
     def close(self) -> None:
         self.ready.close()
-        self._ready_writer.close()  # still open if the process never started
+        self._child_end.close()  # still open if the process never started
 
 
 class _ThreadHandle:
@@ -537,7 +567,7 @@ class _ThreadHandle:
     def __init__(self, spec: ComponentSpec, args: tuple[Any, ...]) -> None:
         self.spec = spec
         self._args = args
-        self.ready, self._ready_writer = mp.Pipe(duplex=False)
+        self.ready, self._child_end = mp.Pipe()
         # Closed when the thread ends, so that its end can be waited on like a process's.
         self._done_reader, self._done_writer = mp.Pipe(duplex=False)
         self._thread = threading.Thread(target=self._body, name=spec.name, daemon=True)
@@ -550,22 +580,25 @@ class _ThreadHandle:
         try:
             self._build_and_run()
         finally:
-            self._ready_writer.close()
+            self._child_end.close()
             self._done_writer.close()
 
     def _build_and_run(self) -> None:
         _use_torch_threads(self.spec, own_process=False)
         try:
-            component = build_component(self.spec, *self._args)
+            component = build_component(self.spec, *self._args, self._child_end)
+        except _StoppedBeforeStart:
+            return
         except Exception as exc:
-            self._ready_writer.send(("error", _start_failure_message(self.spec.name, exc)))
+            with contextlib.suppress(OSError):  # the tree may have stopped and closed its end
+                self._child_end.send(("error", _start_failure_message(self.spec.name, exc)))
             return
         with self._lock:
             if self._stop_requested:
                 component.close()
                 return
             self._component = component
-        self._ready_writer.send(("ready", component.info))
+        self._child_end.send(("ready", component.info))
         try:
             component.run()
         except Exception as exc:
@@ -576,6 +609,10 @@ class _ThreadHandle:
 
     def start(self) -> None:
         self._thread.start()
+
+    def send_tokenizer_class(self, name: str | None) -> None:
+        with contextlib.suppress(OSError):
+            self.ready.send(name)
 
     @property
     def sentinel(self) -> Connection:
@@ -601,6 +638,8 @@ class _ThreadHandle:
             component = self._component
         if component is not None:
             component.stop()
+        elif self.spec.kind == "detokenizer":
+            self.send_tokenizer_class(None)  # it may still wait for its class: stop that
 
     def join(self, timeout: float) -> None:
         if self._thread.ident is not None:
@@ -626,14 +665,16 @@ class ComponentTree:
     """The components of one server or Engine: every scheduler rank and the Detokenizer.
 
     They run as spawned processes, or as threads of this process with
-    ``launch_mode="thread"``. ``transport``, ``port_args`` and ``classes`` are
-    what the caller's TokenizerManager is built on, before ``start()``.
+    ``launch_mode="thread"``. The caller builds its TokenizerManager, an instance
+    of ``tokenizer_manager_class``, on ``transport`` and ``port_args`` before
+    ``start()``.
     """
 
     def __init__(self, server_args: ServerArgs, num_ranks: int | None = None) -> None:
         check_launch_args(server_args)
         self.server_args = server_args
-        self.classes = component_classes(server_args)
+        check_component_classes(server_args)
+        self.tokenizer_manager_class = component_class(server_args, "tokenizer_manager")
         self.transport = create_transport(server_args.transport,
                                           **transport_options(server_args))
         if server_args.launch_mode == "process":
@@ -654,6 +695,9 @@ class ComponentTree:
         self.handles: list[_ProcessHandle | _ThreadHandle] = []
         # Each scheduler's ready message, by (replica, rank).
         self.scheduler_infos: dict[tuple[int, int], dict[str, Any]] = {}
+        # The class AutoTokenizer picked in the first Scheduler that is ready: the
+        # Detokenizers and this process load it directly, without importing torch.
+        self.tokenizer_class: concurrent.futures.Future[str] = concurrent.futures.Future()
         self._wake_reader, self._wake_writer = mp.Pipe(duplex=False)
         self._stop_lock = threading.Lock()
         self._stopping = False  # set first, so that wait_for_death reads a stop as no death
@@ -721,7 +765,26 @@ class ComponentTree:
             raise ComponentError(f"the {handle.spec.name} failed to start: {payload}")
         if handle.spec.kind == "scheduler":
             self.scheduler_infos[handle.spec.replica, handle.spec.rank] = payload
+            if "tokenizer_class" in payload and not self.tokenizer_class.done():
+                self._hand_out_tokenizer_class(payload["tokenizer_class"])
         return True
+
+    def _hand_out_tokenizer_class(self, name: str) -> None:
+        self.tokenizer_class.set_result(name)
+        for handle in self.handles:
+            if handle.spec.kind == "detokenizer":
+                handle.send_tokenizer_class(name)
+
+    def start_loading_tokenizer(self) -> concurrent.futures.Future[Any]:
+        """The caller's tokenizer (``start_loading_tokenizer``), to ask for before ``start()``.
+
+        With processes it loads, on a thread, the class the first Scheduler
+        reports, once it does: this process then never imports torch. With
+        threads, which import transformers themselves, it loads first, here.
+        """
+        args = self.server_args
+        known = self.tokenizer_class if args.launch_mode == "process" else None
+        return start_loading_tokenizer(args.resolved_tokenizer_path(), args.chat_template, known)
 
     def wait_for_death(self) -> str | None:
         """Block until a component ends; say which and how. ``None`` once ``stop()`` began."""
@@ -745,6 +808,9 @@ class ComponentTree:
             if self._stopped:
                 return
             self._stopped = True
+            if not self.tokenizer_class.done():  # ends a load still waiting for the class
+                self.tokenizer_class.set_exception(
+                    ComponentError("the components stopped before a Scheduler was ready"))
             self._wake_writer.close()  # wakes wait_for_death
             for handle in self.handles:
                 handle.request_stop()

@@ -11,7 +11,6 @@ from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 
 from framework.config import ServerArgs
-from framework.runtime.hf_tokenizer import start_loading_tokenizer
 from framework.runtime.launch import (
     ComponentTree,
     apply_scheduler_info,
@@ -40,13 +39,9 @@ async def _serve(server_args: ServerArgs) -> int:
     manager = None
     try:
         model_path = server_args.resolved_model_path()
-        # Loaded while the component processes start (seconds of imports in this fresh
-        # process); first, when the components are threads of this one.
-        tokenizer = start_loading_tokenizer(server_args.resolved_tokenizer_path(),
-                                            server_args.chat_template,
-                                            background=server_args.launch_mode == "process")
+        tokenizer = components.start_loading_tokenizer()
         # The TokenizerManager binds its receivers before the components connect to them.
-        manager = components.classes.tokenizer_manager(server_args, components.tokenizer_port_args,
+        manager = components.tokenizer_manager_class(server_args, components.tokenizer_port_args,
                                                        components.transport, tokenizer)
         info = await asyncio.to_thread(components.start)
         await asyncio.wrap_future(tokenizer)  # a tokenizer that fails to load ends start-up
@@ -86,12 +81,16 @@ async def _run_http(server_args: ServerArgs, state: ServerState,
     config = HypercornConfig()
     config.bind = [f"{_host(server_args.host)}:{server_args.port}"]
     config.accesslog = None
+    # Hypercorn's default listen backlog (100) overflows when hundreds of clients connect at
+    # once; the kernel then drops or resets connections before the server sees them.
+    config.backlog = _LISTEN_BACKLOG
     # On shutdown Hypercorn stops listening at once and waits this long for the requests in
     # flight; the components run until it returns, so those requests can finish.
     config.graceful_timeout = server_args.graceful_shutdown_timeout
     config.loglevel = "WARNING"
     base = f"http://{_host(server_args.host)}:{server_args.port}"
-    print(_startup_banner(server_args, state, base), flush=True)
+    backend = components.scheduler_info["attention_backend"]
+    print(_startup_banner(server_args, state, base, backend), flush=True)
     try:
         await hypercorn_serve(build_app(state), config, shutdown_trigger=shutdown.wait)
     finally:
@@ -100,11 +99,15 @@ async def _run_http(server_args: ServerArgs, state: ServerState,
     return exit_code
 
 
+_LISTEN_BACKLOG = 2048
+
+
 def _host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def _startup_banner(args: ServerArgs, state: ServerState, base: str) -> str:
+def _startup_banner(args: ServerArgs, state: ServerState, base: str,
+                    attention_backend: str) -> str:
     example: dict[str, Any] = {"model": state.model_name, "prompt": "def fibonacci(n):",
                                "max_tokens": 32}
     import json
@@ -114,7 +117,7 @@ def _startup_banner(args: ServerArgs, state: ServerState, base: str) -> str:
     return (
         f"framework is serving {state.model_name} at {base} "
         f"(transport {args.transport}, codec {args.codec}, "
-        f"attention backend {args.attention_backend})\n"
+        f"attention backend {attention_backend})\n"
         f"  try: curl {base}/v1/completions -H 'Content-Type: application/json'{auth} "
         f"-d '{json.dumps(example)}'"
     )

@@ -221,7 +221,8 @@ def test_bad_input_is_a_400_with_an_openai_error(client: httpx.Client) -> None:
     assert response.json()["error"]["code"] == "model_not_found"
 
 
-def test_operational_endpoints(client: httpx.Client, checkpoints: tuple) -> None:
+def test_operational_endpoints(client: httpx.Client, server: ServerProcess,
+                               checkpoints: tuple) -> None:
     assert client.get("/health").status_code == 200
     assert client.get("/health_generate").status_code == 200
     models = client.get("/v1/models").json()
@@ -232,8 +233,26 @@ def test_operational_endpoints(client: httpx.Client, checkpoints: tuple) -> None
     server_info = client.get("/get_server_info").json()
     assert server_info["stream_interval"] == STREAM_INTERVAL
     assert server_info["scheduler"]["kv_cache_idle_and_free"] is True
+    # The start-up banner names the backend the runtime chose, not the setting ("auto").
+    backend = server_info["scheduler"]["attention_backend"]
+    assert backend in ("cpu", "torch")
+    assert f"attention backend {backend})" in server.log()
     assert client.post("/flush_cache").json()["success"] is True
     assert client.post("/abort_request", json={"rid": "no-such-request"}).status_code == 200
+
+
+def test_only_the_scheduler_process_loads_torch(client: httpx.Client,
+                                                server: ServerProcess) -> None:
+    # The HTTP process and the Detokenizer need a tokenizer, not torch: importing it there
+    # would cost each of them seconds of start-up and hundreds of MB.
+    scheduler_pid = client.get("/get_server_info").json()["scheduler"]["pid"]
+    processes = [server.proc.pid] + [
+        pid for pid in server.children()
+        if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert scheduler_pid in processes and len(processes) == 3
+    loads_torch = {pid: "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+                   for pid in processes}
+    assert loads_torch == {pid: pid == scheduler_pid for pid in processes}
 
 
 def test_client_disconnect_aborts_and_frees_kv(client: httpx.Client) -> None:

@@ -8,7 +8,10 @@ and no chunk but the last ends in a half-made character.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +33,11 @@ from framework.messages import (
     RequestConstants,
 )
 from framework.runtime.detokenizer import Detokenizer
-from framework.runtime.hf_tokenizer import load_tokenizer, start_loading_tokenizer
+from framework.runtime.hf_tokenizer import (
+    load_tokenizer,
+    start_loading_tokenizer,
+    tokenizer_class_path,
+)
 from framework.runtime.incremental_decoder import REPLACEMENT_CHAR, IncrementalDecoder
 from tests.chunks import split
 from tests.message_strategies import token_id_outputs
@@ -638,20 +645,68 @@ def test_load_tokenizer_refuses_a_missing_directory(tmp_path: Path) -> None:
         load_tokenizer(str(tmp_path / "absent"))
 
 
-def test_a_tokenizer_loads_in_the_background_but_a_bad_path_is_refused_at_once(
+def test_a_tokenizer_loads_once_its_class_is_known_but_a_bad_path_is_refused_at_once(
         tmp_path: Path) -> None:
+    def known_class() -> concurrent.futures.Future[str]:
+        return concurrent.futures.Future()
+
     with pytest.raises(ValueError, match="not a directory"):
-        start_loading_tokenizer(str(tmp_path / "absent"))
+        start_loading_tokenizer(str(tmp_path / "absent"), tokenizer_class=known_class())
     with pytest.raises(ValueError, match="no tokenizer files"):
-        start_loading_tokenizer(str(tmp_path))
+        start_loading_tokenizer(str(tmp_path), tokenizer_class=known_class())
     default = str(Path(framework.default_model.__file__).parent)
-    loading = start_loading_tokenizer(default)
-    assert loading.result(timeout=120).encode("def f():") == load_tokenizer(default).encode(
-        "def f():")
+    picked = load_tokenizer(default)
+    tokenizer_class = known_class()
+    loading = start_loading_tokenizer(default, tokenizer_class=tokenizer_class)
+    assert not loading.done()  # it waits for the class
+    tokenizer_class.set_result(tokenizer_class_path(picked))
+    assert loading.result(timeout=120).encode("def f():") == picked.encode("def f():")
+    # Start-up failed before a Scheduler reported the class: the load ends with that error.
+    tokenizer_class = known_class()
+    loading = start_loading_tokenizer(default, tokenizer_class=tokenizer_class)
+    tokenizer_class.set_exception(RuntimeError("the scheduler failed to start"))
+    with pytest.raises(RuntimeError, match="failed to start"):
+        loading.result(timeout=120)
     (tmp_path / "tokenizer.json").write_text("not json")
-    broken = start_loading_tokenizer(str(tmp_path))  # found, but fails to load: later
+    tokenizer_class = known_class()
+    broken = start_loading_tokenizer(str(tmp_path), tokenizer_class=tokenizer_class)
+    tokenizer_class.set_result(tokenizer_class_path(picked))  # found, but fails to load: later
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
         broken.result(timeout=120)
+
+
+@pytest.mark.parametrize("fixture", ["gpt2_dir", "saved_llama", "default_model"])
+def test_a_tokenizer_loads_as_the_class_autotokenizer_picked(
+        fixture: str, request: pytest.FixtureRequest, llama: Any, tmp_path: Path) -> None:
+    # What the Detokenizer and the HTTP process do with the class the Scheduler reports.
+    if fixture == "saved_llama":
+        directory = str(tmp_path)
+        llama.save_pretrained(directory)
+    elif fixture == "default_model":
+        directory = str(Path(framework.default_model.__file__).parent)
+    else:
+        directory = str(request.getfixturevalue(fixture))
+    picked = load_tokenizer(directory)
+    loaded = load_tokenizer(directory, tokenizer_class=tokenizer_class_path(picked))
+    assert type(loaded) is type(picked)
+    text = "Hello 日本語 🧑‍🚀\n    code <|endoftext|> </s>"
+    assert loaded.encode(text) == picked.encode(text)
+    assert loaded.decode(loaded.encode(text)) == picked.decode(picked.encode(text))
+
+
+def test_a_tokenizer_of_a_known_class_loads_without_torch() -> None:
+    # The HTTP process and the Detokenizer load one: torch would add seconds to their start
+    # (AutoTokenizer imports it through transformers' model configurations).
+    default = str(Path(framework.default_model.__file__).parent)
+    name = tokenizer_class_path(load_tokenizer(default))
+    code = ("import sys\n"
+            "from framework.runtime.hf_tokenizer import load_tokenizer\n"
+            f"assert load_tokenizer({default!r}, tokenizer_class={name!r}).encode('def f():')\n"
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True"]
 
 
 def test_load_tokenizer_reports_broken_files(tmp_path: Path) -> None:
