@@ -48,6 +48,12 @@ def tokenizer_class_path(tokenizer: Any) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+def import_transformers() -> None:
+    """Import transformers' top-level module: most of what a tokenizer load costs a fresh
+    process (a second), done while waiting for the class to load."""
+    import transformers  # noqa: F401
+
+
 def start_loading_tokenizer(
         path: str, chat_template: str | None = None,
         tokenizer_class: concurrent.futures.Future[str] | None = None,
@@ -75,6 +81,7 @@ def start_loading_tokenizer(
 
     def load() -> None:
         try:
+            import_transformers()  # meanwhile
             future.set_result(load_tokenizer(path, chat_template, known_class.result()))
         except BaseException as exc:  # handed to whoever waits on the future
             future.set_exception(exc)

@@ -56,7 +56,7 @@ from typing import Any, NoReturn
 from framework.config import PortArgs, ServerArgs
 from framework.distributed.config import ParallelConfig
 from framework.registry import create_transport, import_dotted
-from framework.runtime.hf_tokenizer import start_loading_tokenizer
+from framework.runtime.hf_tokenizer import import_transformers, start_loading_tokenizer
 
 logger = logging.getLogger("framework.launch")
 
@@ -324,6 +324,7 @@ def build_component(spec: ComponentSpec, server_args: ServerArgs, port_args: Por
         return _build_scheduler(component_class(server_args, "scheduler"), spec, server_args,
                                 port_args, transport)
     if spec.kind == "detokenizer":
+        import_transformers()  # while the Scheduler starts
         tokenizer_class = launcher.recv()
         if tokenizer_class is None:
             raise _StoppedBeforeStart
