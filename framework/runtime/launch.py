@@ -450,6 +450,12 @@ def _child_setup(server_args: ServerArgs) -> None:
                         format="[%(asctime)s %(processName)s] %(levelname)s %(message)s")
     # The parent handles Ctrl-C and stops its children; a child just follows SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # tqdm's default lock (for the weight loader's progress bar) is a multiprocessing RLock:
+    # a named semaphore, which a child ending with ``os._exit`` never unlinks (the resource
+    # tracker then warns of a leak). This process's bars are its own: a thread lock does.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def _report_start_failure(ready: Connection, name: str, exc: Exception) -> NoReturn:
