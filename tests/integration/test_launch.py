@@ -8,6 +8,7 @@ channel directory.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -177,6 +178,19 @@ def test_a_scheduler_that_fails_to_start_is_a_clear_error_and_leaves_nothing(
         assert list(channels.iterdir()) == []
     finally:
         shutil.rmtree(channels, ignore_errors=True)
+
+
+def test_a_failed_start_in_thread_mode_ends_the_detokenizer_waiting_for_its_class(
+        model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # The Detokenizer waits for the tokenizer class a Scheduler reports; none ever will, and
+    # the stop must end that wait rather than give up on the thread at its deadline.
+    before = set(threading.enumerate())
+    with caplog.at_level(logging.WARNING, logger="framework.launch"), \
+            pytest.raises(ComponentError, match="broken on purpose"):
+        Engine(model_path=str(model_dir), launch_mode="thread",
+               scheduler_class=f"{__name__}.BrokenScheduler", **QUIET)
+    assert "did not stop in time" not in caplog.text
+    assert not [t for t in set(threading.enumerate()) - before if t.name == "detokenizer"]
 
 
 @pytest.mark.timeout(120)  # a liveness bound: the failure must come, not hang
