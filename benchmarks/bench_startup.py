@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 
 from framework.bench.environment import git_commit, machine_description
+from framework.bench.soak import process_tree, rss_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,26 +43,13 @@ def free_port() -> int:
 
 def children(pid: int) -> list[int]:
     """Direct children of ``pid``, but Python's resource tracker."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid and b"resource_tracker" not in cmdline:
-            found.append(int(entry.name))
-    return found
+    return [child for child in process_tree(pid)[1:]
+            if b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes()]
 
 
 def process_facts(pid: int) -> dict[str, Any]:
     """Resident memory (MiB) and whether torch's library is mapped."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    rss_kib = next(int(line.split()[1]) for line in status.splitlines()
-                   if line.startswith("VmRSS:"))
-    return {"rss_mib": round(rss_kib / 1024, 1),
+    return {"rss_mib": round((rss_bytes(pid) or 0) / 2**20, 1),
             "torch_loaded": "libtorch" in Path(f"/proc/{pid}/maps").read_text()}
 
 
