@@ -100,7 +100,7 @@ class Engine:
         tokenizer = components.start_loading_tokenizer()
         # The TokenizerManager binds its receivers before the components connect to them.
         manager = components.tokenizer_manager_class(args, components.tokenizer_port_args,
-                                                       components.transport, tokenizer)
+                                                     components.transport, tokenizer)
         self.tokenizer_manager = manager
         apply_scheduler_info(manager, components.start())
         tokenizer.result()  # a tokenizer that fails to load ends start-up

@@ -49,8 +49,10 @@ def tokenizer_class_path(tokenizer: Any) -> str:
 
 
 def import_transformers() -> None:
-    """Import transformers' top-level module: most of what a tokenizer load costs a fresh
-    process (a second), done while waiting for the class to load."""
+    """Import transformers' top-level module, while the class to load is not yet known.
+
+    It is most of what a tokenizer load costs a fresh process (about a second).
+    """
     import transformers  # noqa: F401
 
 

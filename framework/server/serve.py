@@ -20,6 +20,8 @@ from framework.runtime.launch import (
 from framework.server.app import ServerState, build_app
 
 logger = logging.getLogger("framework.serve")
+# Connections the kernel queues for the server to accept (see _run_http).
+_LISTEN_BACKLOG = 2048
 
 
 def run_server(server_args: ServerArgs) -> int:
@@ -42,7 +44,7 @@ async def _serve(server_args: ServerArgs) -> int:
         tokenizer = components.start_loading_tokenizer()
         # The TokenizerManager binds its receivers before the components connect to them.
         manager = components.tokenizer_manager_class(server_args, components.tokenizer_port_args,
-                                                       components.transport, tokenizer)
+                                                     components.transport, tokenizer)
         info = await asyncio.to_thread(components.start)
         await asyncio.wrap_future(tokenizer)  # a tokenizer that fails to load ends start-up
         apply_scheduler_info(manager, info)
@@ -97,9 +99,6 @@ async def _run_http(server_args: ServerArgs, state: ServerState,
         shutdown.set()
         watcher.cancel()
     return exit_code
-
-
-_LISTEN_BACKLOG = 2048
 
 
 def _host(host: str) -> str:
