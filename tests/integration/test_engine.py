@@ -29,6 +29,11 @@ PROMPTS = [
 ]
 NEW_TOKENS = 32
 GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+# For the tests of what the Scheduler and the model compute rather than of the launch: the
+# components as threads of this process, which start in a fraction of a second instead of
+# seconds of imports. The module's shared Engine, the launch tests and every server test
+# run them as processes.
+IN_THREADS = {"launch_mode": "thread"}
 
 
 def transformers_greedy(model_dir: Path, prompt_ids: list[int],
@@ -53,7 +58,7 @@ def transformers_greedy(model_dir: Path, prompt_ids: list[int],
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_batched_greedy_matches_transformers(arch: str, tmp_path: Path) -> None:
     model_dir = make_tiny_checkpoint(tmp_path, arch, seed=3)
-    with Engine(model_path=str(model_dir), chunked_prefill_size=64) as engine:
+    with Engine(model_path=str(model_dir), chunked_prefill_size=64, **IN_THREADS) as engine:
         outputs = engine.generate(PROMPTS, GREEDY, return_logprob=True)
         assert engine.get_server_info()["kv_cache_idle_and_free"] is True
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
@@ -84,7 +89,7 @@ def reference(engine: Engine) -> list[dict[str, Any]]:
 
 
 def test_prompts_are_prefilled_together_then_decoded_together(llama_dir: Path) -> None:
-    with Engine(model_path=str(llama_dir)) as eng:
+    with Engine(model_path=str(llama_dir), **IN_THREADS) as eng:
         eng.generate(PROMPTS, GREEDY)
         info = eng.get_server_info()
     # A prefill step takes every prompt that has arrived (the first step may see only some),
@@ -111,7 +116,7 @@ def test_input_ids_are_accepted(engine: Engine, reference: list) -> None:
 @pytest.mark.parametrize("chunk", [3, 7])
 def test_chunked_prefill_gives_the_same_tokens(llama_dir: Path, reference: list,
                                                chunk: int) -> None:
-    with Engine(model_path=str(llama_dir), chunked_prefill_size=chunk) as eng:
+    with Engine(model_path=str(llama_dir), chunked_prefill_size=chunk, **IN_THREADS) as eng:
         outputs = eng.generate(PROMPTS, GREEDY)
         assert eng.get_server_info()["kv_cache_idle_and_free"] is True
     assert [o["output_ids"] for o in outputs] == [r["output_ids"] for r in reference]
@@ -121,7 +126,7 @@ def test_retraction_under_memory_pressure_gives_the_same_tokens(llama_dir: Path,
                                                                 reference: list) -> None:
     # Too little KV cache for all eight requests at full length: some are retracted
     # and prefilled again later.
-    with Engine(model_path=str(llama_dir), max_total_tokens=160) as eng:
+    with Engine(model_path=str(llama_dir), max_total_tokens=160, **IN_THREADS) as eng:
         outputs = eng.generate(PROMPTS, GREEDY)
         info = eng.get_server_info()
     assert [o["output_ids"] for o in outputs] == [r["output_ids"] for r in reference]
@@ -188,7 +193,7 @@ def test_eos_ends_generation_unless_ignored(reference: list, tmp_path: Path) -> 
     ids = reference[1]["output_ids"]
     eos = ids[4]
     model_dir = make_tiny_checkpoint(tmp_path, "llama", seed=5, eos_token_id=eos)
-    with Engine(model_path=str(model_dir)) as eng:
+    with Engine(model_path=str(model_dir), **IN_THREADS) as eng:
         stopped = eng.generate(PROMPTS[1], {**GREEDY, "ignore_eos": False})
         ignored = eng.generate(PROMPTS[1], GREEDY)
         held = eng.generate(PROMPTS[1], {**GREEDY, "ignore_eos": False,

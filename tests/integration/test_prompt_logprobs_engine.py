@@ -36,7 +36,10 @@ def reference_model(llama_dir: Path) -> Any:
 
 @pytest.fixture(scope="module", params=[8, 4096], ids=["chunked", "whole"])
 def engine(request: pytest.FixtureRequest, llama_dir: Path) -> Iterator[Engine]:
-    with Engine(model_path=str(llama_dir), chunked_prefill_size=request.param) as eng:
+    # Threads of this process: what is computed does not depend on the launch, which the
+    # server tests cover as processes.
+    with Engine(model_path=str(llama_dir), chunked_prefill_size=request.param,
+                launch_mode="thread") as eng:
         yield eng
 
 
