@@ -12,6 +12,8 @@ both backends.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +172,22 @@ def test_a_build_is_kept_per_machine_and_reused(tmp_path: Path,
     assert built.stat().st_mtime_ns == stamp, "a cached build is not compiled again"
     monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path))
     assert native_build.library_path("c++").parent == tmp_path
+
+
+def test_loading_the_kernels_leaves_the_process_s_float_mode_alone() -> None:
+    # Linked with -ffast-math, the library would bring crtfastmath.o, whose constructor sets
+    # flush-to-zero and denormals-are-zero for the whole process: a denormal would then
+    # read as 0 in every later torch (and numpy) computation. The mode cannot be undone in
+    # a process, so a fresh one loads the kernels.
+    code = ("import torch\n"
+            "from framework.layers.attention.native_build import load_cpu_kernels\n"
+            "assert load_cpu_kernels() is not None\n"
+            "tiny = torch.tensor([1e-40])\n"
+            "print((tiny * 1.0).item() > 0, (tiny + 0.0).item() > 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True"]
 
 
 def test_auto_picks_the_cpu_backend_for_float32_on_a_cpu_and_torch_elsewhere() -> None:

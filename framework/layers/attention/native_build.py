@@ -31,8 +31,12 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 #: ``-ffast-math`` lets the compiler vectorise the softmax's sums
 #: (it reorders them, as every batched kernel does); ``-fopenmp`` is needed by
 #: ``at::parallel_for``, which then runs on torch's own OpenMP threads.
-CXX_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared",
-             "-std=c++20")
+CXX_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++20")
+#: The link is a step of its own, without ``-ffast-math``: given it, a driver (GCC before
+#: 13, some Clangs) links ``crtfastmath.o``, whose constructor turns on flush-to-zero and
+#: denormals-are-zero for the whole process that loads the library, changing every
+#: float computation there, torch's and the caller's.
+LINK_FLAGS = ("-shared", "-fopenmp")
 #: Where built kernels are kept (default: ``~/.cache/framework/kernels``).
 CACHE_ENV = "FRAMEWORK_KERNEL_CACHE"
 
@@ -64,21 +68,25 @@ def _cpu_identity() -> str:
     return "\n".join(f"{key}: {seen[key]}" for key in wanted if key in seen)
 
 
-def _compile_command(compiler: str, output: Path) -> list[str]:
+def _build_commands(compiler: str, output: Path, obj: Path) -> list[list[str]]:
+    """Compile ``SOURCE`` to ``obj``, then link ``obj`` into the library ``output``."""
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     includes = [f"-I{path}" for path in cpp_extension.include_paths()]
     lib_dirs = cpp_extension.library_paths()
     links = [f"-L{path}" for path in lib_dirs] + [f"-Wl,-rpath,{path}" for path in lib_dirs]
-    return [compiler, *CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCE),
-            "-o", str(output), *links, "-lc10", "-ltorch_cpu"]
+    return [
+        [compiler, *CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, "-c", str(SOURCE),
+         "-o", str(obj)],
+        [compiler, *LINK_FLAGS, str(obj), "-o", str(output), *links, "-lc10", "-ltorch_cpu"],
+    ]
 
 
 def library_path(compiler: str) -> Path:
     """Where the kernels built by ``compiler`` for this machine and torch live."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CXX_FLAGS).encode(), compiler.encode(),
+    for part in (SOURCE.read_bytes(), " ".join(CXX_FLAGS + LINK_FLAGS).encode(), compiler.encode(),
                  torch.__version__.encode(), platform.machine().encode(), _cpu_identity().encode()):
         key.update(part)
         key.update(b"\0")
@@ -96,15 +104,17 @@ def build(compiler: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so.partial", dir=target.parent)
     os.close(fd)
+    obj = partial.removesuffix(".so.partial") + ".o.partial"
     try:
-        done = subprocess.run(_compile_command(compiler, Path(partial)), capture_output=True,
-                              text=True, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        for command in _build_commands(compiler, Path(partial), Path(obj)):
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
         os.replace(partial, target)
     finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+        for leftover in (partial, obj):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     return target
 
 
