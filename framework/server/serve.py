@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Any
-
-from hypercorn.asyncio import serve as hypercorn_serve
-from hypercorn.config import Config as HypercornConfig
+import threading
+from typing import TYPE_CHECKING, Any
 
 from framework.config import ServerArgs
 from framework.runtime.launch import (
@@ -17,7 +15,9 @@ from framework.runtime.launch import (
     run_ranks_only,
     set_torch_threads,
 )
-from framework.server.app import ServerState, build_app
+
+if TYPE_CHECKING:
+    from framework.server.app import ServerState
 
 logger = logging.getLogger("framework.serve")
 # Connections the kernel queues for the server to accept (see _run_http).
@@ -45,10 +45,15 @@ async def _serve(server_args: ServerArgs) -> int:
         # The TokenizerManager binds its receivers before the components connect to them.
         manager = components.tokenizer_manager_class(server_args, components.tokenizer_port_args,
                                                      components.transport, tokenizer)
+        # The app and Hypercorn (a third of a second of imports) load while the components
+        # start, not before: the import below then finds them loaded, or waits for them.
+        threading.Thread(target=_import_http_stack, name="import-http", daemon=True).start()
         info = await asyncio.to_thread(components.start)
         await asyncio.wrap_future(tokenizer)  # a tokenizer that fails to load ends start-up
         apply_scheduler_info(manager, info)
         manager.start()
+        from framework.server.app import ServerState
+
         state = ServerState(
             tokenizer_manager=manager, server_args=server_args,
             model_name=server_args.served_model_name or model_path, model_path=model_path,
@@ -61,8 +66,19 @@ async def _serve(server_args: ServerArgs) -> int:
             await manager.close()
 
 
+def _import_http_stack() -> None:
+    import hypercorn.asyncio  # noqa: F401
+
+    import framework.server.app  # noqa: F401
+
+
 async def _run_http(server_args: ServerArgs, state: ServerState,
                     components: ComponentTree) -> int:
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config as HypercornConfig
+
+    from framework.server.app import build_app
+
     loop = asyncio.get_running_loop()
     shutdown = asyncio.Event()
     exit_code = 0
