@@ -506,6 +506,12 @@ def _describe_exit(code: int | None) -> str:
     return f"with code {code}"
 
 
+def _send_tokenizer_class(handle: _ProcessHandle | _ThreadHandle, name: str | None) -> None:
+    """Hand a Detokenizer its tokenizer class (``None``: stop waiting for one)."""
+    with contextlib.suppress(OSError):  # a component that died is reported by its sentinel
+        handle.ready.send(name)
+
+
 class _ProcessHandle:
     """One component in a spawned process."""
 
@@ -519,10 +525,6 @@ class _ProcessHandle:
     def start(self) -> None:
         self.process.start()
         self._child_end.close()  # the child holds the other copy: EOF once it exits
-
-    def send_tokenizer_class(self, name: str) -> None:
-        with contextlib.suppress(OSError):  # a child that died is reported by its sentinel
-            self.ready.send(name)
 
     @property
     def sentinel(self) -> int:
@@ -617,10 +619,6 @@ class _ThreadHandle:
     def start(self) -> None:
         self._thread.start()
 
-    def send_tokenizer_class(self, name: str | None) -> None:
-        with contextlib.suppress(OSError):
-            self.ready.send(name)
-
     @property
     def sentinel(self) -> Connection:
         return self._done_reader
@@ -646,7 +644,7 @@ class _ThreadHandle:
         if component is not None:
             component.stop()
         elif self.spec.kind == "detokenizer":
-            self.send_tokenizer_class(None)  # it may still wait for its class: stop that
+            _send_tokenizer_class(self, None)  # it may still wait for its class: stop that
 
     def join(self, timeout: float) -> None:
         if self._thread.ident is not None:
@@ -780,7 +778,7 @@ class ComponentTree:
         self.tokenizer_class.set_result(name)
         for handle in self.handles:
             if handle.spec.kind == "detokenizer":
-                handle.send_tokenizer_class(name)
+                _send_tokenizer_class(handle, name)
 
     def start_loading_tokenizer(self) -> concurrent.futures.Future[Any]:
         """The caller's tokenizer (``start_loading_tokenizer``), to ask for before ``start()``.
