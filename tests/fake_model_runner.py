@@ -69,6 +69,7 @@ class FakeModelRunner:
         self.device = CPU
         self.dtype = torch.float32
         self.attention_backend = "none (fake model runner)"
+        self.linear_backend = "none (fake model runner)"
         self.pools = KVCachePools.build(
             max_total_tokens=max_total_tokens, max_requests=max_requests,
             context_len=context_len, dtype=torch.float32, num_kv_heads=1, head_dim=1,

@@ -178,8 +178,9 @@ class OfflineBenchResult:
     #: The Engine's best run: its Scheduler's step seconds and model forward seconds.
     engine_step_seconds: float = 0.0
     engine_forward_seconds: float = 0.0
-    #: The Engine's attention backend (``auto`` resolved).
+    #: The Engine's attention and linear backends (``auto`` resolved).
     attention_backend: str = ""
+    linear_backend: str = ""
     paths: list[Path] = field(default_factory=list)
 
     @property
@@ -331,7 +332,9 @@ class EngineSide:
         self.outputs: list[list[int]] = []
         #: Per run: the Scheduler's (step seconds, model forward seconds) during it.
         self.step_split: list[tuple[float, float]] = []
-        self.attention_backend: str = self.engine.get_server_info()["attention_backend"]
+        info = self.engine.get_server_info()
+        self.attention_backend: str = info["attention_backend"]
+        self.linear_backend: str = info["linear_backend"]
 
     def _scheduler_seconds(self) -> tuple[float, float]:
         info = self.engine.get_server_info()
@@ -433,11 +436,17 @@ class CeilingSide:
     ``output_len - 1`` decode steps of ``num_prompts`` rows. ``decode_ceiling``
     is the decode steps alone, ``output_len`` of them: a bound on the decode
     phase, not on the job.
+
+    The products run on ``linear_backend``, the Engine's: with ``onednn``, on
+    weights packed here once (the transformers side keeps its own).
     """
 
     def __init__(self, hf_model: Any, settings: OfflineBenchSettings, *,
-                 with_prefill: bool, prefill_chunk: int = 2048) -> None:
+                 with_prefill: bool, prefill_chunk: int = 2048,
+                 linear_backend: str = "torch") -> None:
         import torch
+
+        from framework.layers.linear_kernel import pack_weight
 
         self.name = "ceiling" if with_prefill else "decode_ceiling"
         self.settings = settings
@@ -447,24 +456,39 @@ class CeilingSide:
         self.norm = hf_model.model.norm
         self.lm_head = hf_model.lm_head
         self.hidden_size = hf_model.config.hidden_size
+        #: id(nn.Linear) -> its weight packed for the onednn backend.
+        self.packed: dict[int, Any] = {}
+        if linear_backend == "onednn":
+            self.packed = {id(m): pack_weight(m.weight) for m in hf_model.modules()
+                           if isinstance(m, torch.nn.Linear)}
         generator = torch.Generator().manual_seed(settings.seed)
         self.hidden = torch.randn(settings.num_prompts, self.hidden_size, generator=generator).to(
             device=settings.device, dtype=getattr(torch, settings.dtype))
 
+    def _project(self, module: Any, x: Any) -> Any:
+        from framework.layers.linear_kernel import linear
+
+        return linear(x, module.weight, module.bias, self.packed.get(id(module)))
+
     def _layers(self, x: Any) -> Any:
         import torch.nn.functional as F
 
+        project = self._project
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             h = layer.input_layernorm(x)
-            q, _, _ = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-            x = x + attn.o_proj(q)
+            q, _, _ = project(attn.q_proj, h), project(attn.k_proj, h), project(attn.v_proj, h)
+            x = x + project(attn.o_proj, q)
             h = layer.post_attention_layernorm(x)
-            x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+            x = x + project(mlp.down_proj,
+                            F.silu(project(mlp.gate_proj, h)) * project(mlp.up_proj, h))
         return x
 
+    def _head(self, x: Any) -> Any:
+        return self._project(self.lm_head, self.norm(x))
+
     def _step(self, x: Any) -> Any:
-        return self.lm_head(self.norm(self._layers(x)))
+        return self._head(self._layers(x))
 
     def _prefill(self, prompts: list[list[int]]) -> None:
         import torch
@@ -474,7 +498,7 @@ class CeilingSide:
         outputs = [self._layers(rows[start:start + self.prefill_chunk])
                    for start in range(0, total, self.prefill_chunk)]
         last = torch.tensor([len(p) for p in prompts], device=rows.device).cumsum(0) - 1
-        self.lm_head(self.norm(torch.cat(outputs)[last]))
+        self._head(torch.cat(outputs)[last])
 
     def _run(self, prompts: list[list[int]], decode_steps: int) -> None:
         import torch
@@ -583,12 +607,13 @@ def run_benchmark(settings: OfflineBenchSettings, output_dir: str | Path,
 def _measure(settings: OfflineBenchSettings, model_dir: Path, prompts: list[list[int]],
              threads: int, engine_args: dict[str, Any]) -> OfflineBenchResult:
     """Warm every side up, then run them in turn ``repeats`` times."""
-    transformers_side = TransformersSide(model_dir, settings)
-    ceilings = [CeilingSide(transformers_side.model, settings, with_prefill=prefill,
-                            prefill_chunk=engine_args.get("chunked_prefill_size", 2048))
-                for prefill in (True, False)]
     engine = EngineSide(model_dir, settings, threads, engine_args)
     try:
+        transformers_side = TransformersSide(model_dir, settings)
+        ceilings = [CeilingSide(transformers_side.model, settings, with_prefill=prefill,
+                                prefill_chunk=engine_args.get("chunked_prefill_size", 2048),
+                                linear_backend=engine.linear_backend)
+                    for prefill in (True, False)]
         sides: list[BenchSide] = [engine, transformers_side, *ceilings, KVReadSide(settings)]
         for side in sides:
             side.warm_up(prompts)
@@ -612,7 +637,7 @@ def _measure(settings: OfflineBenchSettings, model_dir: Path, prompts: list[list
           f"({best_step:.3f} s of steps, {best_forward:.3f} s in the model)", flush=True)
     return OfflineBenchResult(settings, threads, rows, prompts, engine.outputs,
                               transformers_side.outputs, best_step, best_forward,
-                              engine.attention_backend)
+                              engine.attention_backend, engine.linear_backend)
 
 
 def _format_row(row: OfflineBenchRow) -> str:
@@ -689,9 +714,10 @@ def render_markdown(result: OfflineBenchResult) -> str:
         f"- {result.threads} torch thread(s) on every side; best of {s.repeats} alternating "
         "runs after one warm-up call each",
         f"- engine: one `Engine.generate` call with every prompt, attention backend "
-        f"`{result.attention_backend}`; transformers: `generate` in "
-        f"left-padded batches of {s.hf_batch_size}; ceiling: linear layers, norms and LM head "
-        f"only, on every prompt token (chunks of 2,048 rows), then {s.output_len - 1} steps of "
+        f"`{result.attention_backend}`, linear backend `{result.linear_backend}`; transformers: "
+        f"`generate` in left-padded batches of {s.hf_batch_size}; ceiling: linear layers (on "
+        f"the Engine's linear backend), norms and LM head only, on every prompt token (chunks "
+        f"of 2,048 rows), then {s.output_len - 1} steps of "
         f"{s.num_prompts} rows; decode_ceiling: the same on {s.output_len} steps of "
         f"{s.num_prompts} rows alone (no prefill); kv_read: every decode step's keys and "
         "values read once (a sum over them), nothing else",
@@ -757,6 +783,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                             "(flags given explicitly still apply)")
     parser.add_argument("--attention-backend", default=None, metavar="NAME",
                         help="the Engine's attention backend (default: the server's default)")
+    parser.add_argument("--linear-backend", default=None, choices=("auto", "onednn", "torch"),
+                        help="the linear backend of the Engine and the ceilings (default: "
+                             "the server's default)")
     parser.add_argument("--output", default=DEFAULT_OUTPUT, metavar="DIR",
                         help=f"where the result files go (default: {DEFAULT_OUTPUT})")
 
@@ -772,8 +801,8 @@ def settings_from_args(args: argparse.Namespace) -> OfflineBenchSettings:
 
 def run_from_cli(args: argparse.Namespace) -> int:
     """Entry point of ``framework bench offline``."""
-    engine_args = {} if args.attention_backend is None else {
-        "attention_backend": args.attention_backend}
+    engine_args = {name: getattr(args, name) for name in ("attention_backend", "linear_backend")
+                   if getattr(args, name) is not None}
     result = run_benchmark(settings_from_args(args), args.output, engine_args)
     for path in result.paths:
         print(f"wrote {path}")

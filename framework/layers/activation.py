@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,11 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class GatedActivation(nn.Module):
-    """``act(gate) * up`` for an input laid out as ``[..., gate | up]``."""
+    """``act(gate) * up`` for an input laid out as ``[..., gate | up]``.
+
+    With ``cpu_ops`` bound (``bind_cpu_layer_ops``: float32 on a CPU), SiLU rows
+    run through the native kernel: one pass instead of a SiLU and a product.
+    """
 
     def __init__(self, hidden_act: str = "silu") -> None:
         super().__init__()
@@ -26,9 +31,14 @@ class GatedActivation(nn.Module):
             )
         self.hidden_act = hidden_act
         self._act = _ACTIVATIONS[hidden_act]
+        #: ``torch.ops.framework_cpu`` when bound, else None (the torch operators).
+        self.cpu_ops: Any = None
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``[..., 2 * d] -> [..., d]``."""
+        if (self.cpu_ops is not None and self.hidden_act == "silu" and gate_up.dim() == 2
+                and gate_up.is_contiguous()):
+            return self.cpu_ops.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return self._act(gate) * up
 

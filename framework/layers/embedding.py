@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.layers.linear import TensorParallelGroup, bound_tp_group
+from framework.layers.linear_kernel import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -35,6 +36,9 @@ class VocabParallelEmbedding(nn.Module):
         )
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.tp_group: TensorParallelGroup | None = None
+        #: The table packed for the linear backend when this is the model's output head
+        #: (``pack_linear_weights``); None: ``compute_logits`` takes ``weight`` as it is.
+        self.packed_weight: torch.Tensor | None = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
@@ -70,7 +74,7 @@ class VocabParallelEmbedding(nn.Module):
         This is how a model with tied embeddings projects onto the vocabulary.
         The result is in the weight dtype.
         """
-        logits = F.linear(hidden_states, self.weight)
+        logits = linear(hidden_states, self.weight, None, self.packed_weight)
         if self.tp_size > 1:
             logits = bound_tp_group(self).all_gather(logits, dim=-1)
         return logits[:, : self.num_embeddings]

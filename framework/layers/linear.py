@@ -26,8 +26,9 @@ from collections.abc import Iterator
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from framework.layers.linear_kernel import linear
 
 
 @contextlib.contextmanager
@@ -126,6 +127,9 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(local_output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        #: The weight in the linear backend's packed layout (``pack_linear_weights``);
+        #: None: products take ``weight`` as it is.
+        self.packed_weight: torch.Tensor | None = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
@@ -135,7 +139,7 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply this rank's part of the layer to ``x`` of shape ``[..., in_local]``."""
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
     def extra_repr(self) -> str:
         out_features, in_features = self.weight.shape
@@ -327,7 +331,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer: this rank's partial product, summed over the ranks."""
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = bound_tp_group(self).all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.packed_weight)
+        out = bound_tp_group(self).all_reduce(linear(x, self.weight, None, self.packed_weight))
         # The bias is added once, after the sum, not once per rank.
         return out if self.bias is None else out + self.bias

@@ -94,7 +94,11 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates queries and keys by their absolute positions."""
+    """Rotates queries and keys by their absolute positions.
+
+    With ``cpu_ops`` bound (``bind_cpu_layer_ops``: float32 on a CPU), the
+    rotation runs in the native kernel: one pass, with the same roundings.
+    """
 
     def __init__(self, head_dim: int, rope: RopeConfig) -> None:
         super().__init__()
@@ -105,6 +109,8 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq: torch.Tensor
         # float32 whatever the model dtype; derived, so not a checkpoint weight.
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
+        #: ``torch.ops.framework_cpu`` when bound, else None (the torch operators).
+        self.cpu_ops: Any = None
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -121,6 +127,9 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q`` ``[n, heads * head_dim]`` and ``k`` ``[n, kv_heads * head_dim]``."""
         cos, sin = self.cos_sin(positions, q.dtype)
+        if self.cpu_ops is not None and _rows_of_features(q) and _rows_of_features(k):
+            return (self.cpu_ops.rotary(q, cos, sin, self.head_dim),
+                    self.cpu_ops.rotary(k, cos, sin, self.head_dim))
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -144,3 +153,8 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, rope={self.rope}"
+
+
+def _rows_of_features(x: torch.Tensor) -> bool:
+    """Whether the native kernel reads ``x`` as it is: float32 rows of contiguous features."""
+    return x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1

@@ -31,8 +31,15 @@ from framework.distributed.step_sync import (
     announce_weight_update,
 )
 from framework.layers.attention.base import AttentionBackend, AttentionBackendArgs
+from framework.layers.attention.native_build import load_cpu_kernels
 from framework.layers.attention.radix_attention import bind_attention_backend
-from framework.layers.linear import bind_tp_group
+from framework.layers.embedding import VocabParallelEmbedding
+from framework.layers.linear import LinearBase, bind_tp_group
+from framework.layers.linear_kernel import (
+    PackableLinear,
+    pack_linear_weights,
+    resolve_linear_backend,
+)
 from framework.layers.sampler import Sampler, StepSample, sample_step
 from framework.mem_cache.memory_pool import (
     KVCachePools,
@@ -78,6 +85,37 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
     if name != "auto":
         return name
     return "cpu" if device.type == "cpu" and dtype == torch.float32 else "torch"
+
+
+def matmul_modules(model: torch.nn.Module) -> list[PackableLinear]:
+    """The modules whose weight multiplies inputs: every linear layer, and the output head.
+
+    The head may be the embedding table (tied); a table used only for lookups is left out.
+    """
+    modules: list[PackableLinear] = [m for m in model.modules() if isinstance(m, LinearBase)]
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, VocabParallelEmbedding):
+        modules.append(head)
+    return modules
+
+
+def bind_cpu_layer_ops(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """For float32 on a CPU, give the norms and activations the native kernels; count them.
+
+    Elsewhere, or when the kernels cannot be built (no compiler), nothing is bound
+    and the layers keep their torch operators.
+    """
+    if device.type != "cpu" or dtype != torch.float32:
+        return 0
+    ops = load_cpu_kernels()
+    if ops is None:
+        return 0
+    bound = 0
+    for module in model.modules():
+        if hasattr(module, "cpu_ops"):
+            module.cpu_ops = ops
+            bound += 1
+    return bound
 
 
 def resolve_device(device: str, tp_rank: int = 0) -> torch.device:
@@ -138,6 +176,9 @@ class ModelRunner:
         #: The attention backend's registered name (``auto`` resolved).
         self.attention_backend = resolve_attention_backend(server_args.attention_backend,
                                                            self.device, self.dtype)
+        #: How linear layers multiply (``auto`` resolved): ``onednn`` or ``torch``.
+        self.linear_backend = resolve_linear_backend(server_args.linear_backend, self.device,
+                                                     self.dtype)
         self.model_path = model_path
         self.load_format = server_args.load_format
         self.model = load_model(
@@ -152,6 +193,9 @@ class ModelRunner:
         )
         if parallel is not None:
             bind_tp_group(self.model, parallel.tp)
+        self._pack_linear_weights()
+        #: Whether norms and activations run the native CPU kernels (float32 on a CPU).
+        self.native_layer_ops = bind_cpu_layer_ops(self.model, self.device, self.dtype) > 0
         # Sized after the weights are loaded: on CUDA the KV cache takes a
         # fraction of the memory they leave free.
         self.max_total_num_tokens = self._decide_kv_cache_tokens()
@@ -164,10 +208,16 @@ class ModelRunner:
         #: Each rank's pid and bytes of parameters and of KV cache, in global rank order.
         self.rank_info: list[dict[str, int]] = self._gather_rank_info()
         logger.info(
-            "loaded %s (%s) on %s in %s; KV cache %d tokens; attention backend %s on %d layers",
-            model_path, self.model_config.architecture, self.device, self.dtype,
-            self.max_total_num_tokens, self.attention_backend, bound,
+            "loaded %s (%s) on %s in %s; KV cache %d tokens; attention backend %s on %d layers; "
+            "linear backend %s", model_path, self.model_config.architecture, self.device,
+            self.dtype, self.max_total_num_tokens, self.attention_backend, bound,
+            self.linear_backend,
         )
+
+    def _pack_linear_weights(self) -> None:
+        """With the onednn linear backend, pack the weights just loaded (a no-op otherwise)."""
+        if self.linear_backend == "onednn":
+            pack_linear_weights(matmul_modules(self.model))
 
     def _decide_kv_cache_tokens(self) -> int:
         config = self.model_config
@@ -413,6 +463,7 @@ class ModelRunner:
             load_weights(self.model, model_path, load_format, seed=self.server_args.random_seed)
         except Exception as exc:  # I/O or data errors after the old weights were partly overwritten
             return False, self._restore_after_failed_update(model_path, exc)
+        self._pack_linear_weights()
         self.model_path = model_path
         self.load_format = load_format
         return True, f"weights updated from {model_path}"
@@ -433,4 +484,5 @@ class ModelRunner:
         except Exception as restore_error:  # report both; nothing better can be done here
             logger.error("restoring weights from %s failed: %s", self.model_path, restore_error)
             return f"{message}; restoring the previous weights also failed: {restore_error}"
+        self._pack_linear_weights()
         return f"{message}; the previous weights from {Path(self.model_path)} were restored"

@@ -381,6 +381,7 @@ class Scheduler:
             "context_length": self.context_len,
             "kv_cache_idle_and_free": self.memory_is_free(),
             "attention_backend": self.model_runner.attention_backend,
+            "linear_backend": self.model_runner.linear_backend,
             "device": str(self.model_runner.device),
             "dtype": str(self.model_runner.dtype).removeprefix("torch."),
             "torch_threads": torch.get_num_threads(),

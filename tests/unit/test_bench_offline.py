@@ -22,6 +22,7 @@ from framework.bench.offline import (
     settings_from_args,
 )
 from framework.cli import build_parser
+from framework.layers.linear_kernel import onednn_available
 
 NEAR_TIE = 1e-3  # the project's rule for comparing greedy outputs (docs: DESIGN)
 
@@ -106,6 +107,34 @@ def test_the_ceiling_does_the_jobs_matrix_work_and_the_decode_ceiling_the_steps_
     decode_only = CeilingSide(hf_model, settings, with_prefill=False)
     decode_only.generate(prompts)
     assert seen == [3] * 4 and decode_only.name == "decode_ceiling"
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
+def test_the_ceiling_multiplies_on_the_engine_s_linear_backend(
+        quick_run: tuple[OfflineBenchResult, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``onednn``, every product (7 per layer, and the head) takes a packed weight."""
+    from transformers import AutoModelForCausalLM
+
+    from framework.layers import linear_kernel
+
+    result, model_dir = quick_run
+    assert result.linear_backend == "onednn"  # auto, float32 on a CPU
+    report = (result.paths[0].parent / "offline.md").read_text()
+    assert "linear backend `onednn`" in report
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    plain = CeilingSide(hf_model, result.settings, with_prefill=False)
+    packed = CeilingSide(hf_model, result.settings, with_prefill=False, linear_backend="onednn")
+    assert plain.packed == {}
+    calls: list[bool] = []
+    linear = linear_kernel.linear
+    monkeypatch.setattr(linear_kernel, "linear", lambda x, w, b, p: (
+        calls.append(p is not None), linear(x, w, b, p))[1])
+    with torch.inference_mode():
+        expected = plain._step(plain.hidden)
+        assert calls == [False] * (7 * result.settings.layers + 1)
+        calls.clear()
+        torch.testing.assert_close(packed._step(packed.hidden), expected, atol=1e-4, rtol=1e-4)
+    assert calls == [True] * (7 * result.settings.layers + 1)
 
 
 def test_kv_read_reads_each_decode_step_s_keys_and_values_once(

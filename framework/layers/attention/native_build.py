@@ -1,9 +1,10 @@
-"""Build and load the native CPU attention kernels (``csrc/``) at first use.
+"""Build and load the native CPU kernels (``csrc/``) at first use.
 
-The C++ source is compiled once per machine with the C++ compiler found
+The library holds the attention kernel and the fused norm, activation and
+rotary layers. Its C++ sources are compiled once per machine with the C++ compiler found
 (``$CXX``, else ``c++``), for this CPU (``-march=native``) and against the
 installed torch, into a cache directory keyed by everything that changes the
-binary: the source, the flags, torch's version and the CPU. A build goes to a
+binary: the sources, the flags, torch's version and the CPU. A build goes to a
 temporary file that is renamed into place, so processes building at the same
 time (tensor-parallel ranks, parallel tests) never see half a library and
 never wait on a lock a killed process left behind. Without a compiler, or if
@@ -27,11 +28,22 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-#: ``-ffast-math`` lets the compiler vectorise the softmax's sums
-#: (it reorders them, as every batched kernel does); ``-fopenmp`` is needed by
-#: ``at::parallel_for``, which then runs on torch's own OpenMP threads.
+#: ``-ffast-math`` lets the compiler vectorise the softmax's and the norm's sums (it
+#: reorders them, as every batched kernel does) and SiLU's exponentials; ``-fopenmp`` is
+#: needed by ``at::parallel_for``, which then runs on torch's own OpenMP threads.
 CXX_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++20")
+#: For code that must round exactly as torch's kernels do: no reordering, and no
+#: multiply-add contracted into one rounding (``-ffp-contract=off``).
+EXACT_CXX_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp",
+                   "-fPIC", "-std=c++20")
+_CSRC = Path(__file__).parent / "csrc"
+#: The library's sources, each with its compiler flags: the attention kernel, the fused
+#: norm and activation, and the rotary embedding (bit for bit torch's).
+SOURCES: tuple[tuple[Path, tuple[str, ...]], ...] = (
+    (_CSRC / "paged_attention.cpp", CXX_FLAGS),
+    (_CSRC / "layer_ops.cpp", CXX_FLAGS),
+    (_CSRC / "rotary.cpp", EXACT_CXX_FLAGS),
+)
 #: The link is a step of its own, without ``-ffast-math``: given it, a driver (GCC before
 #: 13, some Clangs) links ``crtfastmath.o``, whose constructor turns on flush-to-zero and
 #: denormals-are-zero for the whole process that loads the library, changing every
@@ -68,25 +80,27 @@ def _cpu_identity() -> str:
     return "\n".join(f"{key}: {seen[key]}" for key in wanted if key in seen)
 
 
-def _build_commands(compiler: str, output: Path, obj: Path) -> list[list[str]]:
-    """Compile ``SOURCE`` to ``obj``, then link ``obj`` into the library ``output``."""
+def _build_commands(compiler: str, output: Path, objs: list[Path]) -> list[list[str]]:
+    """Compile each of ``SOURCES`` to its ``objs``, then link them into the library ``output``."""
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     includes = [f"-I{path}" for path in cpp_extension.include_paths()]
     lib_dirs = cpp_extension.library_paths()
     links = [f"-L{path}" for path in lib_dirs] + [f"-Wl,-rpath,{path}" for path in lib_dirs]
-    return [
-        [compiler, *CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, "-c", str(SOURCE),
-         "-o", str(obj)],
-        [compiler, *LINK_FLAGS, str(obj), "-o", str(output), *links, "-lc10", "-ltorch_cpu"],
-    ]
+    compiles = [[compiler, *flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, "-c",
+                 str(source), "-o", str(obj)]
+                for (source, flags), obj in zip(SOURCES, objs, strict=True)]
+    link = [compiler, *LINK_FLAGS, *map(str, objs), "-o", str(output), *links, "-lc10",
+            "-ltorch_cpu"]
+    return [*compiles, link]
 
 
 def library_path(compiler: str) -> Path:
     """Where the kernels built by ``compiler`` for this machine and torch live."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CXX_FLAGS + LINK_FLAGS).encode(), compiler.encode(),
+    sources = [source.read_bytes() + " ".join(flags).encode() for source, flags in SOURCES]
+    for part in (*sources, " ".join(LINK_FLAGS).encode(), compiler.encode(),
                  torch.__version__.encode(), platform.machine().encode(), _cpu_identity().encode()):
         key.update(part)
         key.update(b"\0")
@@ -104,18 +118,28 @@ def build(compiler: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so.partial", dir=target.parent)
     os.close(fd)
-    obj = partial.removesuffix(".so.partial") + ".o.partial"
+    stem = partial.removesuffix(".so.partial")
+    objs = [f"{stem}.{source.stem}.o.partial" for source, _ in SOURCES]
     try:
-        for command in _build_commands(compiler, Path(partial), Path(obj)):
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        *compiles, link = _build_commands(compiler, Path(partial), [Path(obj) for obj in objs])
+        _run_together(compiles, compiler)  # one compiler per source, on every core
+        _run_together([link], compiler)
         os.replace(partial, target)
     finally:
-        for leftover in (partial, obj):
+        for leftover in (partial, *objs):
             if os.path.exists(leftover):
                 os.unlink(leftover)
     return target
+
+
+def _run_together(commands: list[list[str]], compiler: str) -> None:
+    """Run ``commands`` at once and wait for all; ``RuntimeError`` with a failure's message."""
+    running = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for command in commands]
+    errors = [process.communicate()[1] for process in running]
+    for process, error in zip(running, errors, strict=True):
+        if process.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {error.strip()[-2000:]}")
 
 
 def find_compiler() -> str | None:

@@ -1,0 +1,137 @@
+"""The native CPU norm, activation and rotary kernels, and the layers that use them.
+
+Norm and activation are checked against float64; the rotary kernel must equal the
+torch rotation bit for bit (itself bit for bit transformers', test_llama_models.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework.config import ServerArgs
+from framework.layers.activation import GatedActivation
+from framework.layers.norm import RMSNorm
+from framework.layers.rotary import RopeConfig, RotaryEmbedding
+from framework.model_executor.model_runner import ModelRunner
+from tests.model_fixtures import make_tiny_checkpoint
+from tests.unit.test_attention_cpu import kernels
+
+TOLERANCE = {"atol": 2e-5, "rtol": 2e-5}
+
+
+def norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x64 = x.double()
+    return (weight.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)).float()
+
+
+def rows(count: int, features: int, seed: int) -> torch.Tensor:
+    return torch.randn(count, features, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@pytest.mark.parametrize(("count", "features"), [(0, 256), (1, 64), (17, 256), (300, 100)])
+def test_rms_norm_and_its_residual_form_match_float64(count: int, features: int) -> None:
+    ops = kernels()
+    x, residual = rows(count, features, 0), rows(count, features, 1)
+    weight = rows(1, features, 2)[0]
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), norm_reference(x, weight, 1e-5),
+                               **TOLERANCE)
+    normed, summed = ops.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(summed, x + residual)  # one float addition, exactly torch's
+    torch.testing.assert_close(normed, norm_reference(x + residual, weight, 1e-6), **TOLERANCE)
+
+
+@pytest.mark.parametrize(("count", "width"), [(0, 16), (1, 64), (33, 768), (5, 100)])
+def test_silu_and_mul_matches_float64(count: int, width: int) -> None:
+    gate_up = rows(count, 2 * width, 3)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    expected = (gate * torch.sigmoid(gate) * up).float()
+    torch.testing.assert_close(kernels().silu_and_mul(gate_up), expected, **TOLERANCE)
+
+
+def test_the_kernels_refuse_what_they_cannot_read() -> None:
+    ops = kernels()
+    with pytest.raises(RuntimeError, match="float32 only"):
+        ops.rms_norm(torch.ones(2, 4, dtype=torch.float64), torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.rms_norm(torch.ones(4, 2).T, torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match="weight of 4 features"):
+        ops.rms_norm(torch.ones(2, 4), torch.ones(5), 1e-5)
+    with pytest.raises(RuntimeError, match="differ in shape"):
+        ops.add_rms_norm(torch.ones(2, 4), torch.ones(3, 4), torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match="even number"):
+        ops.silu_and_mul(torch.ones(2, 5))
+
+
+def test_bound_layers_use_the_kernels_and_agree_with_their_torch_form(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ops = kernels()
+    norm, act = RMSNorm(64, eps=1e-5), GatedActivation("silu")
+    torch.nn.init.normal_(norm.weight)
+    x, residual, gate_up = rows(9, 64, 4), rows(9, 64, 5), rows(9, 128, 6)
+    expected_norm, expected_sum = norm(x, residual)
+    expected_act = act(gate_up)
+    norm.cpu_ops = act.cpu_ops = ops
+    calls: list[str] = []
+    for name in ("rms_norm", "add_rms_norm", "silu_and_mul"):
+        kernel = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _k=kernel, _n=name: (calls.append(_n), _k(*a))[1])
+    normed, summed = norm(x, residual)
+    torch.testing.assert_close(normed, expected_norm, **TOLERANCE)
+    assert torch.equal(summed, expected_sum)
+    torch.testing.assert_close(norm(x), norm.forward(x), **TOLERANCE)
+    torch.testing.assert_close(act(gate_up), expected_act, **TOLERANCE)
+    assert calls == ["add_rms_norm", "rms_norm", "rms_norm", "silu_and_mul"]
+    # What the kernels do not take goes to the torch operators.
+    calls.clear()
+    assert norm(x.T.contiguous().T).shape == (9, 64)  # strided rows
+    assert norm(x[None]).shape == (1, 9, 64)  # three dimensions
+    gelu = GatedActivation("gelu")
+    gelu.cpu_ops = ops
+    assert gelu(gate_up).shape == (9, 64)
+    assert calls == []
+
+
+def test_the_runner_binds_the_kernels_for_float32_on_a_cpu_only(tmp_path: Path) -> None:
+    kernels()
+    path = make_tiny_checkpoint(tmp_path, "qwen3")  # with per-head q/k norms
+    args = {"model_path": str(path), "device": "cpu", "max_total_tokens": 256}
+    runner = ModelRunner(ServerArgs(**args), str(path))
+    assert runner.native_layer_ops
+    kinds = (RMSNorm, GatedActivation, RotaryEmbedding)
+    bound = [m for m in runner.model.modules() if isinstance(m, kinds)]
+    assert {type(m) for m in bound} == set(kinds)
+    assert all(m.cpu_ops is not None for m in bound)
+    half = ModelRunner(ServerArgs(**args, dtype="bfloat16"), str(path))
+    assert not half.native_layer_ops
+    assert all(m.cpu_ops is None for m in half.model.modules() if hasattr(m, "cpu_ops"))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 64), (2, 1, 128), (3, 3, 6)])
+def test_rotary_is_bit_for_bit_the_torch_rotation(heads: int, kv_heads: int,
+                                                  head_dim: int) -> None:
+    """On q and k as the model passes them: column slices of one qkv tensor."""
+    ops = kernels()
+    rope = RotaryEmbedding(head_dim, RopeConfig(theta=10000.0))
+    qkv = rows(37, (heads + 2 * kv_heads) * head_dim, 7)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    positions = torch.randint(0, 4096, (37,), generator=torch.Generator().manual_seed(8))
+    expected_q, expected_k = rope(positions, q, k)  # the torch form, checked against HF's
+    rope.cpu_ops = ops
+    rotated_q, rotated_k = rope(positions, q, k)
+    assert rotated_q.is_contiguous() and rotated_k.is_contiguous()
+    assert torch.equal(rotated_q, expected_q)
+    assert torch.equal(rotated_k, expected_k)
+
+
+def test_rotary_refuses_what_it_cannot_read() -> None:
+    ops = kernels()
+    cos = sin = torch.ones(3, 2)
+    with pytest.raises(RuntimeError, match="whole heads"):
+        ops.rotary(torch.ones(3, 10), cos, sin, 4)
+    with pytest.raises(RuntimeError, match="contiguous features"):
+        ops.rotary(torch.ones(8, 3).T, cos, sin, 4)
+    with pytest.raises(RuntimeError, match=r"\[rows, head_dim / 2\]"):
+        ops.rotary(torch.ones(3, 8), torch.ones(3, 3), sin, 4)
