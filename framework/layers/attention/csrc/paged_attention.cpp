@@ -7,7 +7,8 @@
 //
 // * A request with one new token (decode) is bound by reading its rows once:
 //   it walks them in place, each row's heads at once, for the scores, then
-//   again for the values, with the rows a few tokens ahead prefetched.
+//   again for the values, eight rows at a time (each output block is read and
+//   written once per eight rows), with the rows ahead prefetched.
 // * A request with several new tokens (prefill, extend) reads each row many
 //   times: it is split by key/value head, and the head's keys and values are
 //   first copied into two contiguous [seq_len, head_dim] blocks that stay in
@@ -159,30 +160,58 @@ void row_scores(const Shapes& sh, const float* __restrict q, const float* __rest
                                                   scale, s + h * len);
     return;
   }
-  for (int64_t h0 = 0; h0 < sh.heads; h0 += 4) {
-    const int64_t n = std::min<int64_t>(4, sh.heads - h0);
-    float8 acc[4] = {};
-    for (int64_t d = 0; d < dim; d += 8)
-      for (int64_t j = 0; j < n; ++j)
-        acc[j] += load8(q + (h0 + j) * dim + d) * load8(k + ((h0 + j) / group) * dim + d);
-    for (int64_t j = 0; j < n; ++j) s[(h0 + j) * len] = sum8(acc[j]) * scale;
+  int64_t h0 = 0;
+  for (; h0 + 4 <= sh.heads; h0 += 4) {
+    const float* q0 = q + h0 * dim;
+    const float* k0 = k + (h0 / group) * dim;
+    const float* k1 = k + ((h0 + 1) / group) * dim;
+    const float* k2 = k + ((h0 + 2) / group) * dim;
+    const float* k3 = k + ((h0 + 3) / group) * dim;
+    float8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t d = 0; d < dim; d += 8) {
+      a0 += load8(q0 + d) * load8(k0 + d);
+      a1 += load8(q0 + dim + d) * load8(k1 + d);
+      a2 += load8(q0 + 2 * dim + d) * load8(k2 + d);
+      a3 += load8(q0 + 3 * dim + d) * load8(k3 + d);
+    }
+    s[h0 * len] = sum8(a0) * scale;
+    s[(h0 + 1) * len] = sum8(a1) * scale;
+    s[(h0 + 2) * len] = sum8(a2) * scale;
+    s[(h0 + 3) * len] = sum8(a3) * scale;
   }
+  for (; h0 < sh.heads; ++h0) scores(q + h0 * dim, k + (h0 / group) * dim, 1, dim, scale,
+                                     s + h0 * len);
 }
 
-// out_h += w[h * len] * v_{h / group} for every query head h of one pool row.
-void row_values(const Shapes& sh, const float* __restrict w, const float* __restrict v,
-                int64_t len, float* __restrict out) {
+// Pool rows taken together by the value pass of a decode token.
+constexpr int64_t kValueBlock = 8;
+
+// out_h += sum over j < n of w[h * len + j] * v_j,(h / group) for every query head h, for
+// the n <= kValueBlock pool rows v_j: each output block is loaded and stored once per
+// n rows rather than once per row.
+void block_values(const Shapes& sh, const float* __restrict w,
+                  const float* const* __restrict v, int64_t n, int64_t len,
+                  float* __restrict out) {
   const int64_t dim = sh.dim, group = sh.heads / sh.kv_heads;
   for (int64_t h = 0; h < sh.heads; ++h) {
-    const float weight = w[h * len];
-    const float* vh = v + (h / group) * dim;
+    const float* wh = w + h * len;
+    const int64_t at = (h / group) * dim;
     float* oh = out + h * dim;
     if (dim % 8 != 0) {
-      for (int64_t d = 0; d < dim; ++d) oh[d] += weight * vh[d];
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < dim; ++d) oh[d] += wh[j] * v[j][at + d];
       continue;
     }
-    for (int64_t d = 0; d < dim; d += 8)
-      store8(oh + d, load8(oh + d) + splat8(weight) * load8(vh + d));
+    for (int64_t d = 0; d < dim; d += 8) {
+      float8 a0 = load8(oh + d), a1 = {};
+      int64_t j = 0;
+      for (; j + 2 <= n; j += 2) {
+        a0 += splat8(wh[j]) * load8(v[j] + at + d);
+        a1 += splat8(wh[j + 1]) * load8(v[j + 1] + at + d);
+      }
+      if (j < n) a0 += splat8(wh[j]) * load8(v[j] + at + d);
+      store8(oh + d, a0 + a1);
+    }
   }
 }
 
@@ -199,9 +228,14 @@ void decode_one(const Shapes& sh, const float* q, const float* k_buffer,
   }
   for (int64_t h = 0; h < sh.heads; ++h) softmax(s + h * len, len);
   std::fill(out, out + sh.heads * sh.dim, 0.f);
-  for (int64_t t = 0; t < len; ++t) {
-    if (t + kPrefetchDistance < len) prefetch(v_buffer + slots[t + kPrefetchDistance] * row, row);
-    row_values(sh, s + t, v_buffer + slots[t] * row, len, out);
+  const float* rows[kValueBlock];
+  for (int64_t t0 = 0; t0 < len; t0 += kValueBlock) {
+    const int64_t n = std::min(kValueBlock, len - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      rows[j] = v_buffer + slots[t0 + j] * row;
+      if (t0 + j + kValueBlock < len) prefetch(v_buffer + slots[t0 + j + kValueBlock] * row, row);
+    }
+    block_values(sh, s + t0, rows, n, len, out);
   }
 }
 
