@@ -197,3 +197,20 @@ def test_auto_picks_the_cpu_backend_for_float32_on_a_cpu_and_torch_elsewhere() -
     assert resolve_attention_backend("auto", cuda, torch.float32) == "torch"
     assert resolve_attention_backend("torch", cpu, torch.float32) == "torch"
     assert resolve_attention_backend("triton", cuda, torch.float16) == "triton"
+
+
+def test_write_kv_stores_each_new_token_s_row_at_its_slot() -> None:
+    ops = kernels()
+    k_buffer, v_buffer = torch.zeros(10, 2, 4), torch.zeros(10, 2, 4)
+    qkv = torch.randn(3, 24)  # keys and values as column slices of one projection
+    k, v = qkv[:, 8:16], qkv[:, 16:]
+    loc = torch.tensor([7, 0, 3])
+    ops.write_kv(k_buffer, v_buffer, loc, k, v)
+    assert torch.equal(k_buffer[loc], k.reshape(3, 2, 4))
+    assert torch.equal(v_buffer[loc], v.reshape(3, 2, 4))
+    untouched = [i for i in range(10) if i not in (7, 0, 3)]
+    assert not k_buffer[untouched].any() and not v_buffer[untouched].any()
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.write_kv(k_buffer, v_buffer, torch.tensor([10, 1, 2]), k, v)
+    with pytest.raises(RuntimeError, match=r"\[3, 8\]"):
+        ops.write_kv(k_buffer, v_buffer, loc, k[:, :4], v)

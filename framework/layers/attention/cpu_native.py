@@ -81,9 +81,11 @@ class CpuNativeAttnBackend(AttentionBackend):
                 forward_batch: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
         if self._ops is None or self._batch is None:
             raise RuntimeError("init_forward_metadata must run before the layers")
-        if save_kv_cache:  # else the new tokens' keys and values are in the pool already
-            self.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        if save_kv_cache:  # else the new tokens' keys and values are in the pool already
+            rows = k.shape[0]
+            self._ops.write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc,
+                               k.reshape(rows, -1), v.reshape(rows, -1))
         queries = q.reshape(q.shape[0], layer.num_heads, layer.head_dim).contiguous()
         out = self._ops.paged_attention(queries, k_buffer, v_buffer,
                                         self.req_to_token_pool.req_to_token, *self._batch,

@@ -20,7 +20,8 @@
 // shares the cores the way the model's other operators do.
 //
 // Built at first use by framework/layers/attention/native_build.py; registered
-// as torch.ops.framework_cpu.paged_attention.
+// as torch.ops.framework_cpu.paged_attention (and .write_kv, which stores a step's new
+// keys and values in the pool).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -350,9 +351,47 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buffer,
   return out;
 }
 
+// k_buffer[loc[i]] = k[i] and v_buffer[loc[i]] = v[i] for the n new tokens: k and v are
+// [n, kv_heads * dim] rows with contiguous features (column slices of qkv will do).
+// One pass of row copies in parallel, where two indexed assignments in torch each
+// walk the rows on one thread.
+void write_kv(at::Tensor& k_buffer, at::Tensor& v_buffer, const at::Tensor& loc,
+              const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(k_buffer.scalar_type() == at::kFloat && v_buffer.scalar_type() == at::kFloat &&
+                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "write_kv: float32 only");
+  TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous() &&
+                  v_buffer.sizes() == k_buffer.sizes() && k_buffer.dim() == 3,
+              "write_kv: the KV buffers must be contiguous [slots, kv_heads, dim] alike");
+  TORCH_CHECK(loc.scalar_type() == at::kLong && loc.dim() == 1 && loc.is_contiguous(),
+              "write_kv: loc must be contiguous int64 [n]");
+  const int64_t n = loc.numel(), width = k_buffer.size(1) * k_buffer.size(2);
+  for (const at::Tensor* t : {&k, &v})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == n && t->size(1) == width && t->stride(1) == 1,
+                "write_kv: k and v must be [", n, ", ", width, "] with contiguous features");
+  const int64_t* slots = loc.const_data_ptr<int64_t>();
+  const int64_t pool = k_buffer.size(0);
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < pool, "write_kv: slot ", slots[i],
+                " is outside the pool of ", pool);
+  float* kb = k_buffer.mutable_data_ptr<float>();
+  float* vb = v_buffer.mutable_data_ptr<float>();
+  const float* kp = k.const_data_ptr<float>();
+  const float* vp = v.const_data_ptr<float>();
+  const int64_t k_stride = k.stride(0), v_stride = v.stride(0);
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      std::memcpy(kb + slots[i] * width, kp + i * k_stride, width * sizeof(float));
+      std::memcpy(vb + slots[i] * width, vp + i * v_stride, width * sizeof(float));
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(framework_cpu, m) {
+  m.def("write_kv(Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor loc, Tensor k, Tensor v) -> ()");
+  m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);
   m.def(
       "paged_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
       "Tensor req_pool_indices, Tensor seq_lens, Tensor extend_seq_lens, float scale) "
