@@ -11,11 +11,15 @@
 //   written once per eight rows), with the rows ahead prefetched.
 // * A request with several new tokens (prefill, extend) reads each row many
 //   times: it is split by key/value head, and the head's keys and values are
-//   first copied into two contiguous [seq_len, head_dim] blocks that stay in
-//   the core's caches while every query of the head's group reads them.
+//   first copied into two contiguous blocks that stay in the core's caches
+//   while every query of the head's group reads them. With head_dim a multiple
+//   of 16, the keys are copied transposed and four queries at a time go through
+//   two register-tiled products (scores against 16 keys at a time, then the
+//   weighted values), so that every loaded key and value serves four queries.
 //
-// Scores take four keys (or heads) at a time, each with its own accumulator,
-// so that their multiply-adds overlap instead of waiting on one another. Work
+// Otherwise scores take four keys (or heads) at a time, each with its own
+// accumulator, so that their multiply-adds overlap instead of waiting on one
+// another. Work
 // items run on torch's own thread pool (at::parallel_for), so the kernel
 // shares the cores the way the model's other operators do.
 //
@@ -240,8 +244,117 @@ void decode_one(const Shapes& sh, const float* q, const float* k_buffer,
   }
 }
 
-// Every new token of one request, for the query heads of key/value head g.
-// q, out: the request's [num_new, heads, dim] rows.
+// Queries of one head, and keys, taken together by the tiled extend path.
+constexpr int64_t kQueryTile = 4;
+constexpr int64_t kKeyTile = 16;
+
+// Copies head `head`'s [dim] slice of each token's pool row into the columns of
+// out [dim, ld] (keys transposed: a key tile's values of one feature are contiguous);
+// columns len..ld are zeroed.
+void gather_head_transposed(const float* __restrict buffer, const int64_t* __restrict slots,
+                            int64_t len, int64_t row, int64_t head, int64_t dim, int64_t ld,
+                            float* __restrict out) {
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kPrefetchDistance < len)
+      prefetch(buffer + slots[t + kPrefetchDistance] * row + head * dim, dim);
+    const float* src = buffer + slots[t] * row + head * dim;
+    for (int64_t d = 0; d < dim; ++d) out[d * ld + t] = src[d];
+  }
+  for (int64_t d = 0; d < dim; ++d) std::fill(out + d * ld + len, out + (d + 1) * ld, 0.f);
+}
+
+// s[r * ld + j] = scale * (q_r . k_j) for the kQueryTile queries q_r and keys j < cols
+// (a multiple of kKeyTile), keys_t [dim, ld]. Each feature of a key tile is loaded once
+// for all the queries, and every sum stays in its own register: no horizontal sums.
+void tile_scores(const float* const* __restrict q, const float* __restrict keys_t, int64_t ld,
+                 int64_t cols, int64_t dim, float scale, float* __restrict s) {
+  for (int64_t j = 0; j < cols; j += kKeyTile) {
+    float8 a00 = {}, a01 = {}, a10 = {}, a11 = {}, a20 = {}, a21 = {}, a30 = {}, a31 = {};
+    for (int64_t d = 0; d < dim; ++d) {
+      const float8 k0 = load8(keys_t + d * ld + j), k1 = load8(keys_t + d * ld + j + 8);
+      const float8 b0 = splat8(q[0][d]), b1 = splat8(q[1][d]);
+      const float8 b2 = splat8(q[2][d]), b3 = splat8(q[3][d]);
+      a00 += b0 * k0; a01 += b0 * k1;
+      a10 += b1 * k0; a11 += b1 * k1;
+      a20 += b2 * k0; a21 += b2 * k1;
+      a30 += b3 * k0; a31 += b3 * k1;
+    }
+    const float8 f = splat8(scale);
+    store8(s + j, a00 * f); store8(s + j + 8, a01 * f);
+    store8(s + ld + j, a10 * f); store8(s + ld + j + 8, a11 * f);
+    store8(s + 2 * ld + j, a20 * f); store8(s + 2 * ld + j + 8, a21 * f);
+    store8(s + 3 * ld + j, a30 * f); store8(s + 3 * ld + j + 8, a31 * f);
+  }
+}
+
+// out_r [dim] = sum over j < n of p[r * ld + j] * v_j for the kQueryTile rows of weights p,
+// values v [n, dim], dim a multiple of 16: each value row is loaded once for all rows.
+void tile_values(const float* __restrict p, int64_t ld, const float* __restrict v, int64_t n,
+                 int64_t dim, float* const* __restrict out) {
+  for (int64_t d = 0; d < dim; d += 16) {
+    float8 a00 = {}, a01 = {}, a10 = {}, a11 = {}, a20 = {}, a21 = {}, a30 = {}, a31 = {};
+    for (int64_t j = 0; j < n; ++j) {
+      const float8 v0 = load8(v + j * dim + d), v1 = load8(v + j * dim + d + 8);
+      const float8 b0 = splat8(p[j]), b1 = splat8(p[ld + j]);
+      const float8 b2 = splat8(p[2 * ld + j]), b3 = splat8(p[3 * ld + j]);
+      a00 += b0 * v0; a01 += b0 * v1;
+      a10 += b1 * v0; a11 += b1 * v1;
+      a20 += b2 * v0; a21 += b2 * v1;
+      a30 += b3 * v0; a31 += b3 * v1;
+    }
+    store8(out[0] + d, a00); store8(out[0] + d + 8, a01);
+    store8(out[1] + d, a10); store8(out[1] + d + 8, a11);
+    store8(out[2] + d, a20); store8(out[2] + d + 8, a21);
+    store8(out[3] + d, a30); store8(out[3] + d + 8, a31);
+  }
+}
+
+// Every new token of one request, for the query heads of key/value head g, dim a multiple
+// of 16: kQueryTile queries of a head at a time against the head's keys (transposed) and
+// values, as two small matrix products around each query's softmax. A tile computes the
+// scores up to its last query's position; each query's softmax takes only what it sees,
+// and its weights past that are zero. Missing queries of a last, partial tile read zeros
+// and write to scratch.
+void extend_tiled(const Shapes& sh, const float* q, const float* k_buffer,
+                  const float* v_buffer, const int64_t* slots, int64_t seq_len, int64_t num_new,
+                  int64_t g, float scale, float* out, std::vector<float>& scratch) {
+  const int64_t dim = sh.dim, group = sh.heads / sh.kv_heads, row = sh.kv_heads * dim;
+  const int64_t ld = (seq_len + kKeyTile - 1) / kKeyTile * kKeyTile;
+  scratch.resize(static_cast<size_t>(dim * ld + seq_len * dim + kQueryTile * ld + 2 * dim));
+  float* keys_t = scratch.data();
+  float* values = keys_t + dim * ld;
+  float* s = values + seq_len * dim;
+  float* zeros = s + kQueryTile * ld;
+  float* spill = zeros + dim;
+  std::fill(zeros, zeros + dim, 0.f);
+  gather_head_transposed(k_buffer, slots, seq_len, row, g, dim, ld, keys_t);
+  gather_head(v_buffer, slots, seq_len, row, g, dim, values);
+  const int64_t prefix = seq_len - num_new;
+  const float* q_rows[kQueryTile];
+  float* out_rows[kQueryTile];
+  for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+    for (int64_t i0 = 0; i0 < num_new; i0 += kQueryTile) {
+      const int64_t tile = std::min(kQueryTile, num_new - i0);
+      for (int64_t r = 0; r < kQueryTile; ++r) {
+        const int64_t at = ((i0 + r) * sh.heads + h) * dim;
+        q_rows[r] = r < tile ? q + at : zeros;
+        out_rows[r] = r < tile ? out + at : spill;
+      }
+      const int64_t seen = prefix + i0 + tile;  // keys the tile's last query sees
+      const int64_t cols = (seen + kKeyTile - 1) / kKeyTile * kKeyTile;
+      tile_scores(q_rows, keys_t, ld, cols, dim, scale, s);
+      for (int64_t r = 0; r < kQueryTile; ++r) {
+        const int64_t visible = r < tile ? prefix + i0 + r + 1 : 0;
+        if (visible > 0) softmax(s + r * ld, visible);
+        std::fill(s + r * ld + visible, s + r * ld + seen, 0.f);
+      }
+      tile_values(s, ld, values, seen, dim, out_rows);
+    }
+  }
+}
+
+// Every new token of one request, for the query heads of key/value head g: any dim, one
+// query at a time.
 void extend_one(const Shapes& sh, const float* q, const float* k_buffer,
                 const float* v_buffer, const int64_t* slots, int64_t seq_len, int64_t num_new,
                 int64_t g, float scale, float* out, std::vector<float>& scratch) {
@@ -343,6 +456,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buffer,
       float* out_rows = op + first[b] * row_floats;
       if (g < 0) {
         decode_one(sh, q_rows, kp, vp, slots, lens[b], s, out_rows, scratch);
+      } else if (sh.dim % 16 == 0) {
+        extend_tiled(sh, q_rows, kp, vp, slots, lens[b], news[b], g, s, out_rows, scratch);
       } else {
         extend_one(sh, q_rows, kp, vp, slots, lens[b], news[b], g, s, out_rows, scratch);
       }
