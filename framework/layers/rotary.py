@@ -111,6 +111,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
         #: ``torch.ops.framework_cpu`` when bound, else None (the torch operators).
         self.cpu_ops: Any = None
+        # The last positions tensor seen (and its version: an in-place change counts as
+        # new positions), the dtype, cos and sin: the layers that share this module
+        # rotate by the same positions within a step.
+        self._last: tuple[torch.Tensor, int, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -118,9 +122,17 @@ class RotaryEmbedding(nn.Module):
         """``cos`` and ``sin`` ``[n, head_dim // 2]`` of each position's angles, in ``dtype``.
 
         Both halves of a head turn by the same angles, so half the table is enough.
+        Asked again for the same positions tensor (the next layer of the step), it
+        returns what it computed (holding the tensor keeps its identity unique).
         """
+        last = self._last
+        if (last is not None and last[0] is positions and last[1] == positions._version
+                and last[2] == dtype):
+            return last[3], last[4]
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        self._last = (positions, positions._version, dtype, cos, sin)
+        return cos, sin
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

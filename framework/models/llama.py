@@ -73,6 +73,11 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def rotary_embedding_of(config: Any) -> RotaryEmbedding:
+    """The model's rotary embedding, from its head size and RoPE settings."""
+    return RotaryEmbedding(head_dim_of(config), RopeConfig.from_hf_config(config))
+
+
 def num_kv_heads_of(config: Any) -> int:
     """Key/value heads (``num_key_value_heads``, falling back to the attention heads)."""
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -89,6 +94,7 @@ class LlamaAttention(nn.Module):
         *,
         tp_rank: int,
         tp_size: int,
+        rotary_emb: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
         head_dim = head_dim_of(config)
@@ -118,7 +124,9 @@ class LlamaAttention(nn.Module):
         if options.qk_norm:
             self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(head_dim, RopeConfig.from_hf_config(config))
+        # One module for all layers (LlamaModel passes it): the angles of a step's
+        # positions are then computed once, not once per layer.
+        self.rotary_emb = rotary_emb or rotary_embedding_of(config)
         self.attn = RadixAttention(
             self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_id
         )
@@ -163,10 +171,12 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
     def __init__(
-        self, config: Any, layer_id: int, options: AttentionOptions, *, tp_rank: int, tp_size: int
+        self, config: Any, layer_id: int, options: AttentionOptions, *, tp_rank: int, tp_size: int,
+        rotary_emb: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, options, tp_rank=tp_rank, tp_size=tp_size)
+        self.self_attn = LlamaAttention(config, layer_id, options, tp_rank=tp_rank, tp_size=tp_size,
+                                        rotary_emb=rotary_emb)
         self.mlp = LlamaMLP(config, tp_rank=tp_rank, tp_size=tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -212,9 +222,10 @@ class LlamaModel(nn.Module):
         # Layers of other stages are empty placeholders, so that parameter names keep the
         # checkpoint's layer numbers; a layer's KV lives in this stage's pool at its index
         # among the stage's layers.
+        rotary_emb = rotary_embedding_of(config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, layer_id - self.start_layer, options, tp_rank=tp_rank,
-                              tp_size=tp_size)
+                              tp_size=tp_size, rotary_emb=rotary_emb)
             if self.start_layer <= layer_id < self.end_layer else nn.Identity()
             for layer_id in range(config.num_hidden_layers)
         )

@@ -77,23 +77,28 @@ class ScheduledBatch:
         """
         input_ids: list[int] = []
         positions: list[int] = []
+        token_rows: list[int] = []  # each new token's row of req_to_token
         prefix_lens: list[int] = []
         seq_lens: list[int] = []
-        offset = 0
         extend = self.mode.is_extend()
         for i, (req, n) in enumerate(zip(self.reqs, self.extend_lens)):
             start = req.kv_len
             input_ids.extend(req.output_ids[-1:] if self.decodes(i) else
                              req.fill_ids[start:start + n])
             positions.extend(range(start, start + n))
-            req_to_token[req.req_pool_idx, start:start + n] = out_cache_loc[offset:offset + n]
-            offset += n
+            token_rows.extend([req.req_pool_idx] * n)
             prefix_lens.append(start)
             seq_lens.append(start + n)
 
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
+        positions_tensor = tensor(positions)
+        # One scatter for the whole batch (an indexed assignment per request costs more
+        # than the rest of this function): each new slot at its request's row and position.
+        req_to_token[tensor(token_rows).to(req_to_token.device),
+                     positions_tensor.to(req_to_token.device)] = out_cache_loc.to(
+                         req_to_token.device)
         rows = [r.req_pool_idx for r in self.reqs]
         logprob_rows = self.prompt_logprob_rows() if extend else []
 
@@ -101,7 +106,7 @@ class ScheduledBatch:
             forward_mode=self.mode,
             batch_size=len(self.reqs),
             input_ids=tensor(input_ids),
-            positions=tensor(positions),
+            positions=positions_tensor,
             req_pool_indices=tensor(rows),
             seq_lens=tensor(seq_lens),
             out_cache_loc=out_cache_loc.to(device),

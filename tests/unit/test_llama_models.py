@@ -41,6 +41,7 @@ from tests.model_fixtures import (
     make_tiny_checkpoint,
     make_tiny_tokenizer,
     single_threaded_torch,
+    tiny_config,
 )
 
 NEW_TOKENS = 32
@@ -638,3 +639,22 @@ def test_the_model_forward_makes_no_host_sync(tmp_path: Path,
     )
     assert runner.forward(extend).next_token_logits is not None
     assert driver.decode(requests, [15, 16]) is not None
+
+
+def test_layers_share_one_rotary_embedding_that_computes_a_step_s_angles_once() -> None:
+    from framework.models.llama import LlamaForCausalLM, LlamaModel
+
+    config = tiny_config("llama")
+    model = LlamaModel(config, LlamaForCausalLM.attention_options(config), tp_rank=0, tp_size=1)
+    ropes = {id(layer.self_attn.rotary_emb) for layer in model.layers}
+    assert len(ropes) == 1 and config.num_hidden_layers > 1
+    rope = model.layers[0].self_attn.rotary_emb
+    positions = torch.tensor([0, 5, 9])
+    cos, sin = rope.cos_sin(positions, torch.float32)
+    again = rope.cos_sin(positions, torch.float32)
+    assert again[0] is cos and again[1] is sin  # the next layer of the step
+    positions += 1  # changed in place: new angles
+    moved, _ = rope.cos_sin(positions, torch.float32)
+    assert moved is not cos
+    assert torch.equal(moved, rope.cos_sin(torch.tensor([1, 6, 10]), torch.float32)[0])
+    assert not torch.equal(moved, cos)
