@@ -411,12 +411,16 @@ class Sampler:
 
     Holds the call counter that advances the random stream of unseeded rows, and one reusable
     generator per device. Subclasses may override :meth:`process_logits` or
-    :meth:`exponential_noise`.
+    :meth:`exponential_noise`. ``argmax_rows``, when given, takes contiguous CPU logits
+    ``[B, vocab]`` to each row's argmax exactly as ``max(dim=-1).indices`` would (the
+    native CPU kernel, bound by the ``ModelRunner``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+                 ) -> None:
         self._calls = 0
         self._generators: dict[torch.device, torch.Generator] = {}
+        self.argmax_rows = argmax_rows
 
     def __call__(
         self,
@@ -442,8 +446,7 @@ class Sampler:
 
         logits = logits.float()
         processed = self.process_logits(logits, info)
-        # max(dim) returns the first largest index, as argmax does, several times faster.
-        next_token_ids = processed.max(dim=-1).indices
+        next_token_ids = self._argmax(processed)
         if not info.all_greedy:
             self._sample_rows(processed, info, next_token_ids)
         self._calls += 1
@@ -459,6 +462,14 @@ class Sampler:
             top_logprobs_val=top_values,
             top_logprobs_idx=top_ids,
         )
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's first largest index (its first NaN's, if any)."""
+        if self.argmax_rows is not None and logits.device.type == "cpu" \
+                and logits.is_contiguous() and logits.shape[-1] > 0:
+            return self.argmax_rows(logits)
+        # max(dim) returns the first largest index, as argmax does, several times faster.
+        return logits.max(dim=-1).indices
 
     def process_logits(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """Penalties, then the ``min_new_tokens`` ban; returns a new tensor (input untouched)."""

@@ -427,7 +427,8 @@ class ModelRunner:
     ) -> SampleOutput:
         """Pick each request's next token (and its logprobs, when asked) with the ``Sampler``."""
         if self._sampler is None:
-            self._sampler = Sampler()
+            ops = load_cpu_kernels() if self.native_layer_ops else None
+            self._sampler = Sampler(argmax_rows=None if ops is None else ops.argmax_rows)
         return self._sampler(logits, sampling_info, top_logprobs_nums, return_logprob)
 
     def update_weights_from_disk(

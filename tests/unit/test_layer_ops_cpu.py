@@ -135,3 +135,36 @@ def test_rotary_refuses_what_it_cannot_read() -> None:
         ops.rotary(torch.ones(8, 3).T, cos, sin, 4)
     with pytest.raises(RuntimeError, match=r"\[rows, head_dim / 2\]"):
         ops.rotary(torch.ones(3, 8), torch.ones(3, 3), sin, 4)
+
+
+@pytest.mark.parametrize("width", [1, 7, 8, 9, 4096, 4099])
+def test_argmax_rows_is_torch_s_choice_with_ties_infinities_and_nans(width: int) -> None:
+    ops = kernels()
+    generator = torch.Generator().manual_seed(width)
+    logits = torch.randn(12, width, generator=generator)
+    # Ties: the first of equal maxima wins, wherever they fall (also in the 8-wide tail).
+    logits[1] = 0.5
+    logits[2, -1] = logits[2, 0] = 99.0
+    logits[3] = float("-inf")
+    logits[4, width // 2] = float("inf")
+    logits[5, -1] = float("nan")  # a NaN is the max, as in torch
+    logits[6, width // 3] = float("nan")
+    logits[6, -1] = float("nan")
+    logits[7, 0] = float("nan")
+    expected = logits.max(dim=-1).indices
+    assert torch.equal(ops.argmax_rows(logits), expected)
+
+
+def test_the_sampler_takes_the_native_argmax_for_greedy_rows() -> None:
+    from framework.layers.sampler import Sampler, SamplingBatchInfo
+    from framework.sampling_params import SamplingParams
+
+    ops = kernels()
+    calls: list[tuple[int, ...]] = []
+    sampler = Sampler(argmax_rows=lambda x: (calls.append(tuple(x.shape)), ops.argmax_rows(x))[1])
+    logits = rows(5, 300, 9)
+    info = SamplingBatchInfo.from_requests([SamplingParams(temperature=0.0)] * 5, [[]] * 5,
+                                           [[1]] * 5, set(), 300, torch.device("cpu"))
+    out = sampler(logits, info, return_logprob=False)
+    assert calls == [(5, 300)]
+    assert torch.equal(out.next_token_ids, logits.max(dim=-1).indices)

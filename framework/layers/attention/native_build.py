@@ -38,11 +38,11 @@ EXACT_CXX_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off
                    "-fPIC", "-std=c++20")
 _CSRC = Path(__file__).parent / "csrc"
 #: The library's sources, each with its compiler flags: the attention kernel, the fused
-#: norm and activation, and the rotary embedding (bit for bit torch's).
+#: norm and activation, and the rotary embedding and greedy argmax (exactly torch's).
 SOURCES: tuple[tuple[Path, tuple[str, ...]], ...] = (
     (_CSRC / "paged_attention.cpp", CXX_FLAGS),
     (_CSRC / "layer_ops.cpp", CXX_FLAGS),
-    (_CSRC / "rotary.cpp", EXACT_CXX_FLAGS),
+    (_CSRC / "exact_ops.cpp", EXACT_CXX_FLAGS),
 )
 #: The link is a step of its own, without ``-ffast-math``: given it, a driver (GCC before
 #: 13, some Clangs) links ``crtfastmath.o``, whose constructor turns on flush-to-zero and

@@ -1,14 +1,20 @@
-// Rotary position embeddings on the CPU, bit for bit those of the "rotate half" form.
+// CPU kernels whose results must be exactly torch's: the rotary embedding, bit for bit
+// the "rotate half" form's, and the greedy argmax, torch's choice of index included.
 //
-// Each head's two halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin), with the
+// Rotary: each head's two halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin), with the
 // products rounded before the sum, as torch's separate multiply and add kernels round
 // them. That is why this file is built without -ffast-math and with
 // -ffp-contract=off (native_build.py): a fused multiply-add would round once and
-// change the last bit. In torch the same rotation is six kernels per tensor over
+// change the last bit (and -ffast-math would also drop the NaN checks of the argmax). In
+// torch the same rotation is six kernels per tensor over
 // the whole batch; here it is one pass, reading the rows where they are (a column
 // slice of the fused qkv projection) and writing a new contiguous tensor.
 //
-// Registered as torch.ops.framework_cpu.rotary.
+// Argmax: the index of each row's largest value, the first one among equals, or of its
+// first NaN, as torch.max(dim) picks it; in two vector passes over the row (its maximum,
+// then where that is), where torch's reduction with an index runs far slower.
+//
+// Registered as torch.ops.framework_cpu.rotary and .argmax_rows.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -16,6 +22,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -64,9 +71,58 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+typedef float float8 __attribute__((vector_size(32)));
+typedef int int8v __attribute__((vector_size(32)));
+
+// The index of row x [n]'s maximum as torch.max(dim) gives it: the first NaN if there is
+// one, else the first position of the largest value.
+int64_t argmax_row(const float* __restrict x, int64_t n) {
+  int64_t i = 0;
+  float top = x[0];
+  bool nan = false;
+  if (n >= 8) {
+    float8 best, v;
+    std::memcpy(&best, x, sizeof(best));
+    int8v unordered = best != best;
+    for (i = 8; i + 8 <= n; i += 8) {
+      std::memcpy(&v, x + i, sizeof(v));
+      best = v > best ? v : best;
+      unordered |= v != v;
+    }
+    for (int k = 0; k < 8; ++k) {
+      top = best[k] > top ? best[k] : top;
+      nan |= unordered[k] != 0;
+    }
+  }
+  for (; i < n; ++i) {
+    top = x[i] > top ? x[i] : top;
+    nan |= x[i] != x[i];
+  }
+  for (int64_t j = 0; j < n; ++j)
+    if (nan ? x[j] != x[j] : x[j] == top) return j;
+  return 0;  // not reached
+}
+
+// x: [rows, n], float32, contiguous, n >= 1. Returns int64 [rows].
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() &&
+                  x.size(1) >= 1,
+              "argmax_rows: contiguous float32 [rows, n >= 1] only");
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.const_data_ptr<float>();
+  int64_t* op = out.mutable_data_ptr<int64_t>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(framework_cpu, m) {
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, int head_dim) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.impl("rotary", c10::DispatchKey::CPU, &rotary);
+  m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
 }
