@@ -92,14 +92,19 @@ def bound_tp_group(layer: nn.Module) -> TensorParallelGroup:
     return group
 
 
-def bind_tp_group(model: nn.Module, group: TensorParallelGroup) -> int:
-    """Give every layer of ``model`` that sums or gathers over ranks ``group``; count them."""
+def bind_attribute(model: nn.Module, name: str, value: object) -> int:
+    """Set ``name`` to ``value`` on every module of ``model`` that declares it; count them."""
     bound = 0
     for module in model.modules():
-        if hasattr(module, "tp_group"):
-            module.tp_group = group
+        if hasattr(module, name):
+            setattr(module, name, value)
             bound += 1
     return bound
+
+
+def bind_tp_group(model: nn.Module, group: TensorParallelGroup) -> int:
+    """Give every layer of ``model`` that sums or gathers over ranks ``group``; count them."""
+    return bind_attribute(model, "tp_group", group)
 
 
 class LinearBase(nn.Module):

@@ -34,7 +34,7 @@ from framework.layers.attention.base import AttentionBackend, AttentionBackendAr
 from framework.layers.attention.native_build import load_cpu_kernels
 from framework.layers.attention.radix_attention import bind_attention_backend
 from framework.layers.embedding import VocabParallelEmbedding
-from framework.layers.linear import LinearBase, bind_tp_group
+from framework.layers.linear import LinearBase, bind_attribute, bind_tp_group
 from framework.layers.linear_kernel import (
     PackableLinear,
     pack_linear_weights,
@@ -108,14 +108,7 @@ def bind_cpu_layer_ops(model: torch.nn.Module, device: torch.device, dtype: torc
     if device.type != "cpu" or dtype != torch.float32:
         return 0
     ops = load_cpu_kernels()
-    if ops is None:
-        return 0
-    bound = 0
-    for module in model.modules():
-        if hasattr(module, "cpu_ops"):
-            module.cpu_ops = ops
-            bound += 1
-    return bound
+    return 0 if ops is None else bind_attribute(model, "cpu_ops", ops)
 
 
 def resolve_device(device: str, tp_rank: int = 0) -> torch.device:
