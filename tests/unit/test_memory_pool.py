@@ -57,6 +57,16 @@ def test_allocator_never_hands_out_the_padding_slot() -> None:
     assert allocator.available_size() == 0
 
 
+def test_freed_slots_come_back_in_ascending_order() -> None:
+    """Freed out of order (as requests end), they are handed out in runs again."""
+    allocator = TokenToKVPoolAllocator(size=12, device=CPU)
+    held = allocator.alloc(12)
+    assert held is not None
+    for part in ([9, 10, 11], [1, 2], [12], [5, 6, 7, 8], [3, 4]):
+        allocator.free(torch.tensor(part))
+    assert allocator.alloc(12).tolist() == list(range(1, 13))
+
+
 def test_allocator_reuses_freed_slots_and_refuses_too_large_requests() -> None:
     allocator = TokenToKVPoolAllocator(size=8, device=CPU)
     held = allocator.alloc(6)
