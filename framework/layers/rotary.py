@@ -114,7 +114,8 @@ class RotaryEmbedding(nn.Module):
         # The last positions tensor seen (and its version: an in-place change counts as
         # new positions), the dtype, cos and sin: the layers that share this module
         # rotate by the same positions within a step.
-        self._last: tuple[torch.Tensor, int, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        self._last: tuple[torch.Tensor, int | None, torch.dtype, torch.Tensor,
+                          torch.Tensor] | None = None
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -125,13 +126,14 @@ class RotaryEmbedding(nn.Module):
         Asked again for the same positions tensor (the next layer of the step), it
         returns what it computed (holding the tensor keeps its identity unique).
         """
+        # A tensor made in inference mode keeps no version counter.
+        version = None if positions.is_inference() else positions._version
         last = self._last
-        if (last is not None and last[0] is positions and last[1] == positions._version
-                and last[2] == dtype):
+        if last is not None and last[0] is positions and last[1] == version and last[2] == dtype:
             return last[3], last[4]
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-        self._last = (positions, positions._version, dtype, cos, sin)
+        self._last = (positions, version, dtype, cos, sin)
         return cos, sin
 
     def forward(

@@ -658,3 +658,7 @@ def test_layers_share_one_rotary_embedding_that_computes_a_step_s_angles_once() 
     assert moved is not cos
     assert torch.equal(moved, rope.cos_sin(torch.tensor([1, 6, 10]), torch.float32)[0])
     assert not torch.equal(moved, cos)
+    with torch.inference_mode():  # positions made there keep no version counter
+        made_inside = torch.tensor([2, 3])
+        first, _ = rope.cos_sin(made_inside, torch.float32)
+        assert rope.cos_sin(made_inside, torch.float32)[0] is first
