@@ -67,16 +67,13 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def pack_linear_weights(modules: Iterable[PackableLinear]) -> int:
-    """Pack (again) the weight of each module; returns how many were packed.
+def pack_linear_weights(modules: Iterable[PackableLinear]) -> None:
+    """Pack (again) the weight of each module.
 
     Called after every load: a packed copy made before it would keep the old values.
     """
-    count = 0
     for module in modules:
         module.packed_weight = pack_weight(module.weight)
-        count += 1
-    return count
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

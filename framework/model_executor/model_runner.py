@@ -99,16 +99,20 @@ def matmul_modules(model: torch.nn.Module) -> list[PackableLinear]:
     return modules
 
 
-def bind_cpu_layer_ops(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """For float32 on a CPU, give the norms and activations the native kernels; count them.
+def bind_cpu_layer_ops(model: torch.nn.Module, device: torch.device,
+                       dtype: torch.dtype) -> Any | None:
+    """For float32 on a CPU, give the norms, activations and rotary embeddings the native
+    kernels; returns them (``torch.ops.framework_cpu``).
 
-    Elsewhere, or when the kernels cannot be built (no compiler), nothing is bound
-    and the layers keep their torch operators.
+    Elsewhere, or when the kernels cannot be built (no compiler), nothing is bound,
+    the layers keep their torch operators, and this returns None.
     """
     if device.type != "cpu" or dtype != torch.float32:
-        return 0
+        return None
     ops = load_cpu_kernels()
-    return 0 if ops is None else bind_attribute(model, "cpu_ops", ops)
+    if ops is not None:
+        bind_attribute(model, "cpu_ops", ops)
+    return ops
 
 
 def resolve_device(device: str, tp_rank: int = 0) -> torch.device:
@@ -187,8 +191,8 @@ class ModelRunner:
         if parallel is not None:
             bind_tp_group(self.model, parallel.tp)
         self._pack_linear_weights()
-        #: Whether norms and activations run the native CPU kernels (float32 on a CPU).
-        self.native_layer_ops = bind_cpu_layer_ops(self.model, self.device, self.dtype) > 0
+        # The native CPU kernels the layers (and the greedy sampler) run, or None.
+        self._cpu_ops = bind_cpu_layer_ops(self.model, self.device, self.dtype)
         # Sized after the weights are loaded: on CUDA the KV cache takes a
         # fraction of the memory they leave free.
         self.max_total_num_tokens = self._decide_kv_cache_tokens()
@@ -206,6 +210,11 @@ class ModelRunner:
             self.dtype, self.max_total_num_tokens, self.attention_backend, bound,
             self.linear_backend,
         )
+
+    @property
+    def native_layer_ops(self) -> bool:
+        """Whether norms, activations and rotary embeddings run the native CPU kernels."""
+        return self._cpu_ops is not None
 
     def _pack_linear_weights(self) -> None:
         """With the onednn linear backend, pack the weights just loaded (a no-op otherwise)."""
@@ -420,7 +429,7 @@ class ModelRunner:
     ) -> SampleOutput:
         """Pick each request's next token (and its logprobs, when asked) with the ``Sampler``."""
         if self._sampler is None:
-            ops = load_cpu_kernels() if self.native_layer_ops else None
+            ops = self._cpu_ops
             self._sampler = Sampler(argmax_rows=None if ops is None else ops.argmax_rows)
         return self._sampler(logits, sampling_info, top_logprobs_nums, return_logprob)
 
