@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,20 @@ class Req:
     def seq_len(self) -> int:
         """Length of ``fill_ids`` without building the list."""
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    @functools.cached_property
+    def steady_sampling(self) -> bool:
+        """Whether the sampler sees this request the same way at every step.
+
+        Not so with a penalty (it reads the tokens so far), a ``min_new_tokens``
+        ban (lifted after that many tokens), a structured-output grammar (its
+        mask follows the output) or a seed on a sampled request (its random
+        stream is read at the step's position). Read after the Scheduler has
+        settled the request's parameters.
+        """
+        params = self.sampling_params
+        return (not params.has_penalties and params.min_new_tokens == 0
+                and params.constraint() is None and (params.is_greedy or params.seed is None))
 
     @property
     def extend_remaining(self) -> int:

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from framework.layers.sampler import SamplingBatchInfo
 from framework.messages import (
     AbortReq,
     FinishReason,
@@ -464,6 +465,80 @@ def test_random_traffic_never_crashes_leaks_or_changes_greedy_outputs(
     finally:
         h.close()
 
+
+
+# --------------------------------------------------------------------------- sampling info
+
+
+def _count_sampling_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Patch ``SamplingBatchInfo.from_requests`` to record each build's batch size."""
+    builds: list[int] = []
+    build = SamplingBatchInfo.from_requests
+
+    def counting(cls: type, params: list, *args: object, **kwargs: object) -> object:
+        builds.append(len(params))
+        return build(params, *args, **kwargs)
+
+    monkeypatch.setattr(SamplingBatchInfo, "from_requests", classmethod(counting))
+    return builds
+
+
+@pytest.mark.parametrize(("params", "steady"), [
+    ({"temperature": 0.0}, True),
+    ({"temperature": 0.0, "seed": 3}, True),  # greedy: the seed is never read
+    ({"temperature": 0.8}, True),  # unseeded noise follows the sampler's calls, not the row
+    ({"temperature": 0.8, "seed": 3}, False),  # its stream is read at the step's position
+    ({"temperature": 0.0, "repetition_penalty": 1.2}, False),
+    ({"temperature": 0.0, "presence_penalty": 0.5}, False),
+    ({"temperature": 0.0, "min_new_tokens": 2}, False),
+    ({"temperature": 0.0, "regex": "[ab]+"}, False),
+    ({"temperature": 0.0, "logit_bias": {"5": 3.0}}, True),  # the same bias every step
+])
+def test_steady_sampling_names_the_requests_whose_sampling_never_changes(
+        params: dict[str, object], steady: bool) -> None:
+    assert _req("r", 4, **params).steady_sampling is steady
+
+
+def test_decode_steps_of_an_unchanged_batch_reuse_its_sampling_info(
+        harness_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    builds = _count_sampling_builds(monkeypatch)
+    h = harness_factory()
+    prompts = {f"r{i}": prompt(i, 6) for i in range(3)}
+    for rid, ids in prompts.items():
+        h.submit(rid, ids, max_new_tokens=10, ignore_eos=True, **GREEDY)
+    h.run()
+    decodes = [c for c in h.runner.calls if c.mode == "decode"]
+    assert len(decodes) == 9
+    assert builds == [3]  # the prefill's serves all nine decode steps of the same requests
+    for rid, ids in prompts.items():
+        assert h.outcomes[rid].output_ids == reference_output(ids, 10, True), rid
+    h.assert_idle_invariant()
+
+
+def test_a_request_with_a_penalty_gets_its_sampling_info_every_step(
+        harness_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    builds = _count_sampling_builds(monkeypatch)
+    h = harness_factory()
+    h.submit("plain", prompt(1, 6), max_new_tokens=10, ignore_eos=True, **GREEDY)
+    h.submit("penalised", prompt(2, 6), max_new_tokens=10, ignore_eos=True,
+             repetition_penalty=1.1, **GREEDY)
+    h.run()
+    assert builds == [2] * 10  # the prefill and each of the nine decode steps
+    h.assert_idle_invariant()
+
+
+def test_a_batch_that_changes_gets_a_new_sampling_info(
+        harness_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    builds = _count_sampling_builds(monkeypatch)
+    h = harness_factory()
+    h.submit("short", prompt(1, 6), max_new_tokens=3, ignore_eos=True, **GREEDY)
+    h.submit("long", prompt(2, 6), max_new_tokens=6, ignore_eos=True, **GREEDY)
+    h.run()
+    # One for the prefill and two decode steps of both, one for the three decode steps of
+    # the long request alone.
+    assert builds == [2, 1]
+    assert h.outcomes["long"].output_ids == reference_output(prompt(2, 6), 6, True)
+    h.assert_idle_invariant()
 
 
 # --------------------------------------------------------------------------- token_id_output

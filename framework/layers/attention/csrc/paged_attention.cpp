@@ -190,6 +190,9 @@ void row_scores(const Shapes& sh, const float* __restrict q, const float* __rest
 
 // Pool rows taken together by the value pass of a decode token.
 constexpr int64_t kValueBlock = 8;
+// How far ahead the scores pass of a decode token prefetches its key rows: a little
+// further than the copies of the extend path, as each row costs it less work.
+constexpr int64_t kDecodePrefetchRows = 6;
 
 // out_h += sum over j < n of w[h * len + j] * v_j,(h / group) for every query head h, for
 // the n <= kValueBlock pool rows v_j: each output block is loaded and stored once per
@@ -227,10 +230,16 @@ void decode_one(const Shapes& sh, const float* q, const float* k_buffer,
   const int64_t row = sh.kv_heads * sh.dim;
   scratch.resize(static_cast<size_t>(sh.heads * len));
   float* s = scratch.data();  // [heads, len]
+  // Each pass starts by asking for its first rows, so that it does not begin on a miss
+  // per row until its prefetches ahead take over.
+  for (int64_t t = 0; t < std::min(kDecodePrefetchRows, len); ++t)
+    prefetch(k_buffer + slots[t] * row, row);
   for (int64_t t = 0; t < len; ++t) {
-    if (t + kPrefetchDistance < len) prefetch(k_buffer + slots[t + kPrefetchDistance] * row, row);
+    if (t + kDecodePrefetchRows < len)
+      prefetch(k_buffer + slots[t + kDecodePrefetchRows] * row, row);
     row_scores(sh, q, k_buffer + slots[t] * row, scale, len, s + t);
   }
+  for (int64_t t = 0; t < std::min(kValueBlock, len); ++t) prefetch(v_buffer + slots[t] * row, row);
   for (int64_t h = 0; h < sh.heads; ++h) softmax(s + h * len, len);
   std::fill(out, out + sh.heads * sh.dim, 0.f);
   const float* rows[kValueBlock];
