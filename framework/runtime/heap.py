@@ -7,14 +7,16 @@ creeping up although nothing is leaked (measured: about +18% over ten minutes of
 mixed traffic on the default model). ``malloc_trim`` returns the free pages; doing it
 every half minute costs a few milliseconds each time.
 
-Between trims, the Scheduler asks glibc to hold on to what is freed
-(``hold_freed_memory``). By default glibc gives a multi-megabyte buffer straight
-back to the kernel when it is freed (``mmap`` above a threshold that adapts, and a
-trim whenever the heap's free top grows past twice that), so the next step's
-tensors of those sizes land on fresh pages, each costing a page fault: 10,000-35,000
-faults per offline benchmark job (about 1.5 µs each on the benchmark machine, 20-70 ms
-of system time). Held, the memory is reused at once and the faults all but vanish;
-the periodic ``malloc_trim`` still returns what is left free.
+Between trims, a scheduler rank's process asks glibc to hold on to what is freed
+(``hold_freed_memory``, called by the launcher in every scheduler process it starts; a
+Scheduler running as a thread leaves its host process's allocator alone). By default
+glibc gives a multi-megabyte buffer straight back to the kernel when it is freed
+(``mmap`` above a threshold that adapts, and a trim whenever the heap's free top grows
+past twice that), so the next step's tensors of those sizes land on fresh pages, each
+costing a page fault: 10,000-35,000 faults per offline benchmark job (about 1.5 µs each
+on the benchmark machine, 10-70 ms of system time). Held, the memory is reused at once
+and the faults all but vanish; the periodic ``malloc_trim`` still returns what is left
+free.
 """
 
 from __future__ import annotations

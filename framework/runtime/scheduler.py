@@ -57,7 +57,7 @@ from framework.messages import (
     UpdateWeightsFromDiskReqOutput,
 )
 from framework.registry import create_codec
-from framework.runtime.heap import HeapTrimmer, hold_freed_memory
+from framework.runtime.heap import HeapTrimmer
 from framework.runtime.request import Req
 from framework.runtime.schedule_batch import ScheduledBatch
 from framework.runtime.schedule_policy import (
@@ -164,7 +164,6 @@ class Scheduler:
         self._stop = threading.Event()
         self.stats = SchedulerStats()
         self.heap_trimmer = HeapTrimmer()
-        hold_freed_memory()  # the steps' tensors reuse freed memory instead of new pages
         self.steps = {mode.name.lower(): 0 for mode in ForwardMode}
         #: The last sampling info built for requests that all sample steadily.
         self._steady_sampling: SteadySamplingInfo | None = None

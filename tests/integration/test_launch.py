@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -108,6 +109,13 @@ def test_the_scheduler_process_runs_torch_on_the_rule_s_thread_count(
     process_outputs: dict[str, Any],
 ) -> None:
     assert process_outputs["ready"]["torch_threads"] == torch_threads_per_rank(usable_cores(), 1)
+
+
+def test_the_scheduler_process_holds_freed_memory_where_glibc_can(
+    process_outputs: dict[str, Any],
+) -> None:
+    glibc = platform.libc_ver()[0] == "glibc"
+    assert process_outputs["ready"]["holds_freed_memory"] is glibc
 
 
 def test_thread_mode_over_inproc_gives_the_same_greedy_tokens(
