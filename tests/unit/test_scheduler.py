@@ -515,29 +515,22 @@ def test_decode_steps_of_an_unchanged_batch_reuse_its_sampling_info(
     h.assert_idle_invariant()
 
 
-def test_a_request_with_a_penalty_gets_its_sampling_info_every_step(
-        harness_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("other", "expected"), [
+    # A penalty reads the tokens so far: the batch's info is built for every step.
+    ({"max_new_tokens": 10, "repetition_penalty": 1.1}, [2] * 10),
+    # A request that ends after two decode steps: one info while it runs, one after.
+    ({"max_new_tokens": 3}, [2, 1]),
+])
+def test_the_sampling_info_is_built_again_where_it_would_change(
+        harness_factory, monkeypatch: pytest.MonkeyPatch, other: dict[str, object],
+        expected: list[int]) -> None:
     builds = _count_sampling_builds(monkeypatch)
     h = harness_factory()
-    h.submit("plain", prompt(1, 6), max_new_tokens=10, ignore_eos=True, **GREEDY)
-    h.submit("penalised", prompt(2, 6), max_new_tokens=10, ignore_eos=True,
-             repetition_penalty=1.1, **GREEDY)
+    h.submit("steady", prompt(1, 6), max_new_tokens=10, ignore_eos=True, **GREEDY)
+    h.submit("other", prompt(2, 6), ignore_eos=True, **other, **GREEDY)
     h.run()
-    assert builds == [2] * 10  # the prefill and each of the nine decode steps
-    h.assert_idle_invariant()
-
-
-def test_a_batch_that_changes_gets_a_new_sampling_info(
-        harness_factory, monkeypatch: pytest.MonkeyPatch) -> None:
-    builds = _count_sampling_builds(monkeypatch)
-    h = harness_factory()
-    h.submit("short", prompt(1, 6), max_new_tokens=3, ignore_eos=True, **GREEDY)
-    h.submit("long", prompt(2, 6), max_new_tokens=6, ignore_eos=True, **GREEDY)
-    h.run()
-    # One for the prefill and two decode steps of both, one for the three decode steps of
-    # the long request alone.
-    assert builds == [2, 1]
-    assert h.outcomes["long"].output_ids == reference_output(prompt(2, 6), 6, True)
+    assert builds == expected
+    assert h.outcomes["steady"].output_ids == reference_output(prompt(1, 6), 10, True)
     h.assert_idle_invariant()
 
 
