@@ -17,14 +17,12 @@ writes through it.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import ctypes.util
-import functools
-import sys
 from dataclasses import dataclass
 
 import torch
+
+from framework.libc import linux_libc
 
 # madvise(2) advice asking Linux for transparent huge pages.
 _MADV_HUGEPAGE = 14
@@ -143,19 +141,11 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     start = tensor.data_ptr()
     first = -(-start // _HUGE_PAGE) * _HUGE_PAGE
     end = (start + tensor.numel() * tensor.element_size()) // _HUGE_PAGE * _HUGE_PAGE
-    libc = _libc()
+    libc = linux_libc()
     if end <= first or libc is None:
         return False
     return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_HUGEPAGE) == 0
 
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    with contextlib.suppress(OSError):
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    return None
 
 
 class MHATokenToKVPool:

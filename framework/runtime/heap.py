@@ -21,10 +21,10 @@ free.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import time
 from collections.abc import Callable
+
+from framework.libc import libc_function
 
 TRIM_INTERVAL_S = 30.0
 #: glibc's ``mallopt`` parameters (``malloc.h``).
@@ -36,24 +36,13 @@ HELD_MMAP_THRESHOLD = 32 << 20
 HELD_TRIM_THRESHOLD = 1 << 30
 
 
-def _libc_function(name: str) -> Callable[..., int] | None:
-    """The C library's function ``name``, or None where it has none (musl, macOS)."""
-    library = ctypes.util.find_library("c")
-    if library is None:
-        return None
-    try:
-        return getattr(ctypes.CDLL(library), name)  # type: ignore[no-any-return]
-    except (OSError, AttributeError):
-        return None
-
-
 def hold_freed_memory() -> bool:
     """Keep freed memory (up to 32 MiB a buffer) in this process's heap for reuse.
 
     Fixes glibc's thresholds, which otherwise adapt; whether both were accepted
     (False without glibc's ``mallopt``).
     """
-    mallopt = _libc_function("mallopt")
+    mallopt = libc_function("mallopt")
     if mallopt is None:
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, HELD_MMAP_THRESHOLD)) and bool(
@@ -67,7 +56,7 @@ class HeapTrimmer:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.interval = interval
         self.clock = clock
-        self._trim = _libc_function("malloc_trim")
+        self._trim = libc_function("malloc_trim")
         self._last = clock()
         self.trims = 0
 

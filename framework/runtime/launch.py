@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import ctypes
 import logging
 import multiprocessing as mp
 import os
@@ -55,6 +54,7 @@ from typing import Any, NoReturn
 
 from framework.config import PortArgs, ServerArgs
 from framework.distributed.config import ParallelConfig
+from framework.libc import linux_libc
 from framework.registry import create_transport, import_dotted
 from framework.runtime.heap import hold_freed_memory
 from framework.runtime.hf_tokenizer import import_transformers, start_loading_tokenizer
@@ -432,8 +432,8 @@ def _use_torch_threads(spec: ComponentSpec, *, own_process: bool) -> None:
 def die_with_parent() -> None:
     """Make sure this child never outlives the process that started it."""
     parent = os.getppid()
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc = linux_libc()
+    if libc is not None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
     def watch() -> None:

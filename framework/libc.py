@@ -1,0 +1,29 @@
+"""The C library, for the few Linux calls the runtime makes.
+
+``madvise`` (huge pages for the KV buffers), ``prctl`` (a child dies with its parent),
+``mallopt`` and ``malloc_trim`` (the Scheduler's heap).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import sys
+
+
+@functools.cache
+def linux_libc() -> ctypes.CDLL | None:
+    """The C library (errno kept) on Linux; None elsewhere, or where it cannot be loaded."""
+    if not sys.platform.startswith("linux"):
+        return None
+    with contextlib.suppress(OSError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return None
+
+
+def libc_function(name: str) -> ctypes._CFuncPtr | None:
+    """The Linux C library's function ``name``, or None where there is none (musl lacks some)."""
+    library = linux_libc()
+    return None if library is None else getattr(library, name, None)
