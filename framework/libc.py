@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import functools
 import sys
+from collections.abc import Callable
 
 
 @functools.cache
@@ -23,7 +24,7 @@ def linux_libc() -> ctypes.CDLL | None:
     return None
 
 
-def libc_function(name: str) -> ctypes._CFuncPtr | None:
+def libc_function(name: str) -> Callable[..., int] | None:
     """The Linux C library's function ``name``, or None where there is none (musl lacks some)."""
     library = linux_libc()
-    return None if library is None else getattr(library, name, None)
+    return None if library is None else getattr(library, name, None)  # type: ignore[no-any-return]
