@@ -431,8 +431,10 @@ class CeilingSide:
 
     ``ceiling`` (``with_prefill``) does the matrix work of the whole job, as
     the Engine must: every prompt token through the layers (in chunks of
-    ``prefill_chunk`` rows, the Engine's chunked-prefill size), the LM head on
-    each prompt's last token (which gives the first output token), then
+    ``prefill_chunk`` rows, the Engine's chunked-prefill size) up to the last
+    layer's q/k/v projections (which give the keys and values to cache), the
+    rest of the last layer and the LM head on each request's last row in the
+    chunk (the prompt's last token gives the first output token), then
     ``output_len - 1`` decode steps of ``num_prompts`` rows. ``decode_ceiling``
     is the decode steps alone, ``output_len`` of them: a bound on the decode
     phase, not on the job.
@@ -470,14 +472,17 @@ class CeilingSide:
 
         return linear(x, module.weight, module.bias, self.packed.get(id(module)))
 
-    def _layers(self, x: Any) -> Any:
+    def _layers(self, x: Any, keep: Any = None) -> Any:
+        """``x`` through the layers; with ``keep``, the last layer after q/k/v on those rows."""
         import torch.nn.functional as F
 
         project = self._project
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             h = layer.input_layernorm(x)
             q, _, _ = project(attn.q_proj, h), project(attn.k_proj, h), project(attn.v_proj, h)
+            if keep is not None and index == len(self.layers) - 1:
+                q, x = q[keep], x[keep]
             x = x + project(attn.o_proj, q)
             h = layer.post_attention_layernorm(x)
             x = x + project(mlp.down_proj,
@@ -495,10 +500,15 @@ class CeilingSide:
 
         total = sum(len(p) for p in prompts)
         rows = self.hidden.repeat(total // len(self.hidden) + 1, 1)[:total]
-        outputs = [self._layers(rows[start:start + self.prefill_chunk])
-                   for start in range(0, total, self.prefill_chunk)]
-        last = torch.tensor([len(p) for p in prompts], device=rows.device).cumsum(0) - 1
-        self._head(torch.cat(outputs)[last])
+        ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+        for start in range(0, total, self.prefill_chunk):
+            stop = min(start + self.prefill_chunk, total)
+            # As in the Engine, a chunk's last layer and the head take one row per
+            # request in it: each prompt ending there, and the one cut at its end.
+            keep = ends[(ends >= start) & (ends < stop)] - start
+            if stop < total and (len(keep) == 0 or keep[-1] != stop - start - 1):
+                keep = torch.cat([keep, torch.tensor([stop - start - 1])])
+            self._head(self._layers(rows[start:stop], keep.to(rows.device)))
 
     def _run(self, prompts: list[list[int]], decode_steps: int) -> None:
         import torch

@@ -187,10 +187,13 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         forward_batch: ForwardBatch,
         residual: torch.Tensor | None,
+        output_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the block's output and the running residual stream separately.
 
         Keeping the residual apart lets the next norm add it (``RMSNorm(x, residual)``).
+        With ``output_rows``, every row still goes through attention (its keys and
+        values are cached), but only those rows of the output are computed and returned.
         """
         if residual is None:
             residual = hidden_states
@@ -198,6 +201,9 @@ class LlamaDecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm(hidden_states, residual)
         attn_out = self.self_attn(positions, normed, forward_batch)
+        if output_rows is not None:
+            attn_out = attn_out.index_select(0, output_rows)
+            residual = residual.index_select(0, output_rows)
         normed, residual = self.post_attention_layernorm(attn_out, residual)
         return self.mlp(normed), residual
 
@@ -245,8 +251,14 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
         intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Final hidden states ``[n, hidden]`` of the batch's new tokens.
+
+        With ``output_rows`` (on the last stage), only those rows' final hidden
+        states, in that order: the last layer computes the rest of its block
+        (output projection, MLP) for them alone. In a prefill, where only each
+        prompt's last token makes a token, that is most of the last layer's work.
 
         A stage but the last returns ``(hidden, residual)`` after its layers; a
         stage but the first starts from the previous one's (``intermediate``).
@@ -257,13 +269,18 @@ class LlamaModel(nn.Module):
         else:
             assert self.embed_tokens is not None  # the first stage holds the embedding
             hidden_states = self.embed_tokens(input_ids)
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        last = self.end_layer - 1
+        for index in range(self.start_layer, self.end_layer):
+            rows = output_rows if index == last and self.is_last_stage else None
+            hidden_states, residual = self.layers[index](
+                positions, hidden_states, forward_batch, residual, rows)
         if not self.is_last_stage:
             assert residual is not None  # every stage holds at least one layer
             return hidden_states, residual
         assert self.norm is not None
         if residual is None:  # a model without layers
+            if output_rows is not None:
+                hidden_states = hidden_states.index_select(0, output_rows)
             return self.norm(hidden_states)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
@@ -323,17 +340,14 @@ class LlamaForCausalLM(nn.Module):
         request's last token ``[B, hidden]`` instead (last-token pooling).
         A pipeline stage but the last returns ``(hidden, residual)`` instead.
         """
-        hidden_states = self.model(input_ids, positions, forward_batch, intermediate)
+        rows = None
+        if self.model.is_last_stage:
+            rows = forward_batch.last_token_rows() if get_embedding else forward_batch.logits_rows()
+        hidden_states = self.model(input_ids, positions, forward_batch, intermediate, rows)
         if isinstance(hidden_states, tuple):
             return hidden_states
         if get_embedding:
-            rows = forward_batch.last_token_rows()
-            if rows is not None:
-                hidden_states = hidden_states[rows]
             return F.normalize(hidden_states.float(), p=2.0, dim=-1)
-        rows = forward_batch.logits_rows()
-        if rows is not None:
-            hidden_states = hidden_states[rows]
         assert self.lm_head is not None  # the last stage holds the head
         return self.lm_head.compute_logits(hidden_states).float()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -90,23 +91,42 @@ def test_engine_and_transformers_produce_the_same_greedy_tokens(
 
 def test_the_ceiling_does_the_jobs_matrix_work_and_the_decode_ceiling_the_steps_alone(
         quick_run: tuple[OfflineBenchResult, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows through the layers: every prompt token in chunks, then one row per prompt."""
+    """Every prompt token in chunks up to the last layer's q/k/v, then one row per request.
+
+    As in the Engine, the rest of a chunk's last layer and the head take one row
+    per request in the chunk; decode steps take one row per prompt everywhere.
+    """
     from transformers import AutoModelForCausalLM
 
     result, model_dir = quick_run
     settings = dataclasses.replace(result.settings, num_prompts=3, output_len=4)
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompts = [[1] * 5, [2] * 9, [3] * 3]
-    seen: list[int] = []
-    layers = CeilingSide._layers
-    monkeypatch.setattr(CeilingSide, "_layers",
-                        lambda self, x: (seen.append(x.shape[0]), layers(self, x))[1])
+    names = {id(module): name for name, module in hf_model.named_modules()}
+    last = f"model.layers.{settings.layers - 1}."
+    watched = ("model.layers.0.self_attn.q_proj", f"{last}self_attn.q_proj",
+               f"{last}mlp.down_proj", "lm_head")
+    prompts = [[1] * 5, [2] * 9, [3] * 3]  # 17 tokens: prompts end at rows 4, 13 and 16
+    seen: dict[str, list[int]] = {name: [] for name in watched}
+    project = CeilingSide._project
+
+    def record(self: CeilingSide, module: Any, x: torch.Tensor) -> torch.Tensor:
+        if names[id(module)] in seen:
+            seen[names[id(module)]].append(x.shape[0])
+        return project(self, module, x)
+
+    monkeypatch.setattr(CeilingSide, "_project", record)
     CeilingSide(hf_model, settings, with_prefill=True, prefill_chunk=7).generate(prompts)
-    assert seen == [7, 7, 3] + [3] * 3  # 17 prompt tokens, then output_len - 1 steps
-    seen.clear()
+    steps = [3] * 3  # output_len - 1 decode steps of 3 rows
+    assert seen[watched[0]] == seen[watched[1]] == [7, 7, 3, *steps]
+    # Chunk one holds prompt one's end and prompt two's start, chunk two the rest of
+    # prompt two, chunk three prompt three.
+    assert seen[watched[2]] == seen[watched[3]] == [2, 1, 1, *steps]
+    for rows in seen.values():
+        rows.clear()
     decode_only = CeilingSide(hf_model, settings, with_prefill=False)
     decode_only.generate(prompts)
-    assert seen == [3] * 4 and decode_only.name == "decode_ceiling"
+    assert all(rows == [3] * 4 for rows in seen.values())
+    assert decode_only.name == "decode_ceiling"
 
 
 @pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")

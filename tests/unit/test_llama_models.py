@@ -259,6 +259,34 @@ def test_prefill_in_chunks_over_a_cached_prefix_matches_transformers(
     assert_all_slots_free(runner)
 
 
+def test_the_last_layer_runs_its_mlp_only_on_the_rows_that_make_logits(tmp_path: Path) -> None:
+    """A prefill caches every token's keys and values, but only last tokens make logits.
+
+    Earlier layers compute every row; the last one (and the final norm) only the
+    rows the head reads, and the logits still match transformers.
+    """
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    runner = make_runner(path)
+    layers = runner.model.model.layers
+    seen: list[int] = []
+    hooks = [layer.mlp.register_forward_hook(lambda _m, args, _o: seen.append(args[0].shape[0]))
+             for layer in layers]
+    driver = Driver(runner)
+    prompts = prompt_ids()[2:6]
+    requests = driver.start(len(prompts))
+    logits = driver.extend(requests, prompts)
+    assert seen == [sum(map(len, prompts))] * (len(layers) - 1) + [len(prompts)]
+    seen.clear()
+    tokens, logprobs = greedy(driver, requests, logits, 3)
+    assert seen == [len(prompts)] * len(layers) * 2  # decode: every row is a last token
+    for hook in hooks:
+        hook.remove()
+    hf_model = load_hf(path)
+    for prompt, request_tokens, request_logprobs in zip(prompts, tokens, logprobs, strict=True):
+        assert_matches_transformers(hf_model, prompt, request_tokens, request_logprobs)
+    driver.finish(requests)
+
+
 def test_decoder_served_as_embedding_model_pools_the_last_token(tmp_path: Path) -> None:
     path = make_tiny_checkpoint(tmp_path, "qwen3")
     runner = make_runner(path, is_embedding=True)
