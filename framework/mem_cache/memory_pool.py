@@ -147,7 +147,6 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _MADV_HUGEPAGE) == 0
 
 
-
 class MHATokenToKVPool:
     """Per-layer key and value buffers, ``[size + 1, num_kv_heads, head_dim]`` each."""
 
