@@ -69,7 +69,8 @@ class ServerArgs:
     linear_backend: str = _opt("auto", "matrix products of the linear layers and LM head: "
                                "torch (F.linear), or onednn (weights packed once after "
                                "loading, kept beside the originals: twice their memory); "
-                               "auto: onednn for float32 on a CPU, else torch", "runtime",
+                               "auto: onednn for float32 on a CPU (torch, which is MKL, on "
+                               "an Intel one), else torch", "runtime",
                                choices=("auto", "onednn", "torch"))
     max_running_requests: int = _opt(64, "most requests in the running batch", "runtime")
     max_queued_requests: int | None = _opt(None, "most requests in flight beyond the running "

@@ -7,18 +7,13 @@ import platform
 import subprocess
 from pathlib import Path
 
+from framework.cpuinfo import cpuinfo_fields
+
 
 def machine_description() -> str:
     """Platform, CPU model and logical CPU count of this machine."""
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass  # not Linux: keep what platform reports
+    model = cpuinfo_fields("model name").get("model name") or platform.processor() \
+        or platform.machine()
     return f"{platform.platform()}, {model}, {os.cpu_count()} logical CPUs"
 
 

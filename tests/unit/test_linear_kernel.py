@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from framework.config import ServerArgs
+from framework.layers import linear_kernel
 from framework.layers.embedding import VocabParallelEmbedding
 from framework.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear
 from framework.layers.linear_kernel import (
@@ -59,12 +60,23 @@ def test_without_a_packed_weight_the_product_is_torch_s() -> None:
     assert torch.equal(linear(x, weight, bias, None), torch.nn.functional.linear(x, weight, bias))
 
 
-def test_auto_picks_onednn_for_float32_on_a_cpu_only() -> None:
+def test_auto_picks_onednn_for_float32_on_a_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear_kernel, "cpu_vendor", lambda: "AuthenticAMD")
     expected = "onednn" if onednn_available() else "torch"
     assert resolve_linear_backend("auto", CPU, torch.float32) == expected
     assert resolve_linear_backend("auto", CPU, torch.bfloat16) == "torch"
     assert resolve_linear_backend("auto", torch.device("cuda"), torch.float32) == "torch"
     assert resolve_linear_backend("torch", CPU, torch.float32) == "torch"
+
+
+def test_auto_leaves_an_intel_cpu_s_products_to_mkl(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear_kernel, "cpu_vendor", lambda: "GenuineIntel")
+    with_mkl = torch.backends.mkl.is_available()
+    assert linear_kernel.mkl_preferred() == with_mkl
+    expected = "onednn" if onednn_available() and not with_mkl else "torch"
+    assert resolve_linear_backend("auto", CPU, torch.float32) == expected
+    if onednn_available():  # asked for by name, it is what runs
+        assert resolve_linear_backend("onednn", CPU, torch.float32) == "onednn"
 
 
 def test_onednn_where_it_cannot_run_and_unknown_names_are_refused() -> None:
@@ -94,7 +106,8 @@ def test_layers_use_their_packed_weight_when_they_have_one() -> None:
 def test_the_runner_packs_every_linear_layer_and_the_head(tmp_path: Path, tied: bool) -> None:
     path = make_tiny_checkpoint(tmp_path, "llama", tie_word_embeddings=tied)
     args = {"model_path": str(path), "device": "cpu", "max_total_tokens": 256}
-    runner = ModelRunner(ServerArgs(**args, linear_backend="auto"), str(path))
+    backend = "onednn" if onednn_available() else "torch"
+    runner = ModelRunner(ServerArgs(**args, linear_backend=backend), str(path))
     modules = matmul_modules(runner.model)
     linears = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
     assert len(modules) == len(linears) + 1  # and the head

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from framework.cpuinfo import cpuinfo_fields
+
 logger = logging.getLogger(__name__)
 
 #: ``-ffast-math`` lets the compiler vectorise the softmax's and the norm's sums (it
@@ -68,15 +70,9 @@ def _cpu_identity() -> str:
     with AVX-512 and one without).
     """
     wanted = ("model name", "flags", "Features")  # x86 and Arm spellings
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
+    seen = cpuinfo_fields(*wanted)
+    if not seen:
         return platform.processor()
-    seen: dict[str, str] = {}
-    for line in lines:
-        key, _, value = line.partition(":")
-        if key.strip() in wanted:
-            seen.setdefault(key.strip(), value.strip())
     return "\n".join(f"{key}: {seen[key]}" for key in wanted if key in seen)
 
 
