@@ -727,7 +727,8 @@ def render_markdown(result: OfflineBenchResult) -> str:
         f"`{result.attention_backend}`, linear backend `{result.linear_backend}`; transformers: "
         f"`generate` in left-padded batches of {s.hf_batch_size}; ceiling: linear layers (on "
         f"the Engine's linear backend), norms and LM head only, on every prompt token (chunks "
-        f"of 2,048 rows), then {s.output_len - 1} steps of "
+        "of 2,048 rows; past the last layer's q/k/v projections, only each request's last "
+        f"row of a chunk, as in the Engine), then {s.output_len - 1} steps of "
         f"{s.num_prompts} rows; decode_ceiling: the same on {s.output_len} steps of "
         f"{s.num_prompts} rows alone (no prefill); kv_read: every decode step's keys and "
         "values read once (a sum over them), nothing else",
