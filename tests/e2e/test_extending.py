@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import httpx
@@ -13,10 +14,18 @@ from tests.server_harness import start_server
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 LONG, MEDIUM, SHORT = "word " * 60, "word " * 20, "word"
+#: The blocker's tokens, within the model's context (``CONTEXT``).
+BLOCKER_TOKENS, CONTEXT = 4000, 4096
 
 
 async def first_chunk_order(base_url: str) -> list[str]:
-    """Start a long-running blocker, queue three prompts behind it, note who streams first."""
+    """Start a long-running blocker, queue three prompts behind it, note who streams first.
+
+    Each prompt is sent once the Scheduler holds the one before it in its queue, so
+    that they arrive in this order whatever the machine's speed: queueing takes a few
+    dozen of the blocker's steps, which has thousands to run. Then the blocker is
+    cancelled (the server aborts it), and the queue runs.
+    """
     order: list[str] = []
 
     async def stream(client: httpx.AsyncClient, name: str, prompt: str, tokens: int) -> None:
@@ -27,20 +36,33 @@ async def first_chunk_order(base_url: str) -> list[str]:
                 if line.startswith("data: ") and name not in order:
                     order.append(name)
 
+    async def wait_until_queued(client: httpx.AsyncClient, count: int) -> None:
+        for _ in range(2000):
+            info = (await client.get("/get_server_info")).json()["scheduler"]
+            if info["num_waiting_reqs"] >= count:
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"the Scheduler never held {count} waiting requests")
+
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-        blocker = asyncio.create_task(stream(client, "blocker", "x", 150))
+        blocker = asyncio.create_task(stream(client, "blocker", "x", BLOCKER_TOKENS))
         while "blocker" not in order:
             await asyncio.sleep(0.01)
         queued = []
-        for name, prompt in (("long", LONG), ("medium", MEDIUM), ("short", SHORT)):
+        for count, (name, prompt) in enumerate(
+                (("long", LONG), ("medium", MEDIUM), ("short", SHORT)), start=1):
             queued.append(asyncio.create_task(stream(client, name, prompt, 4)))
-            await asyncio.sleep(0.05)  # arrive in this order while the blocker runs
-        await asyncio.gather(blocker, *queued)
+            await wait_until_queued(client, count)
+        assert order == ["blocker"]  # the three were queued while the blocker ran
+        blocker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await blocker
+        await asyncio.gather(*queued)
     return order
 
 
 def test_scheduler_subclass_changes_batch_selection(tmp_path: Path) -> None:
-    model = make_tiny_checkpoint(tmp_path, "llama", seed=7)
+    model = make_tiny_checkpoint(tmp_path, "llama", seed=7, max_position_embeddings=CONTEXT)
     common = ("--max-running-requests", "1")
     custom = start_server(
         model, tmp_path, *common, "--scheduler-class",
