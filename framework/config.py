@@ -78,7 +78,9 @@ class ServerArgs:
                                            "Retry-After at once (default: no limit)", "runtime")
     max_total_tokens: int | None = _opt(None, "KV cache size in tokens (default: from "
                                         "--mem-fraction)", "runtime")
-    mem_fraction: float = _opt(0.8, "fraction of free device memory for the KV cache (GPU)",
+    mem_fraction: float = _opt(0.8, "fraction of free memory for the KV cache: the GPU's; on "
+                               "a CPU, a cap on its default size (of the host memory "
+                               "available, shared by the machine's scheduler ranks)",
                                "runtime")
     chunked_prefill_size: int = _opt(2048, "most prompt tokens prefilled per step", "runtime")
     enable_mixed_chunk: bool = _opt(False, "run the running requests' decode tokens in the "

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from framework.host_memory import available_host_memory
 from framework.libc import linux_libc
 
 # madvise(2) advice asking Linux for transparent huge pages.
@@ -249,8 +250,8 @@ def kv_cache_bytes_per_token(
     return 2 * num_kv_heads * head_dim * num_layers * element_size
 
 
-# On CPU there is no "free device memory" worth measuring; the default pool is
-# enough for every running request at full context, capped at this many tokens.
+# The CPU's default pool: enough for every running request at full context, capped at
+# this many tokens (and at what host memory allows).
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 2**16
 
 
@@ -262,27 +263,43 @@ def decide_max_total_tokens(
     context_len: int,
     max_running_requests: int,
     device: torch.device,
+    ranks_sharing_memory: int = 1,
 ) -> int:
     """Size of the KV cache in tokens.
 
     ``max_total_tokens`` wins when given. Otherwise, on CUDA, ``mem_fraction`` of
     the memory free now (after the weights are loaded) goes to the KV cache; on
     other devices the size is ``min(context_len * max_running_requests,
-    CPU_DEFAULT_MAX_TOTAL_TOKENS)``.
+    CPU_DEFAULT_MAX_TOTAL_TOKENS)``, lowered to what ``mem_fraction`` of the
+    host memory available now holds, split evenly between the
+    ``ranks_sharing_memory`` scheduler ranks of this machine.
+
+    Raises:
+        ValueError: a size or fraction out of range, or no memory left for one token.
     """
     if max_total_tokens is not None:
         if max_total_tokens <= 0:
             raise ValueError(f"--max-total-tokens must be > 0, got {max_total_tokens}")
         return max_total_tokens
+    if not 0.0 < mem_fraction <= 1.0:
+        raise ValueError(f"--mem-fraction must be in (0, 1], got {mem_fraction}")
     if device.type == "cuda":
-        if not 0.0 < mem_fraction <= 1.0:
-            raise ValueError(f"--mem-fraction must be in (0, 1], got {mem_fraction}")
         free_bytes, _ = torch.cuda.mem_get_info(device)
-        tokens = int(free_bytes * mem_fraction) // bytes_per_token
-        if tokens <= 0:
-            raise ValueError(
-                f"no device memory left for the KV cache ({free_bytes} bytes free); "
-                "lower the model size or raise --mem-fraction"
-            )
-        return tokens
-    return min(context_len * max_running_requests, CPU_DEFAULT_MAX_TOTAL_TOKENS)
+        return _tokens_that_fit(free_bytes, mem_fraction, bytes_per_token, "device")
+    default = min(context_len * max_running_requests, CPU_DEFAULT_MAX_TOTAL_TOKENS)
+    available = available_host_memory()
+    if available is None:
+        return default
+    share = available // max(ranks_sharing_memory, 1)
+    return min(default, _tokens_that_fit(share, mem_fraction, bytes_per_token, "host"))
+
+
+def _tokens_that_fit(free_bytes: int, mem_fraction: float, bytes_per_token: int,
+                     memory: str) -> int:
+    tokens = int(free_bytes * mem_fraction) // bytes_per_token
+    if tokens <= 0:
+        raise ValueError(
+            f"no {memory} memory left for the KV cache ({free_bytes} bytes free, "
+            f"{bytes_per_token} needed a token); use a smaller model or raise --mem-fraction"
+        )
+    return tokens

@@ -10,7 +10,9 @@ Pool sizing: ``ReqToTokenPool`` has ``max_running_requests +
 EXTRA_REQ_SLOTS`` rows of ``context_len`` tokens. The KV cache holds
 ``--max-total-tokens`` tokens when given; otherwise, on CUDA,
 ``--mem-fraction`` of the device memory free after loading the weights, and on
-CPU ``min(context_len * max_running_requests, 65536)`` tokens.
+CPU ``min(context_len * max_running_requests, 65536)`` tokens or fewer: at most
+``--mem-fraction`` of the host memory available then, shared by the machine's
+scheduler ranks. Parallel ranks all take the smallest size any of them found.
 """
 
 from __future__ import annotations
@@ -193,7 +195,7 @@ class ModelRunner:
         self._pack_linear_weights()
         # The native CPU kernels the layers (and the greedy sampler) run, or None.
         self._cpu_ops = bind_cpu_layer_ops(self.model, self.device, self.dtype)
-        # Sized after the weights are loaded: on CUDA the KV cache takes a
+        # Sized after the weights are loaded: the KV cache takes (at most, on a CPU) a
         # fraction of the memory they leave free.
         self.max_total_num_tokens = self._decide_kv_cache_tokens()
         self.pools = self._build_pools()
@@ -232,14 +234,23 @@ class ModelRunner:
         # Room for what the attention backend keeps beyond the pool (its kept copies).
         backend = ATTENTION_BACKENDS.get(self.attention_backend)
         extra = getattr(backend, "extra_kv_copies", 0.0)
-        return decide_max_total_tokens(
+        # Every scheduler rank of this machine (each data-parallel replica's ranks too)
+        # sizes its pool from the same host memory.
+        local_ranks = 1 if self.parallel is None else self.parallel.config.ranks_per_node
+        tokens = decide_max_total_tokens(
             max_total_tokens=self.server_args.max_total_tokens,
             mem_fraction=self.server_args.mem_fraction,
             bytes_per_token=int(per_token * (1 + extra)),
             context_len=config.context_len,
             max_running_requests=self.server_args.max_running_requests,
             device=self.device,
+            ranks_sharing_memory=local_ranks * self.server_args.dp_size,
         )
+        if self.parallel is None:
+            return tokens
+        # Rank 0 hands out the KV slots of every rank: all pools must be the same size,
+        # though each rank measured its own free memory.
+        return min(self.parallel.control.all_gather_object(tokens))
 
     def _build_pools(self) -> KVCachePools:
         config = self.model_config

@@ -260,3 +260,41 @@ def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path: Path) -> None:
     assert outputs == expected
     for rank in (0, 1):  # the whole (single) head on each rank, not half of it
         assert info[f"kv_cache_bytes_rank_{rank}"] == whole["kv_cache_bytes_rank_0"]
+
+
+def _sizing_rank(rank: int, port: int, model_dir: str, host_bytes: list[int],
+                 results: Any) -> None:
+    """A TP rank that finds ``host_bytes[rank]`` of host memory available and sizes its pool."""
+    torch.set_num_threads(1)
+    from framework.distributed.parallel_state import init_parallel
+    from framework.mem_cache import memory_pool
+
+    memory_pool.available_host_memory = lambda: host_bytes[rank]  # type: ignore[assignment]
+    context = init_parallel(ParallelConfig(tp_size=2, dist_init_addr=f"127.0.0.1:{port}"),
+                            rank, torch.device("cpu"))
+    args = ServerArgs(model_path=model_dir, tp_size=2, device="cpu", dtype="float32",
+                      max_running_requests=8, mem_fraction=0.5)
+    runner = ModelRunner(args, model_dir, parallel=context)
+    results.put((rank, runner.max_total_num_tokens, runner.pools.token_to_kv_pool.size))
+
+
+@pytest.mark.timeout(240)
+def test_ranks_that_find_different_free_memory_size_their_pools_alike(model_dir: Path) -> None:
+    """Rank 0 hands out every rank's KV slots, so each pool takes the smallest size found."""
+    per_token = ModelRunner(_runner_args(str(model_dir), 1), str(model_dir)) \
+        .pools.token_to_kv_pool.bytes_per_token() // 2  # each rank holds half the heads
+    # Two ranks share the host; half of each one's share may go to the KV cache.
+    host_bytes = [per_token * 4 * 900, per_token * 4 * 700]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_tcp_port()
+    ranks = [ctx.Process(target=_sizing_rank, daemon=True,
+                         args=(rank, port, str(model_dir), host_bytes, results))
+             for rank in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        sizes = sorted(results.get(timeout=HARNESS_TIMEOUT_S) for _ in ranks)
+    finally:
+        _end_two_ranks(ranks, results)
+    assert sizes == [(0, 700, 700), (1, 700, 700)]

@@ -70,3 +70,16 @@ def test_a_model_directory_without_weights_is_a_one_line_error(tmp_path: Path) -
         f"framework: error: the scheduler failed to start: no *.safetensors files in model "
         f"directory '{model}'"
     ], result.stderr
+
+
+def test_a_kv_cache_that_host_memory_cannot_hold_is_a_one_line_error(tmp_path: Path) -> None:
+    from tests.model_fixtures import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path, "llama")
+    result = run_cli("serve", "--model-path", str(model), "--device", "cpu",
+                     "--mem-fraction", "1e-12", "--log-level", "error")
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, result.stderr
+    assert errors[0].startswith("framework: error: the scheduler failed to start: no host "
+                                "memory left for the KV cache"), result.stderr

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from framework.mem_cache import KVCachePools as ExportedKVCachePools
+from framework.mem_cache import memory_pool
 from framework.mem_cache.memory_pool import (
     CPU_DEFAULT_MAX_TOTAL_TOKENS,
     KVCachePools,
@@ -131,7 +132,10 @@ def test_bytes_per_token_counts_keys_and_values_of_every_layer() -> None:
     assert pool.bytes_per_token() == kv_cache_bytes_per_token(2, 16, 2, torch.float32)
 
 
-def test_sizing_prefers_explicit_tokens_and_caps_the_cpu_default() -> None:
+def test_sizing_prefers_explicit_tokens_and_caps_the_cpu_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(memory_pool, "available_host_memory", lambda: 1 << 40)
     common = {"mem_fraction": 0.8, "bytes_per_token": 1024, "device": CPU}
     explicit = decide_max_total_tokens(
         max_total_tokens=1234, context_len=100, max_running_requests=2, **common
@@ -149,6 +153,27 @@ def test_sizing_prefers_explicit_tokens_and_caps_the_cpu_default() -> None:
         decide_max_total_tokens(
             max_total_tokens=0, context_len=100, max_running_requests=2, **common
         )
+
+
+def test_the_cpu_default_fits_the_host_memory_its_ranks_share(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    common = {"max_total_tokens": None, "bytes_per_token": 1024, "context_len": 4096,
+              "max_running_requests": 8, "device": CPU}
+    monkeypatch.setattr(memory_pool, "available_host_memory", lambda: 10_000 * 1024)
+    assert decide_max_total_tokens(mem_fraction=0.5, **common) == 5_000
+    assert decide_max_total_tokens(mem_fraction=0.5, ranks_sharing_memory=4, **common) == 1_250
+    # Where memory is plentiful, the default stays what the requests need at full context.
+    monkeypatch.setattr(memory_pool, "available_host_memory", lambda: 1 << 40)
+    assert decide_max_total_tokens(mem_fraction=0.5, **common) == 4096 * 8
+    # Where the kernel does not say, the same.
+    monkeypatch.setattr(memory_pool, "available_host_memory", lambda: None)
+    assert decide_max_total_tokens(mem_fraction=0.5, **common) == 4096 * 8
+    monkeypatch.setattr(memory_pool, "available_host_memory", lambda: 1000)
+    with pytest.raises(ValueError, match="no host memory left for the KV cache"):
+        decide_max_total_tokens(mem_fraction=0.8, **common)
+    with pytest.raises(ValueError, match="mem-fraction"):
+        decide_max_total_tokens(mem_fraction=1.5, **common)
 
 
 def test_kv_cache_pools_build_consistent_shapes() -> None:
@@ -194,9 +219,9 @@ def test_on_cuda_the_pool_leaves_room_for_the_backend_s_kept_copies(
     config = SimpleNamespace(num_kv_heads_per_rank=lambda tp: 2, head_dim=16, context_len=64)
     runner = SimpleNamespace(
         model_config=config, tp_size=1, start_layer=0, end_layer=2, dtype=torch.float32,
-        device=torch.device("cuda", 0), attention_backend="torch",
+        device=torch.device("cuda", 0), attention_backend="torch", parallel=None,
         server_args=SimpleNamespace(max_total_tokens=None, mem_fraction=0.5,
-                                    max_running_requests=4))
+                                    max_running_requests=4, dp_size=1))
     per_token = kv_cache_bytes_per_token(2, 16, 2, torch.float32)
     assert TorchNativeAttnBackend.extra_kv_copies == 1.0
     tokens = ModelRunner._decide_kv_cache_tokens(runner)  # type: ignore[arg-type]
@@ -204,8 +229,6 @@ def test_on_cuda_the_pool_leaves_room_for_the_backend_s_kept_copies(
 
 
 def test_cpu_kv_buffers_are_zeroed_and_ask_for_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
-    from framework.mem_cache import memory_pool
-
     advised: list[int] = []
     real = memory_pool.advise_huge_pages
 
