@@ -1,7 +1,8 @@
 """What the runtime needs to know about a model, read from its directory.
 
-``ModelConfig.from_pretrained`` reads ``config.json`` (through transformers)
-and ``generation_config.json``, picks the model class's architecture, the
+``ModelConfig.from_pretrained`` reads ``config.json`` (itself for the built-in
+decoder families, ``plain_config.py``; through transformers otherwise) and
+``generation_config.json``, picks the model class's architecture, the
 dtype and the context length, and checks that the directory is a model.
 
 Dtype rule for ``--dtype auto``: the checkpoint's ``dtype`` (``torch_dtype``
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from framework.model_executor.plain_config import plain_config
 from framework.models import EMBEDDING_ARCHITECTURES, resolve_architecture
 
 logger = logging.getLogger(__name__)
@@ -44,15 +46,31 @@ def check_model_dir(model_path: str | Path) -> Path:
 
 
 def read_hf_config(model_path: str | Path) -> Any:
-    """The transformers config of a local model directory (never downloads)."""
+    """The configuration of a local model directory (never downloads).
+
+    A ``PlainConfig`` for the model types it knows (no transformers import),
+    else transformers' ``AutoConfig``.
+    """
+    path = check_model_dir(model_path)
+    config_path = path / "config.json"
+    try:
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+        plain = plain_config(raw) if isinstance(raw, dict) else None
+    except (OSError, ValueError) as exc:  # json's errors are ValueErrors
+        raise ValueError(f"cannot read {config_path}: {_first_line(exc)}") from exc
+    if plain is not None:
+        return plain
     from transformers import AutoConfig
 
-    path = check_model_dir(model_path)
     try:
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:  # transformers raises many kinds for a bad config
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"cannot read {path / 'config.json'}: {first_line}") from exc
+        raise ValueError(f"cannot read {config_path}: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
