@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import threading
 from typing import Any
@@ -29,7 +30,9 @@ def load_tokenizer(path: str, chat_template: str | None = None,
     for the same directory in another process: AutoTokenizer reads the model's
     configuration, which imports torch (seconds of a process's start), and a
     process that needs only a tokenizer (the HTTP process, the Detokenizer)
-    skips that. Only local files are read. Raises ``ValueError`` when ``path``
+    skips that. Without ``tokenizer_class``, the class AutoTokenizer picked
+    before for the same files is loaded directly (``tokenizer_choice``), and a
+    new pick is remembered. Only local files are read. Raises ``ValueError`` when ``path``
     is not a directory, holds no tokenizer files, or transformers cannot build
     a tokenizer from them. ``chat_template`` (``--chat-template``: a file, or
     the template itself) replaces the tokenizer's own; see ``read_chat_template``.
@@ -149,19 +152,30 @@ def _tokenizer_files(path: str) -> list[str]:
 def _load(path: str, tokenizer_class: str | None) -> Any:
     present = _tokenizer_files(path)
     try:
-        return _tokenizer_class(tokenizer_class).from_pretrained(path, local_files_only=True)
+        return _load_class(path, tokenizer_class)
     except Exception as exc:  # transformers and the Rust tokenizers raise assorted types
         raise ValueError(
             f"cannot load a tokenizer from {path!r} (found {', '.join(present)}): {exc}"
         ) from exc
 
 
-def _tokenizer_class(path: str | None) -> Any:
-    if path is not None:
-        from framework.registry import import_dotted
+def _load_class(path: str, tokenizer_class: str | None) -> Any:
+    """The tokenizer, of ``tokenizer_class``, else of the class AutoTokenizer picks (remembered)."""
+    from framework.registry import import_dotted
+    from framework.runtime.tokenizer_choice import (
+        remember_tokenizer_class,
+        remembered_tokenizer_class,
+    )
 
-        return import_dotted(path)
+    if tokenizer_class is not None:
+        return import_dotted(tokenizer_class).from_pretrained(path, local_files_only=True)
+    remembered = remembered_tokenizer_class(path)
+    if remembered is not None:
+        with contextlib.suppress(Exception):  # a class that no longer loads: pick again
+            return import_dotted(remembered).from_pretrained(path, local_files_only=True)
     # Imported here so that importing the runtime does not pay for transformers.
     from transformers import AutoTokenizer
 
-    return AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    remember_tokenizer_class(path, tokenizer_class_path(tokenizer))
+    return tokenizer

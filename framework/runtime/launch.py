@@ -58,6 +58,7 @@ from framework.libc import linux_libc
 from framework.registry import create_transport, import_dotted
 from framework.runtime.heap import hold_freed_memory
 from framework.runtime.hf_tokenizer import import_transformers, start_loading_tokenizer
+from framework.runtime.tokenizer_choice import remembered_tokenizer_class
 
 logger = logging.getLogger("framework.launch")
 
@@ -705,8 +706,14 @@ class ComponentTree:
         # Each scheduler's ready message, by (replica, rank).
         self.scheduler_infos: dict[tuple[int, int], dict[str, Any]] = {}
         # The class AutoTokenizer picked in the first Scheduler that is ready: the
-        # Detokenizers and this process load it directly, without importing torch.
+        # Detokenizers and this process load it directly, without importing torch. With
+        # processes, one picked before for the same files is known at once. (Threads
+        # wait: transformers' lazy module is not safe to import from two at once.)
         self.tokenizer_class: concurrent.futures.Future[str] = concurrent.futures.Future()
+        if server_args.launch_mode == "process":
+            remembered = remembered_tokenizer_class(server_args.resolved_tokenizer_path())
+            if remembered is not None:
+                self.tokenizer_class.set_result(remembered)
         self._wake_reader, self._wake_writer = mp.Pipe(duplex=False)
         self._stop_lock = threading.Lock()
         self._stopping = False  # set first, so that wait_for_death reads a stop as no death
@@ -739,6 +746,8 @@ class ComponentTree:
         try:
             for handle in self.handles:
                 handle.start()
+            if self.tokenizer_class.done():
+                self._send_class_to_detokenizers(self.tokenizer_class.result())
             self._gather_ready()
         except BaseException:
             self.stop()
@@ -780,6 +789,9 @@ class ComponentTree:
 
     def _hand_out_tokenizer_class(self, name: str) -> None:
         self.tokenizer_class.set_result(name)
+        self._send_class_to_detokenizers(name)
+
+    def _send_class_to_detokenizers(self, name: str) -> None:
         for handle in self.handles:
             if handle.spec.kind == "detokenizer":
                 _send_tokenizer_class(handle, name)

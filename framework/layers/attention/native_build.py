@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from framework.cpuinfo import cpuinfo_fields
+from framework.user_cache import user_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def cache_dir() -> Path:
     configured = os.environ.get(CACHE_ENV)
     if configured:
         return Path(configured)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "framework" / "kernels"
+    return user_cache_dir("kernels")
 
 
 def _cpu_identity() -> str:
