@@ -101,7 +101,7 @@ def test_other_model_types_are_left_to_transformers(tmp_path: Path) -> None:
 def test_a_head_size_that_cannot_be_derived_is_refused(tmp_path: Path) -> None:
     raw = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **SMALL,
            "hidden_size": 66}
-    with pytest.raises(ValueError, match="cannot read .*not a multiple") as info:
+    with pytest.raises(ValueError, match=r"cannot read .*not a multiple") as info:
         read_hf_config(_write(tmp_path, raw))
     assert "\n" not in str(info.value)
     # Given, it need not divide: it is the file's.
