@@ -36,7 +36,8 @@ class GrammarManager:
 
     The backend is built on first use (on the worker thread: reading a large
     vocabulary takes a while), so a server that never sees a constraint never
-    imports one.
+    imports one. ``tokenizer`` may be a future of it (a Scheduler's loads in the
+    background): the backend's build waits for it.
     """
 
     def __init__(self, backend_name: str, tokenizer: Any, vocab_size: int,
@@ -62,9 +63,12 @@ class GrammarManager:
         """The backend, built once (thread-safe)."""
         with self._backend_lock:
             if self._backend is None:
+                # The tokenizer first: a backend's import may import transformers, which
+                # must not happen while another thread (the tokenizer's load) imports it.
+                tokenizer = self.tokenizer.result() if isinstance(self.tokenizer, cf.Future) \
+                    else self.tokenizer
                 backend_class = GRAMMAR_BACKENDS.get(self.backend_name)
-                self._backend = backend_class(self.tokenizer, self.vocab_size,
-                                              self.stop_token_ids)
+                self._backend = backend_class(tokenizer, self.vocab_size, self.stop_token_ids)
             return self._backend
 
     def _compile(self, constraint: Constraint) -> Any:

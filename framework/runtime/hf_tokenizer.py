@@ -6,6 +6,7 @@ import concurrent.futures
 import contextlib
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 # Any one of these marks a directory as holding a tokenizer that transformers can load.
@@ -78,21 +79,31 @@ def start_loading_tokenizer(
     _tokenizer_files(path)
     if chat_template is not None:
         read_chat_template(chat_template)
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
     if tokenizer_class is None:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         future.set_result(load_tokenizer(path, chat_template))
         return future
     known_class = tokenizer_class
 
-    def load() -> None:
+    def load() -> Any:
+        import_transformers()  # meanwhile
+        return load_tokenizer(path, chat_template, known_class.result())
+
+    return in_background(load)
+
+
+def in_background(load: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+    """``load()`` on a thread of its own, as a future of what it returns (or raises)."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
         try:
-            import_transformers()  # meanwhile
-            future.set_result(load_tokenizer(path, chat_template, known_class.result()))
+            future.set_result(load())
         except BaseException as exc:  # handed to whoever waits on the future
             future.set_exception(exc)
 
     # A daemon: a start-up that fails meanwhile does not wait for the load to end.
-    threading.Thread(target=load, name="tokenizer-load", daemon=True).start()
+    threading.Thread(target=run, name="tokenizer-load", daemon=True).start()
     return future
 
 

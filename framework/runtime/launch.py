@@ -349,10 +349,8 @@ def _build_scheduler(cls: type, spec: ComponentSpec, server_args: ServerArgs,
 def _scheduler_component(scheduler: Any, spec: ComponentSpec) -> RunningComponent:
     import torch
 
-    from framework.runtime.hf_tokenizer import tokenizer_class_path
-
     info = {
-        "tokenizer_class": tokenizer_class_path(scheduler.tokenizer),
+        "tokenizer_class": scheduler.tokenizer_class,
         "context_len": scheduler.context_len,
         "is_embedding": scheduler.model_config.is_embedding,
         "vocab_size": scheduler.model_config.vocab_size,

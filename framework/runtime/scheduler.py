@@ -26,6 +26,7 @@ import os
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,10 +142,11 @@ class Scheduler:
         self.allocator = model_runner.pools.allocator
         self.tree_cache = self.build_prefix_cache()
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache)
-        self.tokenizer = self._load_tokenizer()
+        #: The tokenizer, as a future; ``tokenizer_class``: its class (``"module:Name"``).
+        self.tokenizer_future, self.tokenizer_class = self._start_loading_tokenizer()
         self.context_len = self.model_config.context_len
         self.eos_token_ids: set[int] = set(self.model_config.eos_token_ids)
-        self.grammars = GrammarManager(server_args.grammar_backend, self.tokenizer,
+        self.grammars = GrammarManager(server_args.grammar_backend, self.tokenizer_future,
                                        self.model_config.vocab_size, sorted(self.eos_token_ids))
 
         codec = server_args.codec
@@ -789,6 +791,31 @@ class Scheduler:
             num_running=len(self.running), num_waiting=len(self.waiting),
             used_tokens=used, max_total_tokens=self.allocator.size,
         ))
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (waiting for a load that is still going on)."""
+        return self.tokenizer_future.result()
+
+    def _start_loading_tokenizer(self) -> tuple[Future[Any], str]:
+        """The tokenizer, as a future, and its class.
+
+        A class picked before for the same files (``tokenizer_choice``) is what
+        the launcher hands out already; in a process of its own, the Scheduler then
+        loads it on a thread while it starts serving, as only stop strings and
+        grammars need it (and the load is mostly transformers' import, about a
+        second). Otherwise the load runs now, to report the class it picks.
+        """
+        from framework.runtime.hf_tokenizer import in_background, tokenizer_class_path
+        from framework.runtime.tokenizer_choice import remembered_tokenizer_class
+
+        remembered = remembered_tokenizer_class(self.server_args.resolved_tokenizer_path())
+        if remembered is not None and self.server_args.launch_mode == "process":
+            # Started once the model is built: nothing else here imports transformers then.
+            return in_background(self._load_tokenizer), remembered
+        loaded: Future[Any] = Future()
+        loaded.set_result(self._load_tokenizer())
+        return loaded, tokenizer_class_path(loaded.result())
 
     def _load_tokenizer(self) -> Any:
         from framework.runtime.hf_tokenizer import load_tokenizer

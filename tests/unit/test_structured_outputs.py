@@ -316,3 +316,33 @@ def test_random_traffic_with_aborts_retraction_and_chunking(harness: Any, seed: 
             assert outcome.output_ids == reference_output(prompt, params["max_new_tokens"])
     assert checked  # some constrained output ran to its end and was checked
     h.assert_idle_invariant()
+
+
+def test_a_backend_is_imported_only_once_a_tokenizer_still_loading_is_there(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Scheduler loads its tokenizer on a thread, which imports transformers; so may a
+    backend's module, and two threads importing transformers at once can break it."""
+    import concurrent.futures as cf
+
+    from framework.constrained.manager import GrammarManager
+
+    tokenizer: cf.Future[Any] = cf.Future()
+    seen: list[bool] = []
+    real_get = GRAMMAR_BACKENDS.get
+
+    def get(name: str) -> Any:
+        seen.append(tokenizer.done())
+        return real_get(name)
+
+    monkeypatch.setattr(GRAMMAR_BACKENDS, "get", get)
+    manager = GrammarManager("xgrammar", tokenizer, TOKENIZER.vocab_size, [2])
+    try:
+        compiling = manager.future(Constraint("regex", "(yes|no)"))
+        with pytest.raises(cf.TimeoutError):
+            compiling.result(timeout=0.2)  # waits for the tokenizer, backend not imported
+        assert seen == []
+        tokenizer.set_result(TOKENIZER)
+        assert compiling.result(timeout=60) is not None
+        assert seen == [True]
+    finally:
+        manager.close()

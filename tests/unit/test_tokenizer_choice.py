@@ -97,3 +97,37 @@ def test_the_launcher_hands_out_a_remembered_class_at_once_to_processes(
             assert not tree.tokenizer_class.done()
     finally:
         tree.stop()
+
+
+@pytest.mark.parametrize("remembered", [True, False])
+def test_a_scheduler_loads_a_remembered_class_in_the_background(
+        model_dir: Path, remembered: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It serves meanwhile; a stop string, which needs the tokenizer, waits for the load."""
+    from framework.runtime import hf_tokenizer
+    from tests.fake_model_runner import SchedulerHarness, reference_output
+    from tests.model_fixtures import make_tiny_tokenizer
+
+    if remembered:
+        remember_tokenizer_class(str(model_dir), tokenizer_class_path(make_tiny_tokenizer()))
+    backgrounded: list[str] = []
+    real = hf_tokenizer.in_background
+
+    def record(load: Any) -> Any:
+        backgrounded.append(getattr(load, "__name__", ""))
+        return real(load)
+
+    monkeypatch.setattr(hf_tokenizer, "in_background", record)
+    harness = SchedulerHarness(model_path=str(model_dir), launch_mode="process")
+    try:
+        scheduler = harness.scheduler
+        assert backgrounded == (["_load_tokenizer"] if remembered else [])
+        assert scheduler.tokenizer_class == tokenizer_class_path(make_tiny_tokenizer())
+        prompt = [5, 6, 7, 8]
+        expected = reference_output(prompt, 12, ignore_eos=True)
+        stop = scheduler.tokenizer.decode(expected[3:5])
+        harness.submit("r", prompt, max_new_tokens=12, ignore_eos=True, stop=[stop])
+        outcome = harness.run()["r"]
+        assert outcome.finished_reason.matched == stop
+        assert len(outcome.output_ids) < 12
+    finally:
+        harness.close()
