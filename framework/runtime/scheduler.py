@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -350,6 +350,9 @@ class Scheduler:
         paused = len(self.all_requests())
         if msg.abort_all_requests:
             self.abort(AbortReq(abort_all=True, reason="weights are being updated"))
+        # Reading another model type's config imports transformers: not while the
+        # tokenizer's load (which imports it too) may still be going on, on its thread.
+        wait([self.tokenizer_future])
         ok, message = self.model_runner.update_weights_from_disk(msg.model_path, msg.load_format)
         if ok:
             for req in [*self.running, *([self.chunked_req] if self.chunked_req else [])]:
