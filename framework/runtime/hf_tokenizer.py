@@ -80,9 +80,7 @@ def start_loading_tokenizer(
     if chat_template is not None:
         read_chat_template(chat_template)
     if tokenizer_class is None:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        future.set_result(load_tokenizer(path, chat_template))
-        return future
+        return at_once(lambda: load_tokenizer(path, chat_template))
     known_class = tokenizer_class
 
     def load() -> Any:
@@ -90,6 +88,13 @@ def start_loading_tokenizer(
         return load_tokenizer(path, chat_template, known_class.result())
 
     return in_background(load)
+
+
+def at_once(load: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+    """``load()`` here and now, as a done future of what it returns (what it raises, raises)."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    future.set_result(load())
+    return future
 
 
 def in_background(load: Callable[[], Any]) -> concurrent.futures.Future[Any]:

@@ -809,15 +809,14 @@ class Scheduler:
         grammars need it (and the load is mostly transformers' import, about a
         second). Otherwise the load runs now, to report the class it picks.
         """
-        from framework.runtime.hf_tokenizer import in_background, tokenizer_class_path
+        from framework.runtime.hf_tokenizer import at_once, in_background, tokenizer_class_path
         from framework.runtime.tokenizer_choice import remembered_tokenizer_class
 
         remembered = remembered_tokenizer_class(self.server_args.resolved_tokenizer_path())
         if remembered is not None and self.server_args.launch_mode == "process":
             # Started once the model is built: nothing else here imports transformers then.
             return in_background(self._load_tokenizer), remembered
-        loaded: Future[Any] = Future()
-        loaded.set_result(self._load_tokenizer())
+        loaded = at_once(self._load_tokenizer)
         return loaded, tokenizer_class_path(loaded.result())
 
     def _load_tokenizer(self) -> Any:
