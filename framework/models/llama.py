@@ -132,16 +132,21 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``[n, hidden] -> [n, hidden]`` for the batch's new tokens."""
+        """``[n, hidden] -> [n, hidden]`` for the batch's new tokens.
+
+        With ``output_rows``, ``[len(output_rows), hidden]``: every new token's keys
+        and values are cached, but only those rows are attended for and projected.
+        """
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
             q = self._per_head(self.q_norm, q)
             k = self._per_head(self.k_norm, k)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, forward_batch))
+        return self.o_proj(self.attn(q, k, v, forward_batch, rows=output_rows))
 
     def _per_head(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm(x.reshape(-1, self.head_dim)).view(x.shape)
@@ -192,17 +197,17 @@ class LlamaDecoderLayer(nn.Module):
         """Returns the block's output and the running residual stream separately.
 
         Keeping the residual apart lets the next norm add it (``RMSNorm(x, residual)``).
-        With ``output_rows``, every row still goes through attention (its keys and
-        values are cached), but only those rows of the output are computed and returned.
+        With ``output_rows``, every row's keys and values are still cached, but
+        only those rows go through the rest (attention's queries, the output
+        projection, the MLP) and are returned.
         """
         if residual is None:
             residual = hidden_states
             normed = self.input_layernorm(hidden_states)
         else:
             normed, residual = self.input_layernorm(hidden_states, residual)
-        attn_out = self.self_attn(positions, normed, forward_batch)
+        attn_out = self.self_attn(positions, normed, forward_batch, output_rows)
         if output_rows is not None:
-            attn_out = attn_out.index_select(0, output_rows)
             residual = residual.index_select(0, output_rows)
         normed, residual = self.post_attention_layernorm(attn_out, residual)
         return self.mlp(normed), residual
@@ -257,8 +262,9 @@ class LlamaModel(nn.Module):
 
         With ``output_rows`` (on the last stage), only those rows' final hidden
         states, in that order: the last layer computes the rest of its block
-        (output projection, MLP) for them alone. In a prefill, where only each
-        prompt's last token makes a token, that is most of the last layer's work.
+        (attention's queries, output projection, MLP) for them alone. In a
+        prefill, where only each prompt's last token makes a token, that is most
+        of the last layer's work.
 
         A stage but the last returns ``(hidden, residual)`` after its layers; a
         stage but the first starts from the previous one's (``intermediate``).

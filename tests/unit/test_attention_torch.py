@@ -110,11 +110,12 @@ def run_case(
     seed: int = 0,
     group_slack: int | None = None,
     backend_cls: type[AttentionBackend] = TorchNativeAttnBackend,
+    query_rows: torch.Tensor | None = None,
 ) -> tuple[list[RequestData], torch.Tensor, MHATokenToKVPool, torch.Tensor]:
     """Lay the requests out in shuffled pool slots and run one layer of the backend.
 
     ``group_slack`` (the backend's, when given): small values split the batch into
-    several length groups.
+    several length groups. ``query_rows``: the layer answers only those new tokens' queries.
     """
     generator = torch.Generator().manual_seed(seed)
     req_pool = ReqToTokenPool(
@@ -164,7 +165,7 @@ def run_case(
     q = torch.cat([r.queries for r in requests]).reshape(-1, num_heads * HEAD_DIM)
     k = torch.cat([r.keys[r.prefix_len :] for r in requests]).reshape(-1, num_kv_heads * HEAD_DIM)
     v = torch.cat([r.values[r.prefix_len :] for r in requests]).reshape(k.shape)
-    output = layer(q, k, v, batch, save_kv_cache=save_kv_cache)
+    output = layer(q, k, v, batch, save_kv_cache=save_kv_cache, rows=query_rows)
     return requests, output, kv_pool, torch.cat(new_slots)
 
 
@@ -249,6 +250,39 @@ def test_decode_with_mixed_lengths(num_heads: int, num_kv_heads: int,
         group_slack=group_slack, backend_cls=backend_cls,
     )
     assert_matches_reference(requests, output, num_heads)
+
+
+@pytest.mark.parametrize("backend_cls", BACKENDS)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEAD_LAYOUTS)
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_attention_for_some_rows_alone_matches_the_reference(
+        mode: ForwardMode, num_heads: int, num_kv_heads: int,
+        backend_cls: type[AttentionBackend]) -> None:
+    prefix_lens = [0, 5, 0, 17, 3]
+    new_lens = [7, 1, 12, 4, 9] if mode.is_extend() else [1] * 5
+    ends = torch.tensor(new_lens).cumsum(0)
+    # Each request's last token (what a last layer asks for), then some rows inside
+    # prompts, out of order and one twice.
+    rows = torch.cat([ends - 1, torch.tensor([0, 9, 2, 9])[: 4 if mode.is_extend() else 0]])
+    requests, output, kv_pool, new_slots = run_case(
+        mode, prefix_lens, new_lens, num_heads, num_kv_heads, seed=4, backend_cls=backend_cls,
+        query_rows=rows)
+    assert output.shape == (rows.shape[0], num_heads * HEAD_DIM)
+    expected = torch.cat([reference_attention(r, HEAD_DIM**-0.5) for r in requests])[rows]
+    torch.testing.assert_close(output.view(-1, num_heads, HEAD_DIM).double(), expected,
+                               atol=1e-5, rtol=1e-5)
+    # Every new token's keys and values are cached, not only the answered rows'.
+    k_buffer, v_buffer = kv_pool.get_kv_buffer(1)
+    torch.testing.assert_close(k_buffer[new_slots],
+                               torch.cat([r.keys[r.prefix_len:] for r in requests]))
+    torch.testing.assert_close(v_buffer[new_slots],
+                               torch.cat([r.values[r.prefix_len:] for r in requests]))
+
+
+def test_attention_for_some_rows_always_saves_the_keys_and_values() -> None:
+    with pytest.raises(ValueError, match="always saves"):
+        run_case(ForwardMode.EXTEND, [3], [2], 4, 2, save_kv_cache=False,
+                 query_rows=torch.tensor([1]))
 
 
 @pytest.mark.parametrize("backend_cls", BACKENDS)

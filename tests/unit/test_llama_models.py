@@ -259,26 +259,36 @@ def test_prefill_in_chunks_over_a_cached_prefix_matches_transformers(
     assert_all_slots_free(runner)
 
 
-def test_the_last_layer_runs_its_mlp_only_on_the_rows_that_make_logits(tmp_path: Path) -> None:
+def test_the_last_layer_answers_only_the_rows_that_make_logits(tmp_path: Path) -> None:
     """A prefill caches every token's keys and values, but only last tokens make logits.
 
-    Earlier layers compute every row; the last one (and the final norm) only the
-    rows the head reads, and the logits still match transformers.
+    Earlier layers compute every row; the last one attends for, projects and runs
+    its MLP on only the rows the head reads (as does the final norm), and the
+    logits still match transformers.
     """
     path = make_tiny_checkpoint(tmp_path, "llama")
     runner = make_runner(path)
     layers = runner.model.model.layers
-    seen: list[int] = []
-    hooks = [layer.mlp.register_forward_hook(lambda _m, args, _o: seen.append(args[0].shape[0]))
-             for layer in layers]
+    seen: dict[str, list[int]] = {"attention": [], "o_proj": [], "mlp": []}
+
+    def record(name: str) -> Any:
+        return lambda _module, args, output: seen[name].append(
+            (output if name == "attention" else args[0]).shape[0])
+
+    hooks = [module.register_forward_hook(record(name)) for layer in layers
+             for name, module in (("attention", layer.self_attn.attn),
+                                  ("o_proj", layer.self_attn.o_proj), ("mlp", layer.mlp))]
     driver = Driver(runner)
     prompts = prompt_ids()[2:6]
     requests = driver.start(len(prompts))
     logits = driver.extend(requests, prompts)
-    assert seen == [sum(map(len, prompts))] * (len(layers) - 1) + [len(prompts)]
-    seen.clear()
+    every, last = sum(map(len, prompts)), len(prompts)
+    assert seen == {name: [every] * (len(layers) - 1) + [last] for name in seen}
+    for rows in seen.values():
+        rows.clear()
     tokens, logprobs = greedy(driver, requests, logits, 3)
-    assert seen == [len(prompts)] * len(layers) * 2  # decode: every row is a last token
+    # Decode: every row is a last token.
+    assert seen == {name: [last] * len(layers) * 2 for name in seen}
     for hook in hooks:
         hook.remove()
     hf_model = load_hf(path)

@@ -142,6 +142,26 @@ class AttentionBackend(ABC):
             return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
+    def forward_rows(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """The attention output of the new tokens at ``rows`` alone: ``[len(rows), heads * dim]``.
+
+        ``rows`` index the batch's packed new tokens. Every new token's keys and
+        values are still written (later steps attend to them), but only the
+        queries at ``rows`` are answered: a model's last layer needs no more
+        than the rows that make logits (in a prefill, each prompt's last token).
+        The default computes every row and keeps ``rows``; a backend that can
+        attend for some queries alone overrides it.
+        """
+        return self.forward(q, k, v, layer, forward_batch).index_select(0, rows)
+
     @abstractmethod
     def forward_extend(
         self,

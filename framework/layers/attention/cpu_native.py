@@ -77,6 +77,35 @@ class CpuNativeAttnBackend(AttentionBackend):
     forward_extend = forward
     forward_decode = forward
 
+    def forward_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     layer: RadixAttention, forward_batch: ForwardBatch,
+                     rows: torch.Tensor) -> torch.Tensor:
+        """Only the queries at ``rows``: each is run as a request's one new token.
+
+        The query of a request's ``i``-th new token sees the request's first
+        ``prefix + i + 1`` tokens; given as a request of that many tokens with one
+        new token, the kernel computes exactly its attention. In a prefill's last
+        layer, where only each prompt's last token makes logits, that is one query
+        a request, as in a decode step, instead of the whole prompt's.
+        """
+        if self._ops is None or self._batch is None:
+            return super().forward_rows(q, k, v, layer, forward_batch, rows)
+        k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        n = k.shape[0]
+        self._ops.write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc,
+                           k.reshape(n, -1), v.reshape(n, -1))
+        req_pool_indices, seq_lens, new = self._batch
+        ends = torch.cumsum(new, dim=0)  # past each request's last row in the batch
+        owner = torch.searchsorted(ends, rows, right=True)
+        # Tokens the query sees: the request's own up to the query, itself included.
+        visible = seq_lens[owner] - ends[owner] + rows + 1
+        queries = q.index_select(0, rows).reshape(rows.shape[0], layer.num_heads, layer.head_dim)
+        out = self._ops.paged_attention(queries, k_buffer, v_buffer,
+                                        self.req_to_token_pool.req_to_token,
+                                        req_pool_indices[owner], visible,
+                                        torch.ones_like(visible), layer.scaling)
+        return out.view(rows.shape[0], layer.num_heads * layer.head_dim)
+
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                 forward_batch: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
         if self._ops is None or self._batch is None:

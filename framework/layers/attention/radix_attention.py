@@ -44,13 +44,23 @@ class RadixAttention(nn.Module):
         v: torch.Tensor,
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``[n, heads * dim]`` attention output for the batch's new tokens."""
+        """``[n, heads * dim]`` attention output for the batch's new tokens.
+
+        With ``rows``, only those new tokens' output, ``[len(rows), heads * dim]``
+        (``AttentionBackend.forward_rows``); every new token's keys and values are
+        still saved.
+        """
         if self.attn_backend is None:
             raise RuntimeError(
                 f"attention layer {self.layer_id} has no attention backend bound; run the "
                 "model through ModelRunner, or call bind_attention_backend(model, backend)"
             )
+        if rows is not None:
+            if not save_kv_cache:
+                raise ValueError("attention for some rows alone always saves the keys and values")
+            return self.attn_backend.forward_rows(q, k, v, self, forward_batch, rows)
         return self.attn_backend.forward(q, k, v, self, forward_batch, save_kv_cache)
 
     def extra_repr(self) -> str:
