@@ -90,10 +90,7 @@ class CpuNativeAttnBackend(AttentionBackend):
         """
         if self._ops is None or self._batch is None:
             return super().forward_rows(q, k, v, layer, forward_batch, rows)
-        k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        n = k.shape[0]
-        self._ops.write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc,
-                           k.reshape(n, -1), v.reshape(n, -1))
+        k_buffer, v_buffer = self._kv_buffers(k, v, layer, forward_batch, save_kv_cache=True)
         req_pool_indices, seq_lens, new = self._batch
         ends = torch.cumsum(new, dim=0)  # past each request's last row in the batch
         owner = torch.searchsorted(ends, rows, right=True)
@@ -110,13 +107,21 @@ class CpuNativeAttnBackend(AttentionBackend):
                 forward_batch: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
         if self._ops is None or self._batch is None:
             raise RuntimeError("init_forward_metadata must run before the layers")
-        k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        if save_kv_cache:  # else the new tokens' keys and values are in the pool already
-            rows = k.shape[0]
-            self._ops.write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc,
-                               k.reshape(rows, -1), v.reshape(rows, -1))
+        k_buffer, v_buffer = self._kv_buffers(k, v, layer, forward_batch, save_kv_cache)
         queries = q.reshape(q.shape[0], layer.num_heads, layer.head_dim).contiguous()
         out = self._ops.paged_attention(queries, k_buffer, v_buffer,
                                         self.req_to_token_pool.req_to_token, *self._batch,
                                         layer.scaling)
         return out.view(q.shape[0], layer.num_heads * layer.head_dim).to(q.dtype)
+
+    def _kv_buffers(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                    forward_batch: ForwardBatch, save_kv_cache: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's key and value buffers, the new tokens' rows written first when asked."""
+        assert self._ops is not None  # callers run the kernels only
+        k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        if save_kv_cache:  # else the new tokens' keys and values are in the pool already
+            rows = k.shape[0]
+            self._ops.write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc,
+                               k.reshape(rows, -1), v.reshape(rows, -1))
+        return k_buffer, v_buffer
