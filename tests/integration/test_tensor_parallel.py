@@ -171,23 +171,28 @@ def _harness_rank(rank: int, port: int, model_dir: str, no_op_all_reduce: bool,
                   failing_rank: int | None, results: Any) -> None:
     """One of two TP ranks: rank 0 drives greedy steps, rank 1 follows them."""
     torch.set_num_threads(1)
-    from framework.distributed.parallel_state import init_parallel
+    from framework.distributed.parallel_state import destroy_parallel, init_parallel
     from framework.distributed.step_sync import Follower
 
     config = ParallelConfig(tp_size=2, dist_init_addr=f"127.0.0.1:{port}")
     context = init_parallel(config, rank, torch.device("cpu"))
-    if no_op_all_reduce:
-        context.tp.all_reduce = lambda x: x  # type: ignore[method-assign]
-    runner = ModelRunner(_runner_args(model_dir, 2), model_dir, parallel=context)
-    if rank == failing_rank:
-        _fail_at_step(runner, 2)
-    if rank == 0:
-        try:
-            results.put(_greedy_tokens(runner))
-        except Exception as exc:  # what the Scheduler contains (RankStepFailed is not one)
-            results.put(repr(exc))
-    else:
-        Follower(context.control, runner, runner.pools.req_to_token_pool.req_to_token).run()
+    # Left to the interpreter's teardown, a rank ending with RankStepFailed sometimes
+    # aborts in gloo's threads (exit code -6); the launcher leaves the groups first too.
+    try:
+        if no_op_all_reduce:
+            context.tp.all_reduce = lambda x: x  # type: ignore[method-assign]
+        runner = ModelRunner(_runner_args(model_dir, 2), model_dir, parallel=context)
+        if rank == failing_rank:
+            _fail_at_step(runner, 2)
+        if rank == 0:
+            try:
+                results.put(_greedy_tokens(runner))
+            except Exception as exc:  # what the Scheduler contains (RankStepFailed is not one)
+                results.put(repr(exc))
+        else:
+            Follower(context.control, runner, runner.pools.req_to_token_pool.req_to_token).run()
+    finally:
+        destroy_parallel()
 
 
 def _start_two_ranks(model_dir: Path, *, no_op_all_reduce: bool = False,
