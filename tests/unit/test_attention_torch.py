@@ -185,6 +185,16 @@ def assert_matches_reference(
     assert start == output.shape[0]
 
 
+def assert_new_keys_and_values_written(requests: list[RequestData], kv_pool: MHATokenToKVPool,
+                                       new_slots: torch.Tensor) -> None:
+    """Layer 1's buffers hold every request's new keys and values at their slots."""
+    k_buffer, v_buffer = kv_pool.get_kv_buffer(1)
+    torch.testing.assert_close(k_buffer[new_slots],
+                               torch.cat([r.keys[r.prefix_len :] for r in requests]))
+    torch.testing.assert_close(v_buffer[new_slots],
+                               torch.cat([r.values[r.prefix_len :] for r in requests]))
+
+
 HEAD_LAYOUTS = [(4, 4), (4, 2), (6, 1)]  # MHA, GQA, MQA
 
 
@@ -272,11 +282,7 @@ def test_attention_for_some_rows_alone_matches_the_reference(
     torch.testing.assert_close(output.view(-1, num_heads, HEAD_DIM).double(), expected,
                                atol=1e-5, rtol=1e-5)
     # Every new token's keys and values are cached, not only the answered rows'.
-    k_buffer, v_buffer = kv_pool.get_kv_buffer(1)
-    torch.testing.assert_close(k_buffer[new_slots],
-                               torch.cat([r.keys[r.prefix_len:] for r in requests]))
-    torch.testing.assert_close(v_buffer[new_slots],
-                               torch.cat([r.values[r.prefix_len:] for r in requests]))
+    assert_new_keys_and_values_written(requests, kv_pool, new_slots)
 
 
 def test_attention_for_some_rows_always_saves_the_keys_and_values() -> None:
@@ -290,11 +296,7 @@ def test_backend_writes_new_keys_and_values_at_out_cache_loc(
         backend_cls: type[AttentionBackend]) -> None:
     requests, _, kv_pool, new_slots = run_case(ForwardMode.EXTEND, [2, 0], [3, 4], 4, 2, seed=2,
                                                backend_cls=backend_cls)
-    k_buffer, v_buffer = kv_pool.get_kv_buffer(1)
-    expected_k = torch.cat([r.keys[r.prefix_len :] for r in requests])
-    expected_v = torch.cat([r.values[r.prefix_len :] for r in requests])
-    torch.testing.assert_close(k_buffer[new_slots], expected_k)
-    torch.testing.assert_close(v_buffer[new_slots], expected_v)
+    assert_new_keys_and_values_written(requests, kv_pool, new_slots)
     assert not kv_pool.get_kv_buffer(0)[0].any(), "only the layer's own buffers are written"
 
 
