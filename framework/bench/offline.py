@@ -1,7 +1,8 @@
 """`framework bench offline`: the Engine against transformers ``generate``, and a ceiling.
 
-Five sides run on the same number of torch threads; the first two produce the
-same greedy output tokens from the same checkpoint:
+Five sides run on the same number of torch threads (with ``dp_size`` Engine
+replicas, each replica gets its share of them); the first two produce the same
+greedy output tokens from the same checkpoint:
 
 * **engine**: ``framework.Engine`` with every prompt in one ``generate`` call
   (continuous batching), ``temperature=0``, ``ignore_eos=True``;
@@ -86,7 +87,10 @@ class OfflineBenchSettings:
     output_len: int = 48
     hf_batch_size: int = 16
     repeats: int = 3
-    torch_threads: int | None = None  # None: the runtime's rule for its Scheduler
+    torch_threads: int | None = None  # per Engine replica; None: the runtime's rule
+    # Engine replicas (data parallel), each a Scheduler with torch_threads threads; the
+    # other sides run on all the replicas' threads together.
+    dp_size: int = 1
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
@@ -119,7 +123,7 @@ class OfflineBenchSettings:
     def check(self) -> None:
         """Refuse settings that cannot run, naming the field (a ``ValueError``)."""
         for name in ("layers", "hidden", "heads", "num_prompts", "min_words", "output_len",
-                     "hf_batch_size", "repeats"):
+                     "hf_batch_size", "repeats", "dp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.torch_threads is not None and self.torch_threads < 1:
@@ -138,12 +142,16 @@ class OfflineBenchSettings:
                              f"({self.min_words})")
 
     def resolved_threads(self) -> int:
-        """The torch thread count of every side: the one set, or the Scheduler's default."""
+        """Torch threads of each Engine replica: the ones set, or the Scheduler's default."""
         if self.torch_threads is not None:
             return self.torch_threads
         from framework.runtime.launch import torch_threads_per_rank, usable_cores
 
-        return torch_threads_per_rank(usable_cores(), 1)
+        return torch_threads_per_rank(usable_cores(), self.dp_size)
+
+    def total_threads(self) -> int:
+        """Torch threads of every side but the Engine: all its replicas' together."""
+        return self.resolved_threads() * self.dp_size
 
 
 @dataclass(frozen=True)
@@ -170,7 +178,7 @@ class OfflineBenchResult:
     """What a run measured and produced: rows, files, and each side's greedy tokens."""
 
     settings: OfflineBenchSettings
-    threads: int
+    threads: int  # of every side but the Engine: those of all its replicas together
     rows: list[OfflineBenchRow]
     prompts: list[list[int]]
     engine_outputs: list[list[int]]
@@ -326,17 +334,20 @@ class EngineSide:
         # Every prompt runs in one batch, as the ceiling's rows do; on the device where
         # transformers runs (the CPU by default, even on a machine with a GPU).
         args = {"max_running_requests": settings.num_prompts, "device": settings.device,
-                "load_format": "dummy" if settings.dummy_weights else "auto", **engine_args}
+                "load_format": "dummy" if settings.dummy_weights else "auto",
+                "dp_size": settings.dp_size, **engine_args}
         self.engine = Engine(model_path=str(model_dir), dtype=settings.dtype,
                              torch_threads=threads, log_level="warning", **args)
         self.outputs: list[list[int]] = []
         #: Per run: the Scheduler's (step seconds, model forward seconds) during it.
         self.step_split: list[tuple[float, float]] = []
         info = self.engine.get_server_info()
-        self.attention_backend: str = info["attention_backend"]
-        self.linear_backend: str = info["linear_backend"]
+        replica = info.get("replicas", [info])[0]  # every replica runs the same backends
+        self.attention_backend: str = replica["attention_backend"]
+        self.linear_backend: str = replica["linear_backend"]
 
     def _scheduler_seconds(self) -> tuple[float, float]:
+        # Summed over the replicas when there are several.
         info = self.engine.get_server_info()
         return info["step_seconds"], info["forward_seconds"]
 
@@ -599,13 +610,13 @@ def run_benchmark(settings: OfflineBenchSettings, output_dir: str | Path,
     if model_dir is None:
         with tempfile.TemporaryDirectory(prefix="framework-bench-") as tmp:
             return run_benchmark(settings, output_dir, engine_args, Path(tmp))
-    threads = settings.resolved_threads()
+    threads = settings.total_threads()
     with _quiet_transformers(), _using_torch_threads(threads):
         write_model_dir(settings, model_dir)
         prompts = make_prompts(settings, model_dir)
         print(f"{settings.num_prompts} prompts of {min(map(len, prompts))}-"
               f"{max(map(len, prompts))} tokens, {settings.output_len} output tokens each, "
-              f"{threads} torch thread(s)", flush=True)
+              f"{_threads_text(settings)}", flush=True)
         result = _measure(settings, model_dir, prompts, threads, engine_args or {})
     if not settings.dummy_weights:
         identical = result.identical_outputs()
@@ -617,7 +628,7 @@ def run_benchmark(settings: OfflineBenchSettings, output_dir: str | Path,
 def _measure(settings: OfflineBenchSettings, model_dir: Path, prompts: list[list[int]],
              threads: int, engine_args: dict[str, Any]) -> OfflineBenchResult:
     """Warm every side up, then run them in turn ``repeats`` times."""
-    engine = EngineSide(model_dir, settings, threads, engine_args)
+    engine = EngineSide(model_dir, settings, settings.resolved_threads(), engine_args)
     try:
         transformers_side = TransformersSide(model_dir, settings)
         ceilings = [CeilingSide(transformers_side.model, settings, with_prefill=prefill,
@@ -648,6 +659,15 @@ def _measure(settings: OfflineBenchSettings, model_dir: Path, prompts: list[list
     return OfflineBenchResult(settings, threads, rows, prompts, engine.outputs,
                               transformers_side.outputs, best_step, best_forward,
                               engine.attention_backend, engine.linear_backend)
+
+
+def _threads_text(settings: OfflineBenchSettings) -> str:
+    """How the sides' torch threads are spread, in words."""
+    total = settings.total_threads()
+    if settings.dp_size == 1:
+        return f"{total} torch thread(s) on every side"
+    return (f"{total} torch threads on every side, the Engine's as {settings.dp_size} "
+            f"data-parallel replicas of {settings.resolved_threads()} each")
 
 
 def _format_row(row: OfflineBenchRow) -> str:
@@ -721,8 +741,8 @@ def render_markdown(result: OfflineBenchResult) -> str:
         f"- Workload: {s.num_prompts} prompts of {s.min_words}-{s.max_words} random words "
         f"({min(lengths)}-{max(lengths)} tokens, {sum(lengths):,} in all), {s.output_len} "
         "greedy output tokens each",
-        f"- {result.threads} torch thread(s) on every side; best of {s.repeats} alternating "
-        "runs after one warm-up call each",
+        f"- {_threads_text(s)}; best of {s.repeats} alternating runs after one warm-up "
+        "call each",
         f"- engine: one `Engine.generate` call with every prompt, attention backend "
         f"`{result.attention_backend}`, linear backend `{result.linear_backend}`; transformers: "
         f"`generate` in left-padded batches of {s.hf_batch_size}; ceiling: linear layers (on "
@@ -757,8 +777,9 @@ def render_markdown(result: OfflineBenchResult) -> str:
     else:
         lines.append(f"Greedy outputs identical on {result.identical_outputs()} of "
                      f"{len(result.prompts)} prompts.")
-    lines.append(f"Engine, best run: {result.engine_step_seconds:.3f} s of Scheduler steps, "
-                 f"{result.engine_forward_seconds:.3f} s of them in the model forward; "
+    summed = f" (summed over its {s.dp_size} replicas)" if s.dp_size > 1 else ""
+    lines.append(f"Engine, best run: {result.engine_step_seconds:.3f} s of Scheduler steps"
+                 f"{summed}, {result.engine_forward_seconds:.3f} s of them in the model forward; "
                  f"non-model time {result.non_model_fraction:.1%} of step time.")
     return "\n".join(lines) + "\n"
 
@@ -773,8 +794,10 @@ _FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--output-len": ("output_len", int, "greedy output tokens per prompt"),
     "--hf-batch-size": ("hf_batch_size", int, "prompts per transformers generate call"),
     "--repeats": ("repeats", int, "alternating runs of each side; the best is kept"),
-    "--torch-threads": ("torch_threads", int, "torch threads of every side (default: the "
-                        "runtime's rule for its Scheduler)"),
+    "--torch-threads": ("torch_threads", int, "torch threads of each Engine replica; the "
+                        "other sides get all the replicas' (default: the runtime's rule "
+                        "for its Schedulers)"),
+    "--dp-size": ("dp_size", int, "Engine replicas (data parallel)"),
 }
 
 

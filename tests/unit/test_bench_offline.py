@@ -14,10 +14,12 @@ from framework.bench.offline import (
     CSV_COLUMNS,
     SIDES,
     CeilingSide,
+    EngineSide,
     KVReadSide,
     OfflineBenchResult,
     OfflineBenchRow,
     OfflineBenchSettings,
+    TransformersSide,
     ratios,
     run_benchmark,
     settings_from_args,
@@ -204,13 +206,56 @@ def test_dummy_weights_of_another_shape_and_dtype_run_on_both_sides(tmp_path: Pa
     assert "bfloat16" in report and "not compared" in report
 
 
+def test_data_parallel_replicas_share_the_threads_the_other_sides_get(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two Engine replicas of one thread each: both get requests, and transformers and the
+    ceilings run on two threads."""
+    replicas: list[dict[str, Any]] = []
+    threads_seen: dict[str, int] = {}
+    close = EngineSide.close
+
+    def close_after_looking(self: EngineSide) -> None:
+        replicas.extend(self.engine.get_server_info()["replicas"])
+        close(self)
+
+    def counting(side: type) -> None:
+        generate = side.generate
+
+        def generate_counting(self: Any, prompts: list[list[int]]) -> float:
+            threads_seen[self.name] = torch.get_num_threads()
+            return generate(self, prompts)
+
+        monkeypatch.setattr(side, "generate", generate_counting)
+
+    monkeypatch.setattr(EngineSide, "close", close_after_looking)
+    for side in (TransformersSide, CeilingSide):
+        counting(side)
+    settings = dataclasses.replace(OfflineBenchSettings.quick(), dp_size=2, torch_threads=1,
+                                   repeats=1, num_prompts=8, output_len=6)
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    result = run_benchmark(settings, tmp_path / "out", model_dir=model_dir,
+                           engine_args={"launch_mode": "thread", "transport": "inproc"})
+    routed = [r["load"]["routed_requests"] for r in replicas]
+    assert len(routed) == 2 and min(routed) > 0
+    assert {r["torch_threads"] for r in replicas} == {1}
+    assert result.threads == 2
+    assert threads_seen == {"transformers": 2, "ceiling": 2, "decode_ceiling": 2}
+    assert result.identical_outputs() >= 3
+    assert 0 < result.engine_forward_seconds < result.engine_step_seconds
+    report = (tmp_path / "out" / "offline.md").read_text()
+    assert "2 torch threads on every side, the Engine's as 2 data-parallel replicas of 1" \
+        in report
+    assert "summed over its 2 replicas" in report
+
+
 def test_cli_knows_the_benchmark_and_applies_flags_over_quick() -> None:
     parser = build_parser()
     args = parser.parse_args(["bench", "offline", "--quick", "--repeats", "1",
-                              "--torch-threads", "2", "--output", "x"])
+                              "--torch-threads", "2", "--dp-size", "2", "--output", "x"])
     assert args.output == "x"
     assert settings_from_args(args) == dataclasses.replace(
-        OfflineBenchSettings.quick(), repeats=1, torch_threads=2)
+        OfflineBenchSettings.quick(), repeats=1, torch_threads=2, dp_size=2)
     gpu = settings_from_args(parser.parse_args(["bench", "offline", "--llama3-8b",
                                                 "--repeats", "2"]))
     assert (gpu.layers, gpu.hidden, gpu.kv_heads, gpu.vocab, gpu.dtype, gpu.device,
@@ -224,7 +269,8 @@ def test_cli_knows_the_benchmark_and_applies_flags_over_quick() -> None:
 
 @pytest.mark.parametrize(("change", "field"), [({"hidden": 30}, "hidden"),
                                                ({"repeats": 0}, "repeats"),
-                                               ({"torch_threads": 0}, "torch_threads")])
+                                               ({"torch_threads": 0}, "torch_threads"),
+                                               ({"dp_size": 0}, "dp_size")])
 def test_impossible_settings_are_refused_by_name(change: dict[str, int], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(OfflineBenchSettings(), **change).check()
