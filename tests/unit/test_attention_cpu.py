@@ -27,8 +27,10 @@ from framework.layers.attention.native_build import load_cpu_kernels
 from framework.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from framework.model_executor.model_runner import resolve_attention_backend
 from tests.unit.test_attention_torch import (
+    HEAD_DIM,
     assert_matches_reference,
     backend_args,
+    reference_attention,
     run_case,
 )
 
@@ -140,6 +142,41 @@ def test_the_backend_runs_the_kernel_in_float32_on_cpu_and_keeps_no_copies() -> 
         backend = CpuNativeAttnBackend(backend_args(req_pool, kv_pool, 4, dtype=dtype))
         assert backend.native is native
     assert CpuNativeAttnBackend.extra_kv_copies == 0.0
+
+
+class CountingKernels:
+    """The kernels, with the query rows of each attention call recorded."""
+
+    def __init__(self, ops: Any) -> None:
+        self.ops = ops
+        self.query_rows: list[int] = []
+
+    def paged_attention(self, q: torch.Tensor, *args: Any) -> torch.Tensor:
+        self.query_rows.append(q.shape[0])
+        return self.ops.paged_attention(q, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ops, name)
+
+
+@pytest.mark.parametrize(("extra_rows", "kernel_rows"), [(2, 5 + 2), (20, 33)])
+def test_a_few_rows_run_alone_and_many_run_as_the_whole_batch(
+        monkeypatch: pytest.MonkeyPatch, extra_rows: int, kernel_rows: int) -> None:
+    """Each request's last row and a few more: one query each. Prompt logprobs over most
+    of the prompts: the whole batch's call (33 new tokens here), its rows kept."""
+    counting = CountingKernels(kernels())
+    monkeypatch.setattr(cpu_native, "load_cpu_kernels", lambda: counting)
+    prefix_lens, new_lens = [0, 5, 0, 17, 3], [7, 1, 12, 4, 9]
+    last = torch.tensor(new_lens).cumsum(0) - 1
+    inside = torch.tensor([r for r in range(sum(new_lens)) if r not in last.tolist()])
+    rows = torch.cat([last, inside[torch.randperm(len(inside))[:extra_rows]]])
+    requests, output, _, _ = run_case(ForwardMode.EXTEND, prefix_lens, new_lens, 4, 2,
+                                      seed=5, backend_cls=CpuNativeAttnBackend,
+                                      query_rows=rows)
+    assert counting.query_rows == [kernel_rows]
+    expected = torch.cat([reference_attention(r, HEAD_DIM**-0.5) for r in requests])[rows]
+    torch.testing.assert_close(output.view(-1, 4, HEAD_DIM).double(), expected,
+                               atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])

@@ -87,8 +87,14 @@ class CpuNativeAttnBackend(AttentionBackend):
         new token, the kernel computes exactly its attention. In a prefill's last
         layer, where only each prompt's last token makes logits, that is one query
         a request, as in a decode step, instead of the whole prompt's.
+
+        Each query so run reads its keys and values from the pool on its own,
+        where the whole batch's call reads them once for several queries: asked,
+        beyond one row a request, for more than a quarter of the other rows (the
+        prompt's logprobs), the layer runs for every row and keeps ``rows``, which
+        is then faster.
         """
-        if self._ops is None or self._batch is None:
+        if self._ops is None or self._batch is None or self._few_rows_cost_more(q, rows):
             return super().forward_rows(q, k, v, layer, forward_batch, rows)
         k_buffer, v_buffer = self._kv_buffers(k, v, layer, forward_batch, save_kv_cache=True)
         req_pool_indices, seq_lens, new = self._batch
@@ -102,6 +108,13 @@ class CpuNativeAttnBackend(AttentionBackend):
                                         req_pool_indices[owner], visible,
                                         torch.ones_like(visible), layer.scaling)
         return out.view(rows.shape[0], layer.num_heads * layer.head_dim)
+
+    def _few_rows_cost_more(self, q: torch.Tensor, rows: torch.Tensor) -> bool:
+        # Shapes only (no sync): a decode step's rows, one a request, cost the same on
+        # either path; the extra rows of prompt logprobs are what can make it slower.
+        assert self._batch is not None
+        requests = self._batch[0].shape[0]
+        return 4 * (rows.shape[0] - requests) > q.shape[0] - requests
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                 forward_batch: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
