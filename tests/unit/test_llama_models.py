@@ -38,6 +38,7 @@ from framework.model_executor.model_runner import EXTRA_REQ_SLOTS, ModelRunner
 from framework.models import resolve_architecture, supported_architectures
 from framework.registry import Registry
 from tests.model_fixtures import (
+    TINY_VOCAB_SIZE,
     make_tiny_checkpoint,
     make_tiny_tokenizer,
     single_threaded_torch,
@@ -126,9 +127,14 @@ class Driver:
 
     def extend(self, requests: list[Request], chunks: list[list[int]]) -> torch.Tensor:
         """One EXTEND step: each request's chunk goes on top of what it has cached."""
+        return self._run(self.extend_batch(requests, chunks))
+
+    def extend_batch(self, requests: list[Request], chunks: list[list[int]],
+                     **fields: Any) -> ForwardBatch:
+        """The EXTEND step of ``extend``, with any other ``ForwardBatch`` fields, not run."""
         prefix_lens = [len(r.cached) for r in requests]
         slots = [self.place(r, chunk) for r, chunk in zip(requests, chunks, strict=True)]
-        batch = ForwardBatch(
+        return ForwardBatch(
             forward_mode=ForwardMode.EXTEND,
             batch_size=len(requests),
             input_ids=torch.tensor([t for chunk in chunks for t in chunk]),
@@ -142,8 +148,8 @@ class Driver:
             extend_seq_lens=torch.tensor([len(c) for c in chunks]),
             extend_prefix_lens_cpu=prefix_lens,
             extend_seq_lens_cpu=[len(c) for c in chunks],
+            **fields,
         )
-        return self._run(batch)
 
     def decode(self, requests: list[Request], tokens: list[int]) -> torch.Tensor:
         """One DECODE step: one new token per request."""
@@ -295,6 +301,66 @@ def test_the_last_layer_answers_only_the_rows_that_make_logits(tmp_path: Path) -
     for prompt, request_tokens, request_logprobs in zip(prompts, tokens, logprobs, strict=True):
         assert_matches_transformers(hf_model, prompt, request_tokens, request_logprobs)
     driver.finish(requests)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize(("arch", "overrides"), [
+    ("llama", {}),
+    ("qwen3", {"num_attention_heads": 4, "num_key_value_heads": 1}),
+])
+def test_random_steps_with_prompt_logprob_rows_match_transformers(
+        tmp_path: Path, backend: str, arch: str, overrides: dict[str, Any]) -> None:
+    """Every logits row of random EXTEND steps is transformers' at its position.
+
+    Steps mix fresh prompts, chunks over cached tokens and one-token requests at the
+    tail (a mixed step), and ask for prompt rows anywhere (out of order, repeated):
+    the last layer then answers more than each request's last row, on both backends.
+    """
+    import random
+
+    rng = random.Random(7)
+    path = make_tiny_checkpoint(tmp_path, arch, **overrides)
+    driver = Driver(make_runner(path, attention_backend=backend))
+    requests = driver.start(5)
+    # (request, position) of every logits row computed, with the row's log-probabilities.
+    rows_seen: list[tuple[Request, int, torch.Tensor]] = []
+    few_and_many = 0
+    for step in range(10):
+        cached = [r for r in requests if r.cached]
+        tail = rng.sample(cached, rng.randint(0, len(cached)))
+        head = [r for r in requests if r not in tail and rng.random() < 0.7] or \
+            [r for r in requests if r not in tail][:1]
+        order = head + tail
+        chunks = [[rng.randrange(3, TINY_VOCAB_SIZE) for _ in range(
+            1 if r in tail else rng.choice([1, 2, 5, 9, 17]))] for r in order]
+        positions = [(r, len(r.cached) + i) for r, chunk in zip(order, chunks, strict=True)
+                     for i in range(len(chunk))]
+        # Few prompt rows on even steps, most of them on odd ones (a prompt's logprobs).
+        wanted = rng.randint(0, 3) if step % 2 == 0 else len(positions)
+        prompt_rows = [rng.randrange(len(positions)) for _ in range(wanted)]
+        batch = driver.extend_batch(
+            order, chunks, decode_tail=len(tail),
+            prompt_logprob_rows=torch.tensor(prompt_rows) if prompt_rows else None)
+        output = driver.runner.forward(batch)
+        logits = output.next_token_logits
+        if prompt_rows:
+            assert output.prompt_logits is not None
+            logits = torch.cat([logits, output.prompt_logits])
+        last_rows = (torch.tensor([len(c) for c in chunks]).cumsum(0) - 1).tolist()
+        for row, row_logits in zip(last_rows + prompt_rows, logits, strict=True):
+            rows_seen.append((*positions[row], row_logits.double().log_softmax(-1)))
+        few_and_many += bool(prompt_rows)
+    assert few_and_many >= 6
+    hf_model = load_hf(path, torch.float64)
+    for request in requests:
+        with torch.no_grad():
+            reference = hf_model(torch.tensor([request.cached])).logits[0].log_softmax(-1)
+        for owner, position, logprobs in rows_seen:
+            if owner is request:
+                torch.testing.assert_close(logprobs, reference[position], atol=LOGPROB_ATOL,
+                                           rtol=0.0)
+    driver.finish(requests)
+    assert_all_slots_free(driver.runner)
 
 
 def test_decoder_served_as_embedding_model_pools_the_last_token(tmp_path: Path) -> None:
