@@ -354,6 +354,7 @@ def _scheduler_component(scheduler: Any, spec: ComponentSpec) -> RunningComponen
         "context_len": scheduler.context_len,
         "is_embedding": scheduler.model_config.is_embedding,
         "vocab_size": scheduler.model_config.vocab_size,
+        "hidden_size": scheduler.model_config.hidden_size,
         "attention_backend": scheduler.model_runner.attention_backend,
         "rank": spec.rank,
         "pid": os.getpid(),
@@ -719,7 +720,8 @@ class ComponentTree:
 
     @property
     def scheduler_info(self) -> dict[str, Any]:
-        """Scheduler rank 0's ready message: ``context_len``, ``is_embedding``, ``vocab_size``."""
+        """Scheduler rank 0's ready message: ``context_len``, ``is_embedding``, ``vocab_size``,
+        ``hidden_size``, ..."""
         return self.scheduler_infos.get((0, 0), {})
 
     @property

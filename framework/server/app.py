@@ -26,6 +26,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from framework.config import ServerArgs
 from framework.messages import AbortReq
+from framework.runtime.incremental_decoder import DecodeFn
+from framework.runtime.scheduler_output import CONTEXT_IDS
 from framework.runtime.tokenizer_manager import (
     GenerateRequest,
     OverloadedError,
@@ -38,6 +40,7 @@ from framework.sampling_params import SamplingParams, check_token_ids, check_top
 from framework.server import openai as oai
 from framework.server.openapi_schema import RouteSpec, build_openapi
 from framework.server.sse import error_body, sse_event, sse_stream
+from framework.server.token_text import TextOffsets, TokenText
 
 logger = logging.getLogger("framework.server")
 
@@ -55,6 +58,10 @@ class ServerState:
     model_path: str
     context_len: int
     is_embedding: bool
+    #: The length of the model's embeddings (its hidden size).
+    embedding_size: int | None = None
+    #: The model's ``created`` time in /v1/models: when the server started.
+    created: int = dataclasses.field(default_factory=oai.now)
 
 
 class JSONResponse(Response):
@@ -230,6 +237,14 @@ class Routes:
         self.tm = state.tokenizer_manager
         # Set by ``build_app`` once the route table is known.
         self.openapi_doc: dict[str, Any] = {}
+        self._token_text: TokenText | None = None
+
+    @property
+    def token_text(self) -> TokenText:
+        """The tokens' bytes and strings of logprobs answers (read on first use)."""
+        if self._token_text is None:
+            self._token_text = TokenText(self.tm.tokenizer)
+        return self._token_text
 
     # ------------------------------------------------------------------ helpers
 
@@ -278,6 +293,44 @@ class Routes:
         if model is not None and model not in (self.state.model_name, self.state.model_path):
             raise ApiError(f"The model `{model}` does not exist; this server serves "
                            f"`{self.state.model_name}`", 404, "model_not_found", "model")
+
+    def _check_context(self, reqs: list[PreparedRequest], field: str,
+                       max_tokens: int | None) -> None:
+        """Refuse (400 ``context_length_exceeded``) a ``max_tokens`` given as ``field`` that
+        does not fit in the context after a prompt, as vLLM and SGLang do.
+
+        Left unset, it is cut to what fits instead (by the Scheduler).
+        """
+        if max_tokens is None:
+            return
+        context = self.state.context_len
+        for prepared in reqs:
+            prompt = len(prepared.input_ids)
+            if prompt + max_tokens > context:
+                raise ApiError(
+                    f"this model's context length is {context} tokens, but the prompt has "
+                    f"{prompt} tokens and {field} asks for {max_tokens} more "
+                    f"({prompt + max_tokens} in all); ask for at most {context - prompt}",
+                    400, "context_length_exceeded", field)
+
+    def _decode_fn(self, params: SamplingParams) -> DecodeFn:
+        """The decode of an output with ``params``, as the Detokenizer does it."""
+        return self.token_text.decode_fn(params.skip_special_tokens,
+                                         params.spaces_between_special_tokens)
+
+    def _output_offsets(self, prepared: PreparedRequest, start: int) -> TextOffsets:
+        """Offsets of an output's tokens in a text where the output starts at ``start``."""
+        return TextOffsets(self._decode_fn(prepared.req.sampling_params),
+                           prepared.input_ids[-CONTEXT_IDS:], start)
+
+    def _prompt_offsets(self, prepared: PreparedRequest) -> TextOffsets:
+        """Offsets of a prompt's tokens in its echo (see ``_prompt_text``)."""
+        return TextOffsets(self._echo_decode_fn(prepared))
+
+    def _echo_decode_fn(self, prepared: PreparedRequest) -> DecodeFn:
+        # A text prompt is echoed as given: the special tokens the tokenizer added are not
+        # in it. Token ids are echoed decoded, special tokens included.
+        return self.token_text.decode_fn(skip_special_tokens=prepared.req.text is not None)
 
     def _check_generation(self) -> None:
         if self.state.is_embedding:
@@ -337,12 +390,15 @@ class Routes:
         body = await parse_body(request, oai.CompletionRequest)
         self._check_model(body.model)
         body.check_unsupported()
+        body.check_stream_options()
         self._check_generation()
-        params = body.sampling_params(body.max_tokens, 16)
+        field, max_tokens = body.requested_max_tokens()
+        params = body.sampling_params(max_tokens, 16, field)
         params.verify(self.tm.vocab_size)
         prompts = oai.split_prompts(body.prompt, "prompt", self.tm.vocab_size)
         reqs = await self._prepare_all(prompts, params, body.stream, body.top_logprobs_num(),
                                        prompt_logprobs=body.echo)
+        self._check_context(reqs, field, max_tokens)
         prefix = [self._prompt_text(r) for r in reqs[::params.n]] if body.echo else None
         if body.stream:
             return self._stream_completions(body, reqs, prefix, params.n)
@@ -351,10 +407,13 @@ class Routes:
         for i, out in enumerate(outputs):
             meta = out["meta_info"]
             echoed = prefix[i // params.n] if prefix else ""
-            logprobs = oai.completion_logprobs(meta, self.tm.tokenizer, 0, len(echoed))
-            if prefix and body.logprobs is not None:
-                logprobs = oai.join_logprobs(oai.prompt_logprobs(meta, self.tm.tokenizer),
-                                             logprobs)
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = oai.completion_logprobs(
+                    meta, self.token_text, self._output_offsets(reqs[i], len(echoed)), 0)
+                if prefix:
+                    logprobs = oai.join_logprobs(oai.prompt_logprobs(
+                        meta, self.token_text, self._prompt_offsets(reqs[i])), logprobs)
             choices.append({
                 "index": i, "text": echoed + out["text"], "logprobs": logprobs,
                 "finish_reason": oai.finish_reason_name(meta),
@@ -368,7 +427,8 @@ class Routes:
     def _prompt_text(self, prepared: PreparedRequest) -> str:
         """The prompt as ``echo`` shows it: its text, or its token ids decoded."""
         req = prepared.req
-        return req.text if req.text is not None else self.tm.tokenizer.decode(prepared.input_ids)
+        return req.text if req.text is not None else self._echo_decode_fn(prepared)(
+            prepared.input_ids)
 
     def _usage(self, outputs: list[dict[str, Any]], n: int) -> dict[str, Any]:
         metas = [o["meta_info"] for o in outputs]
@@ -380,7 +440,17 @@ class Routes:
     def _stream_completions(self, body: oai.CompletionRequest, reqs: list[PreparedRequest],
                             prefix: list[str] | None, n: int) -> Response:
         cid, created = oai.new_id("cmpl"), oai.now()
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        include_usage = body.include_usage
+
+        def chunk(index: int, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
+            out: dict[str, Any] = {
+                "id": cid, "object": "text_completion", "created": created,
+                "model": self.state.model_name,
+                "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                             "finish_reason": finish}]}
+            if include_usage:
+                out["usage"] = None  # OpenAI's API sends it on every chunk but the last
+            return out
 
         # With logprobs, a choice's echo waits for its first output, which brings the
         # prompt's logprobs; without, every echo goes out at once.
@@ -389,23 +459,23 @@ class Routes:
         async def events() -> AsyncIterator[dict[str, Any]]:
             last: dict[int, dict[str, Any]] = {}
             sent_tokens: dict[int, int] = {}
+            offsets: dict[int, TextOffsets] = {}
             for i in range(len(reqs)):
                 if prefix and echo_at_once:
-                    yield self._completion_chunk(cid, created, i, prefix[i // n], None, None)
+                    yield chunk(i, prefix[i // n], None, None)
             async for i, out in _merge([self._generate(r) for r in reqs]):
                 meta = out["meta_info"]
-                if prefix and not echo_at_once and i not in last:
-                    yield self._completion_chunk(
-                        cid, created, i, prefix[i // n],
-                        oai.prompt_logprobs(meta, self.tm.tokenizer), None)
-                start = sent_tokens.get(i, 0)
-                echoed = len(prefix[i // n]) if prefix else 0
-                logprobs = oai.completion_logprobs(meta, self.tm.tokenizer, start, echoed + len(
-                    out["text"]) - len(out["delta"]))
+                if i not in offsets:
+                    echoed = prefix[i // n] if prefix else ""
+                    offsets[i] = self._output_offsets(reqs[i], len(echoed))
+                    if prefix and not echo_at_once:
+                        yield chunk(i, echoed, oai.prompt_logprobs(
+                            meta, self.token_text, self._prompt_offsets(reqs[i])), None)
+                logprobs = oai.completion_logprobs(meta, self.token_text, offsets[i],
+                                                   sent_tokens.get(i, 0))
                 sent_tokens[i] = meta["completion_tokens"]
                 last[i] = out
-                yield self._completion_chunk(cid, created, i, out["delta"], logprobs,
-                                             oai.finish_reason_name(meta))
+                yield chunk(i, out["delta"], logprobs, oai.finish_reason_name(meta))
             if include_usage:
                 yield {"id": cid, "object": "text_completion", "created": created,
                        "model": self.state.model_name, "choices": [],
@@ -413,33 +483,27 @@ class Routes:
 
         return self._sse(events())
 
-    def _completion_chunk(self, cid: str, created: int, index: int, text: str,
-                          logprobs: Any, finish: str | None) -> dict[str, Any]:
-        return {
-            "id": cid, "object": "text_completion", "created": created,
-            "model": self.state.model_name,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                         "finish_reason": finish}],
-        }
-
     async def chat_completions(self, request: Request) -> Response:
         body = await parse_body(request, oai.ChatCompletionRequest)
         self._check_model(body.model)
         body.check_unsupported()
+        body.check_stream_options()
         self._check_generation()
         prompt = self._chat_prompt(body.messages)
-        params = body.sampling_params(body.max_completion_tokens or body.max_tokens,
-                                      self.state.context_len)
+        field, max_tokens = body.requested_max_tokens()
+        params = body.sampling_params(max_tokens, self.state.context_len, field)
         params.verify(self.tm.vocab_size)
         reqs = await self._prepare_all([(None, prompt)], params, body.stream,
                                        body.top_logprobs_num())
+        self._check_context(reqs, field, max_tokens)
         if body.stream:
             return self._stream_chat(body, reqs, params.n)
         outputs = await self._first_outputs(reqs)
+        decode = self._decode_fn(params)
         choices = [{
             "index": i,
             "message": {"role": "assistant", "content": out["text"]},
-            "logprobs": oai.chat_logprobs(out["meta_info"], self.tm.tokenizer, 0),
+            "logprobs": oai.chat_logprobs(out["meta_info"], self.token_text, decode, 0),
             "finish_reason": oai.finish_reason_name(out["meta_info"]),
         } for i, out in enumerate(outputs)]
         return JSONResponse({
@@ -449,13 +513,11 @@ class Routes:
         })
 
     def _chat_prompt(self, messages: list[oai.ChatMessage]) -> list[int]:
-        if not messages:
-            raise RequestError("messages must not be empty")
+        conversation = oai.chat_conversation(messages)
         tokenizer = self.tm.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise RequestError("this model's tokenizer has no chat template; start the "
                                "server with --chat-template FILE, or use /v1/completions")
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
         try:
             ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
                                                 tokenize=True)
@@ -468,14 +530,19 @@ class Routes:
     def _stream_chat(self, body: oai.ChatCompletionRequest, reqs: list[PreparedRequest],
                      n: int) -> Response:
         cid, created = oai.new_id("chatcmpl"), oai.now()
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        include_usage = body.include_usage
+        decode = self._decode_fn(reqs[0].req.sampling_params)
 
         def chunk(index: int, delta: dict[str, Any], logprobs: Any,
                   finish: str | None) -> dict[str, Any]:
-            return {"id": cid, "object": "chat.completion.chunk", "created": created,
-                    "model": self.state.model_name,
-                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                 "finish_reason": finish}]}
+            out: dict[str, Any] = {
+                "id": cid, "object": "chat.completion.chunk", "created": created,
+                "model": self.state.model_name,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                             "finish_reason": finish}]}
+            if include_usage:
+                out["usage"] = None  # OpenAI's API sends it on every chunk but the last
+            return out
 
         async def events() -> AsyncIterator[dict[str, Any]]:
             last: dict[int, dict[str, Any]] = {}
@@ -484,7 +551,8 @@ class Routes:
                 yield chunk(i, {"role": "assistant", "content": ""}, None, None)
             async for i, out in _merge([self._generate(r) for r in reqs]):
                 meta = out["meta_info"]
-                logprobs = oai.chat_logprobs(meta, self.tm.tokenizer, sent_tokens.get(i, 0))
+                logprobs = oai.chat_logprobs(meta, self.token_text, decode,
+                                             sent_tokens.get(i, 0))
                 sent_tokens[i] = meta["completion_tokens"]
                 last[i] = out
                 yield chunk(i, {"content": out["delta"]}, logprobs,
@@ -503,6 +571,11 @@ class Routes:
             raise RequestError("this model is a generation model; it does not serve embeddings")
         if body.encoding_format not in ("float", "base64"):
             raise RequestError("encoding_format must be 'float' or 'base64'")
+        size = self.state.embedding_size
+        if body.dimensions is not None and body.dimensions != size:
+            raise oai.FieldError("dimensions", f"dimensions must be this model's embedding "
+                                 f"size, {size}, or left out (embeddings are not shortened), "
+                                 f"got {body.dimensions}")
         items = oai.split_prompts(body.input)
         results = await gather_or_cancel([self.tm.embed(text=t, input_ids=ids)
                                            for t, ids in items])
@@ -524,7 +597,7 @@ class Routes:
 
     def _model_card(self) -> dict[str, Any]:
         return {
-            "id": self.state.model_name, "object": "model", "created": oai.now(),
+            "id": self.state.model_name, "object": "model", "created": self.state.created,
             "owned_by": "framework", "root": self.state.model_path,
             "max_model_len": self.state.context_len,
         }

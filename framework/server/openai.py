@@ -15,7 +15,14 @@ from typing import Any, ClassVar, Union
 import msgspec
 
 from framework.constrained.base import InvalidConstraintError
-from framework.sampling_params import SamplingParams, check_token_ids, check_top_logprobs_num
+from framework.runtime.incremental_decoder import DecodeFn
+from framework.sampling_params import (
+    INT64_MAX,
+    SamplingParams,
+    check_token_ids,
+    check_top_logprobs_num,
+)
+from framework.server.token_text import TextOffsets, TokenText
 
 # A string, a list of strings, token ids or lists of token ids; msgspec unions allow one list
 # type, so the list's items are checked by ``split_prompts``.
@@ -28,6 +35,14 @@ class UnsupportedFieldError(ValueError):
     def __init__(self, field: str) -> None:
         super().__init__(f"`{field}` is not supported by this server")
         self.param = field
+
+
+class FieldError(ValueError):
+    """A field whose value this server refuses (a 400); ``param`` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class _RefusesUnsupported(msgspec.Struct, kw_only=True):
@@ -141,8 +156,26 @@ class _SamplingFields(_RefusesUnsupported, kw_only=True):
             fields["json_schema"] = schema
         return fields
 
-    def sampling_params(self, max_tokens: int | None, default_max: int) -> SamplingParams:
-        """The runtime's ``SamplingParams`` for this request."""
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a ``usage`` chunk (``stream_options.include_usage``)."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_stream_options(self) -> None:
+        """Refuse ``stream_options`` on a request that does not stream, as OpenAI's API does."""
+        if self.stream_options is not None and not self.stream:
+            raise FieldError("stream_options",
+                             "stream_options is only allowed when stream is true")
+
+    def sampling_params(self, max_tokens: int | None, default_max: int,
+                        field: str = "max_tokens") -> SamplingParams:
+        """The runtime's ``SamplingParams`` for this request.
+
+        ``max_tokens`` is the value of the request's field ``field`` (None: not given, so
+        ``default_max``); a value out of range is refused naming that field.
+        """
+        if max_tokens is not None and not 0 <= max_tokens <= INT64_MAX:
+            raise FieldError(field, f"{field} must be in [0, {INT64_MAX}], got {max_tokens}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_new_tokens=default_max if max_tokens is None else max_tokens,
@@ -160,7 +193,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     """``POST /v1/completions``."""
 
     prompt: Prompt
-    max_tokens: int | None = 16
+    # None: not given; the route then asks for 16 tokens, as OpenAI's API does.
+    max_tokens: int | None = None
     logprobs: int | None = None
     echo: bool = False
     best_of: Any = None
@@ -170,6 +204,10 @@ class CompletionRequest(_SamplingFields, kw_only=True):
         **_UNSUPPORTED_SAMPLING, "best_of": (None, 1), "suffix": (None, ""),
     }
 
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        """The field that limits the completion's length, and its value (None: not given)."""
+        return "max_tokens", self.max_tokens
+
     def top_logprobs_num(self) -> int | None:
         """How many top logprobs each token carries, or None when ``logprobs`` is off."""
         if self.logprobs is not None:
@@ -177,17 +215,59 @@ class CompletionRequest(_SamplingFields, kw_only=True):
         return self.logprobs
 
 
+# The roles of OpenAI's chat messages; the chat template renders each.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class ChatMessage(msgspec.Struct):
     """One chat message; content may be a string or a list of text parts."""
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    # Known but not implemented, as the request's ``tools``: a call in a message is refused.
+    tool_calls: Any = None
+    function_call: Any = None
 
-    def text(self) -> str:
-        """The message's text (text parts joined)."""
-        if isinstance(self.content, list):
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
-        return self.content or ""
+    def text(self, index: int) -> str:
+        """The text of ``messages[index]`` (text parts joined).
+
+        A role OpenAI's API does not know, a missing content, a part other than text
+        (``image_url``, ``input_audio``, ...: this model reads text only) and a tool
+        call are refused, with ``param`` naming the field.
+        """
+        where = f"messages[{index}]"
+        if self.role not in CHAT_ROLES:
+            raise FieldError(f"{where}.role", f"{where}.role must be one of "
+                             f"{', '.join(CHAT_ROLES)}, got {self.role!r}")
+        for name in ("tool_calls", "function_call"):
+            if getattr(self, name) not in (None, []):
+                raise UnsupportedFieldError(f"{where}.{name}")
+        if self.content is None:
+            raise FieldError(f"{where}.content", f"{where}.content is missing; a {self.role} "
+                             "message needs content (a string or a list of text parts)")
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(_text_part(part, f"{where}.content[{i}]")
+                       for i, part in enumerate(self.content))
+
+
+def _text_part(part: dict[str, Any], where: str) -> str:
+    """The text of the content part at ``where``; any other kind of part is refused."""
+    kind = part.get("type")
+    if kind != "text":
+        raise FieldError(f"{where}.type", f"{where}.type is {kind!r}, but this model reads "
+                         "text only: content parts must have type 'text'")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise FieldError(f"{where}.text", f"{where}.text must be a string, got {text!r}")
+    return text
+
+
+def chat_conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """``messages`` as the chat template takes them: role and text, each message checked."""
+    if not messages:
+        raise FieldError("messages", "messages must not be empty")
+    return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -215,6 +295,15 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
         "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     }
 
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        """The field that limits the completion's length, and its value (None: not given).
+
+        ``max_completion_tokens`` (OpenAI's current name) wins over ``max_tokens``.
+        """
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
     def top_logprobs_num(self) -> int | None:
         """How many top logprobs each token carries, or None when ``logprobs`` is off.
 
@@ -234,6 +323,8 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     input: Prompt
     model: str | None = None
     encoding_format: str = "float"
+    # Embeddings are not shortened: only the model's own size is accepted.
+    dimensions: int | None = None
     user: str | None = None
 
 
@@ -293,7 +384,8 @@ class ErrorDetail(msgspec.Struct):
     message: str
     type: str
     param: str | None
-    #: The HTTP status, or a name such as ``model_not_found`` or ``invalid_api_key``.
+    #: The HTTP status, or a name such as ``model_not_found``, ``invalid_api_key`` or
+    #: ``context_length_exceeded``.
     code: int | str | None
 
 
@@ -364,52 +456,49 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     return out
 
 
-def completion_logprobs(meta: dict[str, Any], tokenizer: Any, start: int,
-                        text_offset: int) -> dict[str, Any] | None:
-    """The legacy completions ``logprobs`` object for tokens ``start:`` of ``meta``."""
-    pairs = meta.get("output_token_logprobs")
-    if pairs is None:
-        return None
-    tops = meta.get("output_top_logprobs") or [[] for _ in pairs]
-    tokens = [tokenizer.decode([tid]) for _, tid in pairs[start:]]
-    offsets = []
-    for tok in tokens:
-        offsets.append(text_offset)
-        text_offset += len(tok)
+def _legacy_logprobs(pairs: list[list[Any]], tops: list[Any], text: TokenText,
+                     offsets: list[int]) -> dict[str, Any]:
+    """The legacy ``logprobs`` object of ``[logprob, id]`` pairs, their top rows and offsets."""
     return {
-        "tokens": tokens,
-        "token_logprobs": [lp for lp, _ in pairs[start:]],
+        "tokens": [text.shown(tid) for _, tid in pairs],
+        "token_logprobs": [lp for lp, _ in pairs],
         "top_logprobs": [
-            {tokenizer.decode([tid]): lp for lp, tid in row} for row in tops[start:]
+            None if row is None else {text.shown(tid): lp for lp, tid in row} for row in tops
         ],
         "text_offset": offsets,
     }
 
 
-def prompt_logprobs(meta: dict[str, Any], tokenizer: Any) -> dict[str, Any] | None:
+def completion_logprobs(meta: dict[str, Any], text: TokenText, offsets: TextOffsets,
+                        start: int) -> dict[str, Any] | None:
+    """The legacy completions ``logprobs`` object for output tokens ``start:`` of ``meta``.
+
+    ``offsets`` has taken the output's tokens before ``start`` (it started where the
+    output starts in the choice's text); it takes these ones.
+    """
+    pairs = meta.get("output_token_logprobs")
+    if pairs is None:
+        return None
+    tops = meta.get("output_top_logprobs") or [[] for _ in pairs]
+    new = pairs[start:]
+    final = meta.get("finish_reason") is not None
+    return _legacy_logprobs(new, tops[start:], text,
+                            offsets.take([tid for _, tid in new], final=final))
+
+
+def prompt_logprobs(meta: dict[str, Any], text: TokenText,
+                    offsets: TextOffsets) -> dict[str, Any] | None:
     """The legacy completions ``logprobs`` object for the prompt (``echo``).
 
     As OpenAI's API answers, the first token has ``null`` for its logprob and
-    top logprobs: nothing comes before it.
+    top logprobs: nothing comes before it. ``offsets`` decodes as the echoed prompt is.
     """
     pairs = meta.get("input_token_logprobs")
     if pairs is None:
         return None
     tops = meta.get("input_top_logprobs") or [None for _ in pairs]
-    tokens = [tokenizer.decode([tid]) for _, tid in pairs]
-    offsets, offset = [], 0
-    for tok in tokens:
-        offsets.append(offset)
-        offset += len(tok)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [lp for lp, _ in pairs],
-        "top_logprobs": [
-            None if row is None else {tokenizer.decode([tid]): lp for lp, tid in row}
-            for row in tops
-        ],
-        "text_offset": offsets,
-    }
+    return _legacy_logprobs(pairs, tops, text,
+                            offsets.take([tid for _, tid in pairs], final=True))
 
 
 def join_logprobs(first: dict[str, Any] | None, then: dict[str, Any] | None
@@ -420,20 +509,25 @@ def join_logprobs(first: dict[str, Any] | None, then: dict[str, Any] | None
     return {key: first[key] + then[key] for key in then}
 
 
-def chat_logprobs(meta: dict[str, Any], tokenizer: Any, start: int) -> dict[str, Any] | None:
-    """The chat ``logprobs`` object (``content`` list) for tokens ``start:``."""
+def chat_logprobs(meta: dict[str, Any], text: TokenText, decode: DecodeFn,
+                  start: int) -> dict[str, Any] | None:
+    """The chat ``logprobs`` object (``content`` list) for tokens ``start:``.
+
+    ``bytes`` are each token's own bytes, so that joining them rebuilds the text, also
+    where a character is spread over several tokens; they are ``null`` for a token the
+    text leaves out (a special token that ``decode``, the request's, skips).
+    """
     pairs = meta.get("output_token_logprobs")
     if pairs is None:
         return None
     tops = meta.get("output_top_logprobs") or [[] for _ in pairs]
-    content = []
-    for (lp, tid), row in zip(pairs[start:], tops[start:]):
-        token = tokenizer.decode([tid])
-        content.append({
-            "token": token, "logprob": lp, "bytes": list(token.encode()),
-            "top_logprobs": [
-                {"token": tokenizer.decode([t]), "logprob": v,
-                 "bytes": list(tokenizer.decode([t]).encode())} for v, t in row
-            ],
-        })
-    return {"content": content}
+
+    def entry(logprob: float, tid: int) -> dict[str, Any]:
+        in_text = text.in_text(tid, decode)
+        return {"token": text.shown(tid), "logprob": logprob,
+                "bytes": list(text.token_bytes(tid)) if in_text else None}
+
+    return {"content": [
+        {**entry(lp, tid), "top_logprobs": [entry(v, t) for v, t in row]}
+        for (lp, tid), row in zip(pairs[start:], tops[start:])
+    ]}

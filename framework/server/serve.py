@@ -58,6 +58,7 @@ async def _serve(server_args: ServerArgs) -> int:
             tokenizer_manager=manager, server_args=server_args,
             model_name=server_args.served_model_name or model_path, model_path=model_path,
             context_len=info["context_len"], is_embedding=info["is_embedding"],
+            embedding_size=info["hidden_size"],
         )
         return await _run_http(server_args, state, components)
     finally:

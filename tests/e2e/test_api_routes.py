@@ -187,3 +187,120 @@ def test_log_requests_logs_start_and_finish(server: ServerProcess, client: httpx
     assert re.search(rf"request {rid} finished: reason=\{{\"type\":\"length\"\}} "
                      rf"prompt_tokens={prompt_tokens} completion_tokens=3", log), log
     assert secret not in log
+
+
+# ------------------------------------------------------------------ logprobs of split characters
+
+# The tiny tokenizer has no merges for these characters: each of their bytes is a token.
+MULTIBYTE = "abc 日本語 café"
+
+
+def _shown(raw: list[int]) -> str:
+    """A token's string as its bytes give it: a byte of no whole character as an escape."""
+    return bytes(raw).decode("utf-8", errors="backslashreplace")
+
+
+def _chat_entries(events: list[Any]) -> list[dict[str, Any]]:
+    return [entry for e in events if e != "[DONE]" and e["choices"]
+            and e["choices"][0]["logprobs"] for entry in e["choices"][0]["logprobs"]["content"]]
+
+
+def test_chat_logprobs_bytes_rebuild_split_characters(client: httpx.Client) -> None:
+    body = {"messages": CHAT, "max_tokens": 40, "temperature": 0, "regex": MULTIBYTE,
+            "logprobs": True, "top_logprobs": 2}
+    reply = client.post("/v1/chat/completions", json=body).json()
+    choice = reply["choices"][0]
+    assert choice["message"]["content"] == MULTIBYTE
+    content = choice["logprobs"]["content"]
+    joined = bytes(b for entry in content if entry["bytes"] is not None for b in entry["bytes"])
+    assert joined.decode() == MULTIBYTE
+    assert "\\xe6" in [entry["token"] for entry in content]  # the first byte of "日"
+    for entry in content:
+        for shown in (entry, *entry["top_logprobs"]):
+            if shown["bytes"] is not None:
+                assert shown["token"] == _shown(shown["bytes"]), shown
+    if choice["finish_reason"] == "stop":  # ended by </s>: a token the text leaves out
+        assert content[-1]["token"] == "</s>" and content[-1]["bytes"] is None
+    streamed = _chat_entries(list(sse_events_of(client, "/v1/chat/completions",
+                                                {**body, "stream": True})))
+    assert streamed == content
+
+
+def sse_events_of(client: httpx.Client, path: str, body: dict[str, Any]) -> list[Any]:
+    """Every event of a streamed request."""
+    with client.stream("POST", path, json=body) as response:
+        assert response.status_code == 200, response.read()
+        return list(sse_events(response))
+
+
+def _check_offsets(text: str, tokens: list[str], offsets: list[int]) -> None:
+    """Offsets run through ``text``; a whole token's text is found at its offset, a token
+    holding part of a character starts at that character."""
+    assert len(offsets) == len(tokens)
+    assert offsets == sorted(offsets) and offsets[0] >= 0 and offsets[-1] <= len(text)
+    for token, offset in zip(tokens, offsets):
+        if "\\x" in token:
+            assert not text[offset].isascii(), (token, offset, text)
+        elif token not in ("<s>", "</s>"):
+            assert text.startswith(token, offset), (token, offset, text)
+
+
+def test_completion_text_offsets_are_positions_in_the_text(client: httpx.Client) -> None:
+    want = f"{MULTIBYTE} é done"
+    body = {"prompt": "x", "max_tokens": 40, "temperature": 0, "regex": want, "logprobs": 1}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["text"] == want
+    logprobs = choice["logprobs"]
+    _check_offsets(want, logprobs["tokens"], logprobs["text_offset"])
+    # The three tokens of "日" start where "日" does.
+    starts = [o for t, o in zip(logprobs["tokens"], logprobs["text_offset"]) if t == "\\xe6"]
+    assert starts[0] == want.index("日")
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["text", "ids ending inside a character"])
+def test_echoed_offsets_run_through_prompt_and_output(client: httpx.Client, cut: bool) -> None:
+    prompt: Any = "日本語 café"
+    if cut:  # token ids, the last of which holds the second byte of "日"
+        prompt = client.post("/tokenize", json={"text": "x 日"}).json()["tokens"][:-1]
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1, "echo": True,
+            "regex": "é!"}
+    reply = client.post("/v1/completions", json=body).json()
+    choice = reply["choices"][0]
+    logprobs = choice["logprobs"]
+    assert choice["text"].endswith("é!")
+    _check_offsets(choice["text"], logprobs["tokens"], logprobs["text_offset"])
+    # The output's first token starts right after the echoed prompt.
+    echoed = len(choice["text"]) - len("é!")
+    assert logprobs["text_offset"][reply["usage"]["prompt_tokens"]] == echoed
+    # Streamed, the chunks carry the same tokens and offsets.
+    chunks = [e["choices"][0] for e in sse_events_of(client, "/v1/completions",
+                                                     {**body, "stream": True})
+              if e != "[DONE]" and e["choices"]]
+    assert "".join(c["text"] for c in chunks) == choice["text"]
+    for key in ("tokens", "text_offset"):
+        assert [v for c in chunks for v in c["logprobs"][key]] == logprobs[key]
+
+
+# ------------------------------------------------------------------ stream_options, /v1/models
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_usage_is_null_on_every_chunk_but_the_last(client: httpx.Client,
+                                                          route: str) -> None:
+    body = _body(route, stream=True, stream_options={"include_usage": True})
+    events = sse_events_of(client, route, body)
+    assert events[-1] == "[DONE]"
+    *chunks, last = events[:-1]
+    assert chunks and all("usage" in c and c["usage"] is None for c in chunks)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2
+    # Without include_usage the chunks carry no usage at all.
+    plain = sse_events_of(client, route, _body(route, stream=True))
+    assert all("usage" not in c for c in plain[:-1])
+
+
+def test_models_created_is_fixed(client: httpx.Client) -> None:
+    first = client.get("/v1/models").json()["data"][0]["created"]
+    time.sleep(1.1)  # the clock's second has changed
+    assert client.get("/v1/models").json()["data"][0]["created"] == first
+    assert client.get(f"/v1/models/{MODEL}").json()["created"] == first
+    assert first <= time.time()

@@ -66,8 +66,6 @@ BAD_JSON: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/completions", {"prompt": "hi", "temperature": 1e300}, "temperature must be in [0, 100]"),
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -0.5}}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": 3}, "frequency_penalty"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_new_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 2**64}, "max_new_tokens"),
     # Structured outputs: a constraint that does not compile, or two at once.
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
@@ -88,6 +86,42 @@ BAD_JSON: list[tuple[str, dict[str, Any], str]] = [
      "give at most one of json_schema, regex, ebnf; got json_schema and regex"),
     ("/generate", {"text": "hi", "sampling_params": {"json_schema": "{not json"}},
      "invalid json_schema: Failed to parse JSON"),
+]
+
+# (route, body, the error's param, words its message must hold): the field is named as the
+# request gave it.
+BAD_FIELDS: list[tuple[str, dict[str, Any], str, str]] = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens",
+     "max_tokens must be in [0, 9223372036854775807], got -1"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2**64, "stream": True}, "max_tokens",
+     "max_tokens must be in [0, "),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": -1}, "max_tokens",
+     "max_tokens must be in [0, "),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -1, "max_tokens": 4},
+     "max_completion_tokens", "max_completion_tokens must be in [0, "),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
+     "stream_options", "stream_options is only allowed when stream is true"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream": False, "stream_options": {}},
+     "stream_options", "stream_options is only allowed when stream is true"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]},
+     "messages[0].role", "must be one of system, developer, user, assistant, tool, function"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "s"},
+                                           {"role": "user"}], "stream": True},
+     "messages[1].content", "messages[1].content is missing"),
+    ("/v1/chat/completions", {"messages": [*CHAT, {"role": "assistant", "content": None}]},
+     "messages[1].content", "messages[1].content is missing"),
+    ("/v1/chat/completions", {"messages": [*CHAT, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages[1].tool_calls", "`messages[1].tool_calls` is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]},
+     "messages[0].content[1].type", "messages[0].content[1].type is 'image_url'"),
+    ("/v1/chat/completions", {"stream": True, "messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}]},
+     "messages[0].content[0].type", "'input_audio', but this model reads text only"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages[0].content[0].text", "messages[0].content[0].text must be a string"),
 ]
 
 # Bodies that JSON encoders write but strict JSON has no number for.
@@ -143,6 +177,70 @@ def test_bad_value_is_a_400_naming_the_field(client: httpx.Client, path: str,
                                              body: dict[str, Any], words: str) -> None:
     before = _counters(client)
     _assert_refused(client, client.post(path, json=body), words, before)
+
+
+@pytest.mark.parametrize(("path", "body", "param", "words"), BAD_FIELDS,
+                         ids=[f"{p} {json.dumps(b)}" for p, b, _, _ in BAD_FIELDS])
+def test_bad_field_is_a_400_with_its_param(client: httpx.Client, path: str,
+                                           body: dict[str, Any], param: str,
+                                           words: str) -> None:
+    before = _counters(client)
+    response = client.post(path, json=body)
+    _assert_refused(client, response, words, before)
+    assert response.json()["error"]["param"] == param
+
+
+# An explicit max_tokens past the context (256 tokens) is refused, whatever the route.
+PAST_THE_CONTEXT: list[tuple[str, dict[str, Any], str]] = [
+    ("/v1/completions", {"prompt": "hello", "max_tokens": 100000}, "max_tokens"),
+    ("/v1/completions", {"prompt": ["hi", "hello"], "max_tokens": 255, "stream": True},
+     "max_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 256}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 1000,
+                              "max_tokens": 4, "stream": True}, "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), PAST_THE_CONTEXT,
+                         ids=[f"{p} {json.dumps(b)}" for p, b, _ in PAST_THE_CONTEXT])
+def test_max_tokens_past_the_context_is_a_400(client: httpx.Client, path: str,
+                                              body: dict[str, Any], param: str) -> None:
+    before = _counters(client)
+    response = client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == param, error
+    assert error["type"] == "invalid_request_error"
+    requested = body.get("max_completion_tokens", body.get("max_tokens"))
+    assert re.fullmatch(rf"this model's context length is 256 tokens, but the prompt has "
+                        rf"(\d+) tokens and {param} asks for {requested} more \(\d+ in all\); "
+                        rf"ask for at most \d+", error["message"]), error
+    assert _counters(client) == before
+
+
+def test_max_tokens_that_fill_the_context_or_unset_are_served(client: httpx.Client) -> None:
+    prompt_tokens = client.post("/tokenize", json={"text": "hello"}).json()["count"]
+    room = 256 - prompt_tokens
+    body = {"prompt": "hello", "max_tokens": room, "ignore_eos": True, "temperature": 0}
+    full = client.post("/v1/completions", json=body)
+    assert full.status_code == 200, full.text
+    assert full.json()["usage"]["total_tokens"] == 256
+    # Unset, chat's max_tokens is what the context leaves (cut to fit, not refused).
+    chat = client.post("/v1/chat/completions", json={"messages": CHAT, "ignore_eos": True,
+                                                     "temperature": 0})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["total_tokens"] == 256
+    assert chat.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_chat_max_tokens_zero_generates_nothing(client: httpx.Client, field: str) -> None:
+    reply = client.post("/v1/chat/completions", json={"messages": CHAT, field: 0})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["usage"]["completion_tokens"] == 0
+    assert body["choices"][0]["message"]["content"] == ""
+    assert body["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize(("path", "body", "words"), BAD_RAW,

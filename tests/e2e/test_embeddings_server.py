@@ -3,28 +3,43 @@
 from __future__ import annotations
 
 import base64
+import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 import transformers
 
 from tests.model_fixtures import minilm_checkpoint, reference_sentence_embeddings
-from tests.server_harness import start_server
+from tests.server_harness import ServerProcess, http_client, serving
 
 
-def test_embeddings_endpoint_matches_transformers(tmp_path: Path) -> None:
-    model_dir = minilm_checkpoint()
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return minilm_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[ServerProcess]:
+    yield from serving(model_dir, tmp_path_factory.mktemp("logs"), "--transport", "zmq",
+                       "--codec", "msgpack")
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[httpx.Client]:
+    yield from http_client(server, timeout=60)
+
+
+def test_embeddings_endpoint_matches_transformers(model_dir: Path,
+                                                  client: httpx.Client) -> None:
     texts = ["A man is eating food.", "Serving systems batch requests."]
-    server = start_server(model_dir, tmp_path, "--transport", "zmq", "--codec", "msgpack")
-    try:
-        with httpx.Client(base_url=server.base_url, timeout=60) as client:
-            reply = client.post("/v1/embeddings", json={"input": texts}).json()
-            packed = client.post("/v1/embeddings", json={"input": texts[0],
-                                                         "encoding_format": "base64"}).json()
-            refused = client.post("/v1/completions", json={"prompt": "x"})
-    finally:
-        assert server.stop() == 0, server.log()
+    reply = client.post("/v1/embeddings", json={"input": texts}).json()
+    packed = client.post("/v1/embeddings", json={"input": texts[0],
+                                                 "encoding_format": "base64"}).json()
+    refused = client.post("/v1/completions", json={"prompt": "x"})
     assert reply["object"] == "list"
     assert [d["index"] for d in reply["data"]] == [0, 1]
     got = np.array([d["embedding"] for d in reply["data"]], dtype=np.float32)
@@ -37,3 +52,17 @@ def test_embeddings_endpoint_matches_transformers(tmp_path: Path) -> None:
     assert np.allclose(decoded, got[0], atol=1e-6)
     assert refused.status_code == 400
     assert "embedding model" in refused.json()["error"]["message"]
+
+
+def test_dimensions_must_be_the_embedding_size(model_dir: Path, client: httpx.Client) -> None:
+    size = json.loads((model_dir / "config.json").read_text())["hidden_size"]
+    same = client.post("/v1/embeddings", json={"input": "hello", "dimensions": size})
+    assert same.status_code == 200, same.text
+    assert len(same.json()["data"][0]["embedding"]) == size
+    for dimensions in (size // 2, size + 1, 0):
+        response = client.post("/v1/embeddings", json={"input": "hello",
+                                                       "dimensions": dimensions})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "dimensions", error
+        assert f"dimensions must be this model's embedding size, {size}" in error["message"]

@@ -235,7 +235,7 @@ def test_a_part_that_fails_after_its_siblings_were_sent_aborts_them(
     app = build_app(ServerState(tokenizer_manager=tm, server_args=tm.server_args,
                                 model_name="tiny", model_path="unused", context_len=64,
                                 is_embedding=False))
-    body = {"prompt": [[3, 4], [5, 6]], "n": 2, "max_tokens": 1000, "ignore_eos": True}
+    body = {"prompt": [[3, 4], [5, 6]], "n": 2, "max_tokens": 32, "ignore_eos": True}
 
     def every_sent_part_aborted(got: list[Message]) -> bool:
         sent = {m.rid for m in got if isinstance(m, TokenizedGenerateReqInput)}
