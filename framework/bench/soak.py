@@ -158,7 +158,7 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random) -> tuple[st
         return kind, None if ok else f"generate: status {response.status_code}"
     if kind == "hang_up":
         return kind, await _stream(client, "/v1/completions", {
-            "prompt": prompt, "max_tokens": 200, "stream": True}, hang_up_after=2)
+            "prompt": prompt, "max_tokens": 64, "stream": True}, hang_up_after=2)
     response = await client.post("/v1/completions", json={"prompt": prompt, "top_p": 7})
     return kind, None if response.status_code == 400 else (
         f"bad request: status {response.status_code}, not 400")

@@ -23,8 +23,9 @@ SHORT_IDS = [5, 6, 7]
 LONG_IDS = [5] * (CONTEXT + 8)
 LONG_TEXT = "word " * (4 * CONTEXT)
 CHAT_LONG = [{"role": "user", "content": LONG_TEXT}]
-# Long enough that a part left running would still be running when the test looks.
-SLOW = {"max_tokens": 10_000, "ignore_eos": True, "temperature": 0}
+# Long enough that a part left running would still be running when the test looks: all
+# the context leaves after the short prompt (more is refused).
+SLOW = {"max_tokens": CONTEXT - len(SHORT_IDS), "ignore_eos": True, "temperature": 0}
 # Scheduler counters that move once any part of a request reaches it.
 TOUCHED = ("extend_steps", "decode_steps", "aborted_requests", "failed_requests")
 # (route, body): one part of each is too long for the context.
