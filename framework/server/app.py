@@ -162,6 +162,32 @@ Handler = Callable[[Request], Awaitable[Response]]
 _route: ContextVar[str] = ContextVar("route", default="?")
 
 
+@dataclasses.dataclass
+class StreamChunks:
+    """The chunks of one streamed OpenAI answer: one id, object and creation time for all."""
+
+    id: str
+    object: str  # "text_completion" or "chat.completion.chunk"
+    model: str
+    include_usage: bool  # stream_options.include_usage: the last chunk carries usage
+    created: int = dataclasses.field(default_factory=oai.now)
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.model, "choices": choices}
+
+    def choice(self, choice: dict[str, Any]) -> dict[str, Any]:
+        """A chunk with one choice's news; with ``include_usage``, ``usage`` is null on it."""
+        out = self._chunk([choice])
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The last chunk of an ``include_usage`` stream: no choices, the request's usage."""
+        return {**self._chunk([]), "usage": usage}
+
+
 def _handler(fn: Handler) -> Handler:
     """Turn bad input into 400s and a dead runtime into 503s, with OpenAI's error body."""
 
@@ -439,18 +465,12 @@ class Routes:
 
     def _stream_completions(self, body: oai.CompletionRequest, reqs: list[PreparedRequest],
                             prefix: list[str] | None, n: int) -> Response:
-        cid, created = oai.new_id("cmpl"), oai.now()
-        include_usage = body.include_usage
+        chunks = StreamChunks(oai.new_id("cmpl"), "text_completion", self.state.model_name,
+                              body.include_usage)
 
         def chunk(index: int, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
-            out: dict[str, Any] = {
-                "id": cid, "object": "text_completion", "created": created,
-                "model": self.state.model_name,
-                "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                             "finish_reason": finish}]}
-            if include_usage:
-                out["usage"] = None  # OpenAI's API sends it on every chunk but the last
-            return out
+            return chunks.choice({"index": index, "text": text, "logprobs": logprobs,
+                                  "finish_reason": finish})
 
         # With logprobs, a choice's echo waits for its first output, which brings the
         # prompt's logprobs; without, every echo goes out at once.
@@ -476,10 +496,8 @@ class Routes:
                 sent_tokens[i] = meta["completion_tokens"]
                 last[i] = out
                 yield chunk(i, out["delta"], logprobs, oai.finish_reason_name(meta))
-            if include_usage:
-                yield {"id": cid, "object": "text_completion", "created": created,
-                       "model": self.state.model_name, "choices": [],
-                       "usage": self._usage([last[i] for i in sorted(last)], n)}
+            if chunks.include_usage:
+                yield chunks.usage(self._usage([last[i] for i in sorted(last)], n))
 
         return self._sse(events())
 
@@ -529,20 +547,14 @@ class Routes:
 
     def _stream_chat(self, body: oai.ChatCompletionRequest, reqs: list[PreparedRequest],
                      n: int) -> Response:
-        cid, created = oai.new_id("chatcmpl"), oai.now()
-        include_usage = body.include_usage
+        chunks = StreamChunks(oai.new_id("chatcmpl"), "chat.completion.chunk",
+                              self.state.model_name, body.include_usage)
         decode = self._decode_fn(reqs[0].req.sampling_params)
 
         def chunk(index: int, delta: dict[str, Any], logprobs: Any,
                   finish: str | None) -> dict[str, Any]:
-            out: dict[str, Any] = {
-                "id": cid, "object": "chat.completion.chunk", "created": created,
-                "model": self.state.model_name,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                             "finish_reason": finish}]}
-            if include_usage:
-                out["usage"] = None  # OpenAI's API sends it on every chunk but the last
-            return out
+            return chunks.choice({"index": index, "delta": delta, "logprobs": logprobs,
+                                  "finish_reason": finish})
 
         async def events() -> AsyncIterator[dict[str, Any]]:
             last: dict[int, dict[str, Any]] = {}
@@ -557,10 +569,8 @@ class Routes:
                 last[i] = out
                 yield chunk(i, {"content": out["delta"]}, logprobs,
                             oai.finish_reason_name(meta))
-            if include_usage:
-                yield {"id": cid, "object": "chat.completion.chunk", "created": created,
-                       "model": self.state.model_name, "choices": [],
-                       "usage": self._usage([last[i] for i in sorted(last)], n)}
+            if chunks.include_usage:
+                yield chunks.usage(self._usage([last[i] for i in sorted(last)], n))
 
         return self._sse(events())
 
