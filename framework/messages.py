@@ -36,14 +36,18 @@ class FinishReason(msgspec.Struct, array_like=True):
     type: str
     matched: int | str | None = None
     message: str | None = None
+    #: With ``length``: how many tokens were generated when the limit was reached.
+    length: int | None = None
 
     def to_json(self) -> dict:
-        """The OpenAI/SGLang ``finish_reason`` object, omitting what is unset."""
+        """The SGLang ``finish_reason`` object, omitting what is unset."""
         out: dict = {"type": self.type}
         if self.matched is not None:
             out["matched"] = self.matched
         if self.message is not None:
             out["message"] = self.message
+        if self.length is not None:
+            out["length"] = self.length
         return out
 
 

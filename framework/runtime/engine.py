@@ -40,6 +40,8 @@ from framework.sampling_params import SamplingParams
 
 logger = logging.getLogger("framework.engine")
 T = TypeVar("T")
+# One set of sampling parameters for every prompt, or a list of one set per prompt.
+ParamsArg = dict[str, Any] | SamplingParams | list[dict[str, Any] | SamplingParams] | None
 
 _WATCHER_JOIN_S = 5.0
 # How long shutdown() waits for the manager to close and the loop thread to end.
@@ -142,7 +144,7 @@ class Engine:
     def generate(
         self,
         prompt: str | list[str] | None = None,
-        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        sampling_params: ParamsArg = None,
         input_ids: list[int] | list[list[int]] | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
@@ -153,7 +155,11 @@ class Engine:
 
         Each result has ``text``, ``output_ids`` and ``meta_info`` (``prompt_tokens``,
         ``completion_tokens``, ``cached_tokens``, ``finish_reason``, logprobs when asked).
-        All prompts of one call run together in the continuous batch. With
+        All prompts of one call run together in the continuous batch.
+        ``sampling_params`` is one dict (or ``SamplingParams``) for every prompt, or a
+        list of one per prompt. With ``n`` above 1, each choice of a prompt is its own
+        request (choice ``c`` samples with ``seed + c``) and the results are a flat list,
+        prompt-major, even for one prompt, as ``/generate`` answers. With
         ``return_logprob`` and ``logprob_start_len >= 0``, ``meta_info`` also has the
         prompt's logprobs from that position on (``input_token_logprobs``, and
         ``input_top_logprobs`` with ``top_logprobs_num``).
@@ -162,7 +168,8 @@ class Engine:
         chunk's ``text`` and ``output_ids`` are the *new* text and ids (so the chunks
         concatenate to the full output), its ``meta_info`` is as of that chunk (the
         last one has the ``finish_reason``); with a list of prompts, chunks of all
-        of them interleave and each has the ``index`` of its prompt. Every value is
+        of them interleave and each has the ``index`` of its prompt (of its place in
+        the flat list, with ``n`` above 1). Every value is
         checked before this returns (a ``ValueError``); leaving the iteration early
         (``break``, ``close()``) aborts the requests and frees their KV slots.
         """
@@ -177,7 +184,7 @@ class Engine:
     async def async_generate(
         self,
         prompt: str | list[str] | None = None,
-        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        sampling_params: ParamsArg = None,
         input_ids: list[int] | list[list[int]] | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
@@ -202,7 +209,13 @@ class Engine:
         return _final(results, single)
 
     def encode(self, texts: str | list[str]) -> Any:
-        """Embeddings (numpy float32) of one text or a list of texts."""
+        """Embeddings (numpy float32) of one text or a list of texts.
+
+        On a generation model it raises ``ValueError``; so does a text the runtime
+        cannot embed (the Scheduler's reason in the message).
+        """
+        # Refused before anything is sent, as /v1/embeddings answers 400.
+        self._manager.check_serves(embedding=True)
         single = isinstance(texts, str)
         items = [texts] if single else list(texts)
         results = self._run(gather_or_cancel([self._manager.embed(text=t) for t in items]))
@@ -327,22 +340,24 @@ class Engine:
     async def _prepare(
         self,
         prompt: str | list[str] | None,
-        sampling_params: dict[str, Any] | list[dict[str, Any]] | None,
+        sampling_params: ParamsArg,
         input_ids: list[int] | list[list[int]] | None,
         return_logprob: bool,
         top_logprobs_num: int,
         stream: bool,
         logprob_start_len: int,
     ) -> tuple[list[PreparedRequest], bool]:
-        """Check and tokenize every request before any is sent (the HTTP layer's checks)."""
+        """Check and tokenize every request and choice (``n``) before any is sent (the HTTP
+        layer's checks)."""
         single, requests = self._requests(prompt, input_ids, sampling_params)
         for req in requests:
             req.return_logprob = return_logprob
             req.top_logprobs_num = top_logprobs_num
             req.logprob_start_len = logprob_start_len
             req.stream = stream
-        manager = self._manager
-        return await gather_or_cancel([manager.prepare(r) for r in requests]), single
+        prepared = await self._manager.prepare_choices(requests)
+        # As from /generate: n > 1 answers a flat list (prompt-major), even for one prompt.
+        return prepared, single and len(prepared) == 1
 
     async def _stream(self, prepared: list[PreparedRequest], single: bool
                       ) -> AsyncIterator[dict[str, Any]]:
@@ -383,7 +398,7 @@ class Engine:
     def _requests(
         prompt: str | list[str] | None,
         input_ids: list[int] | list[list[int]] | None,
-        sampling_params: dict[str, Any] | list[dict[str, Any]] | None,
+        sampling_params: ParamsArg,
     ) -> tuple[bool, list[GenerateRequest]]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt and input_ids")
@@ -395,15 +410,32 @@ class Engine:
             single = bool(input_ids) and isinstance(input_ids[0], int)
             id_lists = [input_ids] if single else list(input_ids)
             reqs = [GenerateRequest(input_ids=list(ids)) for ids in id_lists]
-        if sampling_params is None or isinstance(sampling_params, dict):
-            params_list = [sampling_params] * len(reqs)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(reqs):
-                raise ValueError(f"{len(params_list)} sampling_params for {len(reqs)} prompts")
-        for req, params in zip(reqs, params_list):
-            req.sampling_params = SamplingParams.from_dict(params)
+        for req, params in zip(reqs, _params_per_prompt(sampling_params, len(reqs))):
+            req.sampling_params = _to_params(params)
         return single, reqs
+
+
+def _params_per_prompt(sampling_params: Any, prompts: int) -> list[Any]:
+    """``sampling_params`` as one entry per prompt: one set for all, or a list of one each."""
+    if sampling_params is None or isinstance(sampling_params, (dict, SamplingParams)):
+        return [sampling_params] * prompts
+    # Only a list or tuple is a list of sets: a string or a mapping-like value is a mistake.
+    if not isinstance(sampling_params, (list, tuple)):
+        raise ValueError(f"sampling_params must be a dict, a SamplingParams or a list of "
+                         f"them (one per prompt), got {type(sampling_params).__name__}")
+    if len(sampling_params) != prompts:
+        raise ValueError(f"{len(sampling_params)} sampling_params for {prompts} prompts")
+    return list(sampling_params)
+
+
+def _to_params(params: Any) -> SamplingParams:
+    """One prompt's ``SamplingParams`` from a dict, a ``SamplingParams`` or None (defaults)."""
+    if isinstance(params, SamplingParams):
+        return params
+    if params is None or isinstance(params, dict):
+        return SamplingParams.from_dict(params)
+    raise ValueError(f"each sampling_params entry must be a dict or a SamplingParams, "
+                     f"got {type(params).__name__}")
 
 
 def _final(results: list[dict[str, Any]], single: bool) -> dict[str, Any] | list[dict[str, Any]]:

@@ -250,9 +250,11 @@ def transport_options(server_args: ServerArgs) -> dict[str, Any]:
 
 
 def apply_scheduler_info(manager: Any, info: Mapping[str, Any]) -> None:
-    """Tell the TokenizerManager what the Scheduler found: context length and vocabulary size."""
+    """Tell the TokenizerManager what the Scheduler found: context length, vocabulary size
+    and whether the model serves embeddings."""
     manager.context_len = info["context_len"]
     manager.vocab_size = info["vocab_size"]
+    manager.is_embedding = info["is_embedding"]
 
 
 class _StoppedBeforeStart(Exception):

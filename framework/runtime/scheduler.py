@@ -676,7 +676,7 @@ class Scheduler:
     def append_token(self, req: Req, result: StepResult, k: int) -> None:
         """Add the ``k``-th sampled token to ``req`` and check whether it ends it."""
         if req.sampling_params.max_new_tokens == 0:
-            self._finish(req, FinishReason("length"))
+            self._finish(req, FinishReason("length", length=0))
             return
         assert result.next_ids is not None and result.logprobs is not None  # set by sample()
         token = result.next_ids[k]
@@ -705,7 +705,8 @@ class Scheduler:
         if params.stop and (matched := self.match_stop_string(req)) is not None:
             return FinishReason("stop", matched=matched)
         if len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.context_len:
-            return FinishReason("length")
+            # The limit reached: max_new_tokens, or fewer where the context ends.
+            return FinishReason("length", length=len(req.output_ids))
         return None
 
     def match_stop_string(self, req: Req) -> str | None:

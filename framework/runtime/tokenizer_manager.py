@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -309,6 +310,9 @@ class TokenizerManager:
         self.context_len = context_len
         # Set at start-up from the Scheduler's ready info; bounds token ids at the edge.
         self.vocab_size: int | None = None
+        # Also set at start-up: what the model serves, so that a request of the other kind
+        # is refused here rather than sent and aborted. None (unknown) refuses neither.
+        self.is_embedding: bool | None = None
         # Bind first: the Schedulers and the Detokenizers connect to these. With --dp-size
         # N, ``port_args`` holds one PortArgs per replica, each replica its own channels.
         self.replicas = [ReplicaChannels.open(i, transport, p, server_args.codec)
@@ -440,10 +444,19 @@ class TokenizerManager:
         if self.dead_reason is not None:
             raise RuntimeError(f"the runtime is down: {self.dead_reason}")
 
+    def check_serves(self, embedding: bool) -> None:
+        """Refuse (``RequestError``) an embedding request to a generation model, or the reverse."""
+        if self.is_embedding is None or self.is_embedding == embedding:
+            return
+        if self.is_embedding:
+            raise RequestError("this model is an embedding model; it serves embeddings, "
+                               "not text generation")
+        raise RequestError("this model is a generation model; it does not serve embeddings")
+
     def check_request(self, req: GenerateRequest) -> None:
         """Refuse (``RequestError``) a request whose values are out of range; no tokenizing."""
+        self._verify_params(req.sampling_params)
         try:
-            req.sampling_params.verify(self.vocab_size)
             check_top_logprobs_num(req.top_logprobs_num)
         except ValueError as exc:
             raise RequestError(str(exc)) from None
@@ -456,9 +469,15 @@ class TokenizerManager:
         if start >= 0 and not req.return_logprob:
             raise RequestError("logprob_start_len needs return_logprob set to true")
         if req.sampling_params.n != 1:
-            # The OpenAI routes fan n out into n requests; one request is one sequence.
-            raise RequestError("n > 1 is served by /v1/completions and /v1/chat/completions; "
-                               "send n requests (with different seeds) instead")
+            # One request is one sequence: ``prepare_choices`` fans n out into n requests.
+            raise RequestError("a request with n > 1 must be fanned out into its choices "
+                               "(prepare_choices) before it is sent")
+
+    def _verify_params(self, params: SamplingParams) -> None:
+        try:
+            params.verify(self.vocab_size)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
 
     def check_capacity(self) -> None:
         """Refuse (``OverloadedError``) a new request when the queue allowed is full.
@@ -478,6 +497,7 @@ class TokenizerManager:
     async def prepare(self, req: GenerateRequest) -> PreparedRequest:
         """Check ``req`` and tokenize its prompt; every refusal happens here, before sending."""
         self._check_alive()
+        self.check_serves(embedding=False)
         self.check_capacity()
         self.check_request(req)
         if req.rid is not None and req.rid in self.rid_to_state:
@@ -492,6 +512,27 @@ class TokenizerManager:
             raise RequestError(f"logprob_start_len must be below the prompt's length "
                                f"{len(ids)}, got {req.logprob_start_len}")
         return PreparedRequest(req, ids)
+
+    async def prepare_choices(self, reqs: list[GenerateRequest]) -> list[PreparedRequest]:
+        """One prepared request per request of ``reqs`` and choice of its ``n``.
+
+        Choice ``c`` of a request is the request with ``SamplingParams.for_choice(c)``
+        (n=1, the seed plus ``c``). The order is prompt-major: with the same ``n`` for
+        every request, request ``p``'s choice ``c`` is at ``p * n + c``. Every part is
+        checked (and each prompt tokenized, once for all its choices) before any is sent,
+        so that one refused part refuses them all while none of them runs.
+        """
+        for req in reqs:
+            self._verify_params(req.sampling_params)  # n too, which each choice sets to 1
+        firsts = await gather_or_cancel([self.prepare(_choice(r, 0)) for r in reqs])
+        out = []
+        for req, first in zip(reqs, firsts):
+            out.append(first)
+            for index in range(1, req.sampling_params.n):
+                choice = _choice(req, index)
+                self.check_request(choice)
+                out.append(PreparedRequest(choice, first.input_ids))
+        return out
 
     async def generate(self, req: GenerateRequest | PreparedRequest
                        ) -> AsyncIterator[dict[str, Any]]:
@@ -540,8 +581,13 @@ class TokenizerManager:
 
     async def embed(self, text: str | None = None,
                     input_ids: list[int] | None = None) -> dict[str, Any]:
-        """The embedding of one input."""
+        """The embedding of one input.
+
+        An input the Scheduler aborts (it cannot run it) raises ``RequestError`` with
+        the Scheduler's reason: an aborted request has no embedding to return.
+        """
         self._check_alive()
+        self.check_serves(embedding=True)
         self.check_capacity()
         ids = await self._input_ids(text, input_ids)
         rid = uuid.uuid4().hex
@@ -559,8 +605,13 @@ class TokenizerManager:
                 state.event.clear()
         finally:
             self._release(rid, state, reached)
-        meta = self.meta_info(rid, state, state.chunks[-1] if state.chunks else None)
-        return {"embedding": state.embedding, "meta_info": meta}
+        last = state.chunks[-1] if state.chunks else None
+        if last is not None:
+            self._raise_if_died(last)
+        reason = state.finished_reason
+        if reason is not None and reason.type == "abort":
+            raise RequestError(f"the embedding request was aborted: {reason.message}")
+        return {"embedding": state.embedding, "meta_info": self.meta_info(rid, state, last)}
 
     def _register(self, rid: str, prompt_tokens: int) -> ReqState:
         """A new state for ``rid``, with a new handle; everything after this must end in
@@ -737,6 +788,11 @@ class TokenizerManager:
         if len(infos) == 1:
             return infos[0]
         return self.router.merged_info(infos, self.server_args.load_balance_method)
+
+
+def _choice(req: GenerateRequest, index: int) -> GenerateRequest:
+    """Choice ``index`` of ``req``: a copy with that choice's sampling parameters."""
+    return dataclasses.replace(req, sampling_params=req.sampling_params.for_choice(index))
 
 
 async def gather_or_cancel(coros: list[Awaitable[T]]) -> list[T]:

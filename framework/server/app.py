@@ -281,38 +281,11 @@ class Routes:
 
         With ``prompt_logprobs`` (and ``logprobs``), the prompt's logprobs come back too.
         """
-
-        def request(text: str | None, ids: list[int] | None, choice: int) -> GenerateRequest:
-            return GenerateRequest(
-                text=text, input_ids=ids, sampling_params=params.for_choice(choice),
-                stream=stream, return_logprob=logprobs is not None,
-                top_logprobs_num=logprobs or 0,
-                logprob_start_len=0 if prompt_logprobs and logprobs is not None else -1,
-            )
-
-        return await self._prepare_choices(prompts, params.n, request)
-
-    async def _prepare_choices(
-        self, prompts: list[tuple[str | None, list[int] | None]], n: int,
-        request: Callable[[str | None, list[int] | None, int], GenerateRequest],
-    ) -> list[PreparedRequest]:
-        """``request(text, ids, choice)`` for every prompt and choice, all checked first.
-
-        The order is prompt-major (prompt ``p``, choice ``c`` at ``p * n + c``). Every
-        part is checked (and its prompt tokenized, once for all its choices) before any
-        is sent, so that one refused part refuses the whole request with a 400 while
-        none of it runs.
-        """
-        firsts = await gather_or_cancel([self.tm.prepare(request(text, ids, 0))
-                                          for text, ids in prompts])
-        out = []
-        for (text, ids), first in zip(prompts, firsts):
-            out.append(first)
-            for choice in range(1, n):
-                req = request(text, ids, choice)
-                self.tm.check_request(req)
-                out.append(PreparedRequest(req, first.input_ids))
-        return out
+        return await self.tm.prepare_choices([GenerateRequest(
+            text=text, input_ids=ids, sampling_params=params, stream=stream,
+            return_logprob=logprobs is not None, top_logprobs_num=logprobs or 0,
+            logprob_start_len=0 if prompt_logprobs and logprobs is not None else -1,
+        ) for text, ids in prompts])
 
     def _check_model(self, model: str | None) -> None:
         """404 ``model_not_found`` (as OpenAI answers) for a model this server does not serve."""
@@ -661,16 +634,13 @@ class Routes:
         else:
             prompts = oai.split_prompts(body.input_ids or [], "input_ids", self.tm.vocab_size)
 
-        def request(text: str | None, ids: list[int] | None, choice: int) -> GenerateRequest:
-            # A rid names one request, so it is kept only when there is one.
-            return GenerateRequest(
-                text=text, input_ids=ids, sampling_params=params.for_choice(choice),
-                stream=body.stream, return_logprob=body.return_logprob,
-                top_logprobs_num=body.top_logprobs_num,
-                logprob_start_len=body.logprob_start_len, rid=None if as_list else body.rid)
-
         # Every prompt and choice is checked before any is sent: one bad part refuses all.
-        reqs = await self._prepare_choices(prompts, params.n, request)
+        # A rid names one request, so it is kept only when there is one.
+        reqs = await self.tm.prepare_choices([GenerateRequest(
+            text=text, input_ids=ids, sampling_params=params, stream=body.stream,
+            return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
+            logprob_start_len=body.logprob_start_len, rid=None if as_list else body.rid,
+        ) for text, ids in prompts])
         if body.stream:
             async def events() -> AsyncIterator[dict[str, Any]]:
                 async for i, out in _merge([self._generate(r) for r in reqs]):
@@ -785,7 +755,9 @@ def route_table(routes: Routes, server_args: ServerArgs) -> list[RouteSpec]:
         RouteSpec("/get_model_info", routes.get_model_info, ("GET",), "Model facts"),
         RouteSpec("/get_server_info", routes.get_server_info, ("GET",),
                   "Server arguments, the Scheduler's state and the last metrics"),
-        RouteSpec("/flush_cache", routes.flush_cache, ("POST",), "Free every cached prefix"),
+        # GET too, as SGLang accepts both.
+        RouteSpec("/flush_cache", routes.flush_cache, ("GET", "POST"),
+                  "Free every cached prefix"),
         RouteSpec("/abort_request", routes.abort_request, ("POST",),
                   "Abort one request or all", oai.AbortBody),
         RouteSpec("/update_weights_from_disk", routes.update_weights_from_disk, ("POST",),

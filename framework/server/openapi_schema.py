@@ -133,11 +133,14 @@ def openapi_path(path: str) -> tuple[str, list[str]]:
     return re.sub(r"{(\w+)(?::\w+)?}", r"{\1}", path), params
 
 
-def _operation(spec: RouteSpec, params: list[str], guarded: bool) -> dict[str, Any]:
+def _operation(spec: RouteSpec, method: str, params: list[str],
+               guarded: bool) -> dict[str, Any]:
     """One OpenAPI operation: body by reference, the 200 answer and the error answers."""
+    name = spec.handler.__name__
     op: dict[str, Any] = {
         "summary": spec.summary,
-        "operationId": spec.handler.__name__,
+        # Operation ids are unique in a document: a route of several methods has one each.
+        "operationId": name if len(spec.methods) == 1 else f"{name}_{method.lower()}",
         "responses": {"200": {"description": "OK"}},
     }
     if spec.media:
@@ -172,7 +175,8 @@ def build_openapi(specs: Iterable[RouteSpec], *, api_key: bool, open_paths: Iter
         path, params = openapi_path(spec.path)
         guarded = api_key and spec.path not in open_set
         for method in spec.methods:
-            paths.setdefault(path, {})[method.lower()] = _operation(spec, params, guarded)
+            paths.setdefault(path, {})[method.lower()] = _operation(spec, method, params,
+                                                                     guarded)
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version,

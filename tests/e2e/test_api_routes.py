@@ -184,7 +184,7 @@ def test_log_requests_logs_start_and_finish(server: ServerProcess, client: httpx
     prompt_tokens = out["meta_info"]["prompt_tokens"]
     assert re.search(rf"request {rid} /generate: prompt_tokens={prompt_tokens} .*"
                      r"sampling_params=\{.*\"max_new_tokens\":3", log), log
-    assert re.search(rf"request {rid} finished: reason=\{{\"type\":\"length\"\}} "
+    assert re.search(rf"request {rid} finished: reason=\{{\"type\":\"length\",\"length\":3\}} "
                      rf"prompt_tokens={prompt_tokens} completion_tokens=3", log), log
     assert secret not in log
 

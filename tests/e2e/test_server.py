@@ -127,7 +127,7 @@ def test_generate_json(client: httpx.Client, expected: dict, checkpoints: tuple)
     body = client.post("/generate", json={"text": PROMPTS[5], "sampling_params": GREEDY}).json()
     assert body["text"] == ref[5]["text"]
     assert body["output_ids"] == ref[5]["output_ids"]
-    assert body["meta_info"]["finish_reason"] == {"type": "length"}
+    assert body["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_TOKENS}
     assert body["meta_info"]["completion_tokens"] == MAX_TOKENS
 
 
@@ -239,6 +239,7 @@ def test_operational_endpoints(client: httpx.Client, server: ServerProcess,
     assert backend in ("cpu", "torch")
     assert f"attention backend {backend})" in server.log()
     assert client.post("/flush_cache").json()["success"] is True
+    assert client.get("/flush_cache").json()["success"] is True  # as SGLang, GET works too
     assert client.post("/abort_request", json={"rid": "no-such-request"}).status_code == 200
 
 

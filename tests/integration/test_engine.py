@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from framework import Engine
+from framework.sampling_params import SamplingParams
 from tests.model_fixtures import (
     make_tiny_checkpoint,
     minilm_checkpoint,
@@ -69,7 +70,7 @@ def test_batched_greedy_matches_transformers(arch: str, tmp_path: Path) -> None:
         got = [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
         assert np.allclose(got, ref_logprobs, atol=1e-4, rtol=0), prompt
         assert out["meta_info"]["completion_tokens"] == NEW_TOKENS
-        assert out["meta_info"]["finish_reason"] == {"type": "length"}
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": NEW_TOKENS}
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +208,7 @@ def test_eos_ends_generation_unless_ignored(reference: list, tmp_path: Path) -> 
 def test_max_new_tokens_zero_and_min_new_tokens(engine: Engine) -> None:
     out = engine.generate(PROMPTS[2], {"max_new_tokens": 0})
     assert out["output_ids"] == []
-    assert out["meta_info"]["finish_reason"] == {"type": "length"}
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
     out = engine.generate(PROMPTS[2], {"temperature": 0, "max_new_tokens": 6,
                                        "min_new_tokens": 6})
     assert out["meta_info"]["completion_tokens"] == 6
@@ -243,8 +244,56 @@ def test_bad_prompts_are_value_errors(engine: Engine) -> None:
 
 
 def test_generation_model_refuses_embeddings(engine: Engine) -> None:
-    result = engine.encode("hello")
-    assert result is None  # aborted: this model serves text generation only
+    before = engine.get_server_info()
+    with pytest.raises(ValueError, match="generation model; it does not serve embeddings"):
+        engine.encode("hello")
+    with pytest.raises(ValueError, match="generation model"):
+        engine.encode(["hello", "world"])
+    # Refused before anything is sent: the Scheduler never saw them.
+    assert engine.get_server_info()["extend_steps"] == before["extend_steps"]
+
+
+def test_embedding_model_refuses_generation() -> None:
+    with Engine(model_path=str(minilm_checkpoint()), **IN_THREADS) as engine:
+        for stream in (False, True):
+            with pytest.raises(ValueError, match="embedding model"):
+                engine.generate("hello", {"max_new_tokens": 2}, stream=stream)
+        assert engine.get_server_info()["extend_steps"] == 0
+
+
+SAMPLED = {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True}
+
+
+def test_n_fans_out_into_seeded_choices_prompt_major(engine: Engine) -> None:
+    outs = engine.generate(PROMPTS[:2], {**SAMPLED, "n": 2, "seed": 7})
+    assert isinstance(outs, list) and len(outs) == 4
+    # Choice c of prompt p is at p * n + c and samples with seed + c, as /generate does.
+    for p in range(2):
+        for c in range(2):
+            alone = engine.generate(PROMPTS[p], {**SAMPLED, "seed": 7 + c})
+            assert outs[p * 2 + c]["output_ids"] == alone["output_ids"]
+    # One prompt with n > 1 is a list too.
+    single = engine.generate(PROMPTS[0], {**SAMPLED, "n": 2, "seed": 7})
+    assert [o["output_ids"] for o in single] == [o["output_ids"] for o in outs[:2]]
+
+
+def test_n_streams_every_choice_with_its_index(engine: Engine) -> None:
+    full = engine.generate(PROMPTS[0], {**SAMPLED, "n": 3, "seed": 11})
+    chunks = list(engine.generate(PROMPTS[0], {**SAMPLED, "n": 3, "seed": 11}, stream=True))
+    for index in range(3):
+        mine = [c for c in chunks if c["index"] == index]
+        assert [i for c in mine for i in c["output_ids"]] == full[index]["output_ids"]
+        assert mine[-1]["meta_info"]["finish_reason"] is not None
+
+
+def test_sampling_params_must_be_dicts_or_sampling_params(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="sampling_params must be a dict, a SamplingParams"):
+        engine.generate(PROMPTS[0], "notadict")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="each sampling_params entry must be a dict"):
+        engine.generate(PROMPTS[:2], [GREEDY, "x"])  # type: ignore[list-item]
+    # A SamplingParams is taken as the dict of the same values.
+    as_object = engine.generate(PROMPTS[1], SamplingParams(**GREEDY))
+    assert as_object["output_ids"] == engine.generate(PROMPTS[1], GREEDY)["output_ids"]
 
 
 def test_minilm_embeddings_match_transformers() -> None:

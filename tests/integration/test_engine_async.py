@@ -61,7 +61,8 @@ def test_stream_chunks_concatenate_to_the_text(engine: Engine) -> None:
     chunks = list(engine.generate(PROMPTS[1], GREEDY, stream=True))
     assert len(chunks) > 1, "stream_interval=2 should give several chunks"
     assert joined(chunks) == (full["text"], full["output_ids"])
-    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length"}
+    assert chunks[-1]["meta_info"]["finish_reason"] == {
+        "type": "length", "length": GREEDY["max_new_tokens"]}
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     assert chunks[-1]["meta_info"]["completion_tokens"] == GREEDY["max_new_tokens"]
     assert "index" not in chunks[0]

@@ -80,7 +80,7 @@ def test_prompt_logprobs_match_transformers(engine: Engine, reference_model: Any
                               return_logprob=True, top_logprobs_num=TOP, logprob_start_len=0)
     for ids, out in zip(prompts, outputs):
         assert out["output_ids"] == []
-        assert out["meta_info"]["finish_reason"] == {"type": "length"}
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
         check(out["meta_info"], reference_model, ids, 0)
     assert engine.get_server_info()["kv_cache_idle_and_free"] is True
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from framework.comm.codec import Buffer, Codec, CodecError
@@ -22,6 +23,7 @@ from framework.comm.transport import Frames, PipeSender, TransportError
 from framework.config import PortArgs, ServerArgs
 from framework.messages import (
     AbortReq,
+    BatchEmbeddingOutput,
     BatchStrOutput,
     FinishReason,
     Message,
@@ -30,7 +32,7 @@ from framework.messages import (
 )
 from framework.registry import create_codec, create_transport
 from framework.runtime import tokenizer_manager as tm_module
-from framework.runtime.tokenizer_manager import GenerateRequest, TokenizerManager
+from framework.runtime.tokenizer_manager import GenerateRequest, RequestError, TokenizerManager
 from framework.sampling_params import SamplingParams
 from framework.server.app import ServerState, build_app
 
@@ -216,6 +218,48 @@ def test_an_embedding_that_fails_to_send_leaves_no_state(
                 await tm.embed(input_ids=[3, 4])
         finally:
             await tm.close()
+
+    asyncio.run(scenario())
+    assert tm.rid_to_state == {}
+
+
+def test_an_embedding_the_scheduler_aborts_raises_instead_of_returning_none(
+    inproc: tuple[TokenizerManager, FakeRuntime],
+) -> None:
+    tm, runtime = inproc
+
+    async def scenario() -> None:
+        tm.start()
+        try:
+            task = asyncio.create_task(tm.embed(input_ids=[3, 4]))
+            sent = await runtime.next()
+            assert isinstance(sent, TokenizedEmbeddingReqInput)
+            # An aborted batch carries no embedding columns.
+            runtime.outputs.send_nowait(BatchEmbeddingOutput(
+                rids=[sent.rid], embeddings=np.zeros((1, 0), dtype=np.float32),
+                finished_reasons=[FinishReason("abort", message="the prompt is empty")],
+                prompt_tokens=[2]))
+            with pytest.raises(RequestError, match="aborted: the prompt is empty"):
+                await asyncio.wait_for(task, DEADLINE_S)
+        finally:
+            await tm.close()
+
+    asyncio.run(scenario())
+    assert tm.rid_to_state == {}
+
+
+def test_each_kind_of_request_is_refused_by_the_other_kind_of_model(
+    inproc: tuple[TokenizerManager, FakeRuntime],
+) -> None:
+    tm, _ = inproc
+
+    async def scenario() -> None:
+        tm.is_embedding = False
+        with pytest.raises(RequestError, match="does not serve embeddings"):
+            await tm.embed(input_ids=[3, 4])
+        tm.is_embedding = True
+        with pytest.raises(RequestError, match="not text generation"):
+            await tm.prepare(_request())
 
     asyncio.run(scenario())
     assert tm.rid_to_state == {}
