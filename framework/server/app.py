@@ -617,30 +617,39 @@ class Routes:
         body = await parse_body(request, oai.GenerateRequestBody)
         body.check_unsupported()
         self._check_generation()
-        params = SamplingParams.from_dict(body.sampling_params)
-        params.verify(self.tm.vocab_size)
-        # Checked even when return_logprob is off: a bad value is refused, never ignored.
-        check_top_logprobs_num(body.top_logprobs_num)
         if body.text is not None and body.input_ids is not None:
             raise RequestError("give either text or input_ids, not both")
         if body.text is None and body.input_ids is None:
             raise RequestError("give text or input_ids")
         batched = isinstance(body.text, list) or (
             bool(body.input_ids) and isinstance(body.input_ids[0], list))
-        # As in SGLang, a batch or n > 1 answers a flat list, prompt-major.
-        as_list = batched or params.n > 1
         if body.text is not None:
             prompts = oai.split_prompts(body.text, "text")
         else:
             prompts = oai.split_prompts(body.input_ids or [], "input_ids", self.tm.vocab_size)
-
+        params = [SamplingParams.from_dict(p) for p in
+                  body.per_prompt("sampling_params", len(prompts))]
+        for each in params:
+            each.verify(self.tm.vocab_size)
+        tops = body.per_prompt("top_logprobs_num", len(prompts))
+        for top in tops:  # checked even with return_logprob off: refused, never ignored
+            check_top_logprobs_num(top)
+        # As in SGLang, a batch or n > 1 answers a flat list, prompt-major.
+        as_list = batched or any(each.n > 1 for each in params)
+        # A rid names one request: a single one is kept for a single request, one per
+        # prompt for each prompt without choices (n = 1).
+        if isinstance(body.rid, list):
+            rids = body.per_prompt("rid", len(prompts))
+        else:
+            rids = [None if as_list else body.rid] * len(prompts)
         # Every prompt and choice is checked before any is sent: one bad part refuses all.
-        # A rid names one request, so it is kept only when there is one.
         reqs = await self.tm.prepare_choices([GenerateRequest(
-            text=text, input_ids=ids, sampling_params=params, stream=body.stream,
-            return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
-            logprob_start_len=body.logprob_start_len, rid=None if as_list else body.rid,
-        ) for text, ids in prompts])
+            text=text, input_ids=ids, sampling_params=each, stream=body.stream,
+            return_logprob=logprob, top_logprobs_num=top, logprob_start_len=start,
+            rid=rid if each.n == 1 else None,
+        ) for (text, ids), each, logprob, top, start, rid in zip(
+            prompts, params, body.per_prompt("return_logprob", len(prompts)), tops,
+            body.per_prompt("logprob_start_len", len(prompts)), rids, strict=True)])
         if body.stream:
             async def events() -> AsyncIterator[dict[str, Any]]:
                 async for i, out in _merge([self._generate(r) for r in reqs]):

@@ -333,15 +333,27 @@ class GenerateRequestBody(_RefusesUnsupported, kw_only=True):
 
     text: str | list[str] | None = None
     input_ids: list[Any] | None = None
-    sampling_params: dict[str, Any] | None = None
+    # Each of these is one value for every prompt, or a list of one per prompt.
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
-    rid: str | None = None
+    return_logprob: bool | list[bool] = False
+    top_logprobs_num: int | list[int] = 0
+    logprob_start_len: int | list[int] = -1
+    rid: str | list[str] | None = None
     lora_path: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {"lora_path": (None,)}
+
+    def per_prompt(self, field: str, prompts: int) -> list[Any]:
+        """Field ``field`` for each of ``prompts`` prompts: a list gives one value per
+        prompt (it must have that many), a single value is every prompt's."""
+        value = getattr(self, field)
+        if not isinstance(value, list):
+            return [value] * prompts
+        if len(value) != prompts:
+            raise FieldError(field, f"{field} has {len(value)} entries for {prompts} "
+                             f"prompt(s): give one per prompt, or one value for all")
+        return value
 
 
 class UpdateWeightsBody(msgspec.Struct, kw_only=True):

@@ -182,3 +182,41 @@ def test_generate_n_out_of_range_is_refused(client: httpx.Client) -> None:
                                               "sampling_params": {"n": 129}})
     assert response.status_code == 400
     assert "n must be in [1, 128]" in response.json()["error"]["message"]
+
+
+def test_generate_takes_per_prompt_lists(client: httpx.Client) -> None:
+    """A batch may give each prompt its own sampling_params, rid and logprob options."""
+    body = {"text": [PROMPT, "another prompt"], "rid": ["first-rid", "second-rid"],
+            "sampling_params": [{"max_new_tokens": 2, "ignore_eos": True},
+                                {"max_new_tokens": 5, "ignore_eos": True}],
+            "return_logprob": [True, False], "top_logprobs_num": [2, 0]}
+    first, second = client.post("/generate", json=body).json()
+    assert [first["meta_info"]["id"], second["meta_info"]["id"]] == ["first-rid", "second-rid"]
+    assert [first["meta_info"]["completion_tokens"],
+            second["meta_info"]["completion_tokens"]] == [2, 5]
+    assert len(first["meta_info"]["output_token_logprobs"]) == 2
+    assert all(len(row) == 2 for row in first["meta_info"]["output_top_logprobs"])
+    assert "output_token_logprobs" not in second["meta_info"]
+    # With a prompt of n = 2, its choices carry no rid; the other prompt keeps its own.
+    fanned = client.post("/generate", json={
+        "text": [PROMPT, "another prompt"], "rid": ["a-rid", "b-rid"],
+        "sampling_params": [{"max_new_tokens": 1, "n": 2}, {"max_new_tokens": 1}]}).json()
+    ids = [o["meta_info"]["id"] for o in fanned]
+    assert len(ids) == 3 and "a-rid" not in ids and ids[2] == "b-rid"
+    assert wait_until_idle(client)["kv_cache_idle_and_free"] is True
+
+
+@pytest.mark.parametrize("field", ["sampling_params", "rid", "return_logprob",
+                                   "top_logprobs_num", "logprob_start_len"])
+def test_generate_lists_of_the_wrong_length_are_refused(client: httpx.Client,
+                                                        field: str) -> None:
+    one = {"sampling_params": {}, "rid": "x", "return_logprob": True, "top_logprobs_num": 1,
+           "logprob_start_len": 0}[field]
+    body = {"text": [PROMPT, "another prompt"], field: [one] * 3}
+    if field == "logprob_start_len":
+        body["return_logprob"] = True
+    response = client.post("/generate", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field
+    assert f"{field} has 3 entries for 2 prompt(s)" in error["message"]
