@@ -36,7 +36,7 @@ from framework.runtime.tokenizer_manager import (
     TokenizerManager,
     gather_or_cancel,
 )
-from framework.sampling_params import SamplingParams, check_token_ids, check_top_logprobs_num
+from framework.sampling_params import SamplingParams, check_token_ids
 from framework.server import openai as oai
 from framework.server.openapi_schema import RouteSpec, build_openapi
 from framework.server.sse import error_body, sse_event, sse_stream
@@ -627,13 +627,9 @@ class Routes:
             prompts = oai.split_prompts(body.text, "text")
         else:
             prompts = oai.split_prompts(body.input_ids or [], "input_ids", self.tm.vocab_size)
+        # Every value is checked by the TokenizerManager, before any part is sent.
         params = [SamplingParams.from_dict(p) for p in
                   body.per_prompt("sampling_params", len(prompts))]
-        for each in params:
-            each.verify(self.tm.vocab_size)
-        tops = body.per_prompt("top_logprobs_num", len(prompts))
-        for top in tops:  # checked even with return_logprob off: refused, never ignored
-            check_top_logprobs_num(top)
         # As in SGLang, a batch or n > 1 answers a flat list, prompt-major.
         as_list = batched or any(each.n > 1 for each in params)
         # A rid names one request: a single one is kept for a single request, one per
@@ -648,7 +644,8 @@ class Routes:
             return_logprob=logprob, top_logprobs_num=top, logprob_start_len=start,
             rid=rid if each.n == 1 else None,
         ) for (text, ids), each, logprob, top, start, rid in zip(
-            prompts, params, body.per_prompt("return_logprob", len(prompts)), tops,
+            prompts, params, body.per_prompt("return_logprob", len(prompts)),
+            body.per_prompt("top_logprobs_num", len(prompts)),
             body.per_prompt("logprob_start_len", len(prompts)), rids, strict=True)])
         if body.stream:
             async def events() -> AsyncIterator[dict[str, Any]]:
