@@ -150,6 +150,7 @@ class Engine:
         top_logprobs_num: int = 0,
         stream: bool = False,
         logprob_start_len: int = -1,
+        return_text_in_logprobs: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict back) or a list of prompts (a list back).
 
@@ -162,7 +163,9 @@ class Engine:
         prompt-major, even for one prompt, as ``/generate`` answers. With
         ``return_logprob`` and ``logprob_start_len >= 0``, ``meta_info`` also has the
         prompt's logprobs from that position on (``input_token_logprobs``, and
-        ``input_top_logprobs`` with ``top_logprobs_num``).
+        ``input_top_logprobs`` with ``top_logprobs_num``). Each logprob entry is a
+        ``[logprob, token_id, text]`` triple, ``text`` being the token decoded alone with
+        ``return_text_in_logprobs`` and ``None`` without.
 
         With ``stream=True`` it returns an iterator of chunks as they are made: each
         chunk's ``text`` and ``output_ids`` are the *new* text and ids (so the chunks
@@ -175,7 +178,7 @@ class Engine:
         """
         prepared, single = self._run(self._prepare(
             prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream,
-            logprob_start_len))
+            logprob_start_len, return_text_in_logprobs))
         if stream:
             return self._sync_stream(self._stream(prepared, single))
         results = self._run(gather_or_cancel([self._manager.generate_one(p) for p in prepared]))
@@ -190,6 +193,7 @@ class Engine:
         top_logprobs_num: int = 0,
         stream: bool = False,
         logprob_start_len: int = -1,
+        return_text_in_logprobs: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """``generate`` for code in an event loop: same arguments, same results, awaited.
 
@@ -201,7 +205,7 @@ class Engine:
         """
         prepared, single = await self._arun(self._prepare(
             prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream,
-            logprob_start_len))
+            logprob_start_len, return_text_in_logprobs))
         if stream:
             return self._async_stream(self._stream(prepared, single))
         results = await self._arun(
@@ -346,6 +350,7 @@ class Engine:
         top_logprobs_num: int,
         stream: bool,
         logprob_start_len: int,
+        return_text_in_logprobs: bool,
     ) -> tuple[list[PreparedRequest], bool]:
         """Check and tokenize every request and choice (``n``) before any is sent (the HTTP
         layer's checks)."""
@@ -354,6 +359,7 @@ class Engine:
             req.return_logprob = return_logprob
             req.top_logprobs_num = top_logprobs_num
             req.logprob_start_len = logprob_start_len
+            req.return_text_in_logprobs = return_text_in_logprobs
             req.stream = stream
         prepared = await self._manager.prepare_choices(requests)
         # As from /generate: n > 1 answers a flat list (prompt-major), even for one prompt.

@@ -26,7 +26,7 @@ import itertools
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -101,6 +101,9 @@ class GenerateRequest:
     #: With ``return_logprob``: the first prompt position whose logprob is returned
     #: (-1: none of the prompt's).
     logprob_start_len: int = -1
+    #: With ``return_logprob``: each logprob entry's third element is its token's text
+    #: (otherwise ``None``), as SGLang's ``[logprob, token_id, text]`` triples.
+    return_text_in_logprobs: bool = False
     rid: str | None = None
 
 
@@ -148,6 +151,8 @@ class ReqState:
     embedding: Any = None
     logprobs: list[tuple[float, int]] = field(default_factory=list)
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    #: Whether the logprob entries of ``meta_info`` carry their tokens' texts.
+    text_in_logprobs: bool = False
     prompt_logprobs: PromptLogprobs | None = None
     chunks: deque[Chunk] = field(default_factory=deque)
     event: asyncio.Event = field(default_factory=asyncio.Event)
@@ -158,14 +163,25 @@ class ReqState:
         return self.finished_reason is not None
 
 
-def prompt_logprob_meta(prompt: PromptLogprobs) -> dict[str, list[Any]]:
-    """SGLang's ``input_token_logprobs`` ([logprob, id] per prompt position from the start
-    asked for; no logprob at position 0) and ``input_top_logprobs`` (None there)."""
+def _no_text(token_id: int) -> None:
+    return None
+
+
+def logprob_entries(pairs: Iterable[tuple[float | None, int]],
+                    text_of: Callable[[int], str | None] = _no_text) -> list[list[Any]]:
+    """SGLang's ``[logprob, token_id, text]`` triples (``text`` None unless asked for)."""
+    return [[value, tid, text_of(tid)] for value, tid in pairs]
+
+
+def prompt_logprob_meta(prompt: PromptLogprobs,
+                        text_of: Callable[[int], str | None] = _no_text) -> dict[str, list[Any]]:
+    """SGLang's ``input_token_logprobs`` (a ``[logprob, id, text]`` triple per prompt position
+    from the start asked for; no logprob at position 0) and ``input_top_logprobs`` (None there)."""
     tops: list[Any] = [
-        None if value is None else [[v, t] for v, t in zip(vals, ids)]
+        None if value is None else logprob_entries(zip(vals, ids), text_of)
         for value, vals, ids in zip(prompt.values, prompt.top_values, prompt.top_ids)]
     return {
-        "input_token_logprobs": [[v, t] for v, t in zip(prompt.values, prompt.token_ids)],
+        "input_token_logprobs": logprob_entries(zip(prompt.values, prompt.token_ids), text_of),
         "input_top_logprobs": tops,
     }
 
@@ -338,6 +354,8 @@ class TokenizerManager:
         self._tasks: list[asyncio.Task[None]] = []
         self._rpc_lock: asyncio.Lock | None = None
         self.dead_reason: str | None = None
+        # Each token's text alone, for logprob entries that carry it (``token_text``).
+        self._token_texts: dict[int, str] = {}
 
     @property
     def tokenizer(self) -> Any:
@@ -349,6 +367,7 @@ class TokenizerManager:
     @tokenizer.setter
     def tokenizer(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
+        self._token_texts = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -468,6 +487,9 @@ class TokenizerManager:
                                f"position >= 0, got {start!r}")
         if start >= 0 and not req.return_logprob:
             raise RequestError("logprob_start_len needs return_logprob set to true")
+        if not isinstance(req.return_text_in_logprobs, bool):
+            raise RequestError(f"return_text_in_logprobs must be true or false, "
+                               f"got {req.return_text_in_logprobs!r}")
         if req.sampling_params.n != 1:
             # One request is one sequence: ``prepare_choices`` fans n out into n requests.
             raise RequestError("a request with n > 1 must be fanned out into its choices "
@@ -546,6 +568,7 @@ class TokenizerManager:
         req = prepared.req
         rid = req.rid or uuid.uuid4().hex
         state = self._register(rid, len(prepared.input_ids))
+        state.text_in_logprobs = req.return_text_in_logprobs
         reached = True  # whether the Scheduler may hold the request (then it must be aborted)
         try:
             try:
@@ -731,14 +754,22 @@ class TokenizerManager:
             "cached_tokens": chunk.cached_tokens if chunk else 0,
             "finish_reason": reason.to_json() if reason else None,
         }
+        text_of = self.token_text if state.text_in_logprobs else _no_text
         if state.prompt_logprobs is not None:
-            meta.update(prompt_logprob_meta(state.prompt_logprobs))
+            meta.update(prompt_logprob_meta(state.prompt_logprobs, text_of))
         if chunk and chunk.logprobs_len:
             end = chunk.logprobs_len
-            meta["output_token_logprobs"] = [list(p) for p in state.logprobs[:end]]
+            meta["output_token_logprobs"] = logprob_entries(state.logprobs[:end], text_of)
             meta["output_top_logprobs"] = [
-                [list(p) for p in row] for row in state.top_logprobs[:end]]
+                logprob_entries(row, text_of) for row in state.top_logprobs[:end]]
         return meta
+
+    def token_text(self, token_id: int) -> str:
+        """Token ``token_id`` decoded alone (remembered: the answers repeat tokens)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def output_dict(self, rid: str, state: ReqState, chunk: Chunk) -> dict[str, Any]:
         """One output: the text so far, the new text, the ids so far and ``meta_info``."""

@@ -642,6 +642,7 @@ class Routes:
         reqs = await self.tm.prepare_choices([GenerateRequest(
             text=text, input_ids=ids, sampling_params=each, stream=body.stream,
             return_logprob=logprob, top_logprobs_num=top, logprob_start_len=start,
+            return_text_in_logprobs=body.return_text_in_logprobs,
             rid=rid if each.n == 1 else None,
         ) for (text, ids), each, logprob, top, start, rid in zip(
             prompts, params, body.per_prompt("return_logprob", len(prompts)),

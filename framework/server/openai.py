@@ -339,6 +339,7 @@ class GenerateRequestBody(_RefusesUnsupported, kw_only=True):
     return_logprob: bool | list[bool] = False
     top_logprobs_num: int | list[int] = 0
     logprob_start_len: int | list[int] = -1
+    return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
     lora_path: Any = None
 
@@ -468,14 +469,16 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     return out
 
 
-def _legacy_logprobs(pairs: list[list[Any]], tops: list[Any], text: TokenText,
+def _legacy_logprobs(entries: list[list[Any]], tops: list[Any], text: TokenText,
                      offsets: list[int]) -> dict[str, Any]:
-    """The legacy ``logprobs`` object of ``[logprob, id]`` pairs, their top rows and offsets."""
+    """The legacy ``logprobs`` object of ``[logprob, id, text]`` entries, their top rows
+    and offsets."""
     return {
-        "tokens": [text.shown(tid) for _, tid in pairs],
-        "token_logprobs": [lp for lp, _ in pairs],
+        "tokens": [text.shown(tid) for _, tid, _ in entries],
+        "token_logprobs": [lp for lp, _, _ in entries],
         "top_logprobs": [
-            None if row is None else {text.shown(tid): lp for lp, tid in row} for row in tops
+            None if row is None else {text.shown(tid): lp for lp, tid, _ in row}
+            for row in tops
         ],
         "text_offset": offsets,
     }
@@ -488,14 +491,14 @@ def completion_logprobs(meta: dict[str, Any], text: TokenText, offsets: TextOffs
     ``offsets`` has taken the output's tokens before ``start`` (it started where the
     output starts in the choice's text); it takes these ones.
     """
-    pairs = meta.get("output_token_logprobs")
-    if pairs is None:
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
         return None
-    tops = meta.get("output_top_logprobs") or [[] for _ in pairs]
-    new = pairs[start:]
+    tops = meta.get("output_top_logprobs") or [[] for _ in entries]
+    new = entries[start:]
     final = meta.get("finish_reason") is not None
     return _legacy_logprobs(new, tops[start:], text,
-                            offsets.take([tid for _, tid in new], final=final))
+                            offsets.take([tid for _, tid, _ in new], final=final))
 
 
 def prompt_logprobs(meta: dict[str, Any], text: TokenText,
@@ -505,12 +508,12 @@ def prompt_logprobs(meta: dict[str, Any], text: TokenText,
     As OpenAI's API answers, the first token has ``null`` for its logprob and
     top logprobs: nothing comes before it. ``offsets`` decodes as the echoed prompt is.
     """
-    pairs = meta.get("input_token_logprobs")
-    if pairs is None:
+    entries = meta.get("input_token_logprobs")
+    if entries is None:
         return None
-    tops = meta.get("input_top_logprobs") or [None for _ in pairs]
-    return _legacy_logprobs(pairs, tops, text,
-                            offsets.take([tid for _, tid in pairs], final=True))
+    tops = meta.get("input_top_logprobs") or [None for _ in entries]
+    return _legacy_logprobs(entries, tops, text,
+                            offsets.take([tid for _, tid, _ in entries], final=True))
 
 
 def join_logprobs(first: dict[str, Any] | None, then: dict[str, Any] | None
@@ -529,17 +532,17 @@ def chat_logprobs(meta: dict[str, Any], text: TokenText, decode: DecodeFn,
     where a character is spread over several tokens; they are ``null`` for a token the
     text leaves out (a special token that ``decode``, the request's, skips).
     """
-    pairs = meta.get("output_token_logprobs")
-    if pairs is None:
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
         return None
-    tops = meta.get("output_top_logprobs") or [[] for _ in pairs]
+    tops = meta.get("output_top_logprobs") or [[] for _ in entries]
 
-    def entry(logprob: float, tid: int) -> dict[str, Any]:
+    def entry(logprob: float, tid: int, _text: str | None) -> dict[str, Any]:
         in_text = text.in_text(tid, decode)
         return {"token": text.shown(tid), "logprob": logprob,
                 "bytes": list(text.token_bytes(tid)) if in_text else None}
 
     return {"content": [
-        {**entry(lp, tid), "top_logprobs": [entry(v, t) for v, t in row]}
-        for (lp, tid), row in zip(pairs[start:], tops[start:])
+        {**entry(*first), "top_logprobs": [entry(*each) for each in row]}
+        for first, row in zip(entries[start:], tops[start:])
     ]}

@@ -8,10 +8,12 @@ table of an app built in this process with the same flags.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import transformers
 from openapi_spec_validator import validate
 from starlette.routing import Route
 
@@ -32,8 +34,12 @@ PROMPT = "hello there"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
+
+
+@pytest.fixture(scope="module")
+def server(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     yield from serving(ckpt, tmp_path_factory.mktemp("logs"), "--api-key", KEY,
                        "--enable-metrics")
 
@@ -204,6 +210,31 @@ def test_generate_takes_per_prompt_lists(client: httpx.Client) -> None:
     ids = [o["meta_info"]["id"] for o in fanned]
     assert len(ids) == 3 and "a-rid" not in ids and ids[2] == "b-rid"
     assert wait_until_idle(client)["kv_cache_idle_and_free"] is True
+
+
+def test_generate_logprob_entries_carry_token_texts_when_asked(client: httpx.Client,
+                                                               ckpt: Path) -> None:
+    """``[logprob, token_id, text]`` triples: ``text`` is null unless
+    ``return_text_in_logprobs``, then the token decoded alone, for every kind of entry."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(ckpt)
+    body = {"text": "héllo wörld, 日本", "return_logprob": True, "top_logprobs_num": 3,
+            "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+    plain = client.post("/generate", json=body).json()["meta_info"]
+    named = client.post("/generate", json={**body, "return_text_in_logprobs": True}).json()
+    meta = named["meta_info"]
+    entries = meta["input_token_logprobs"] + meta["output_token_logprobs"]
+    rows = [row for row in meta["input_top_logprobs"] + meta["output_top_logprobs"] if row]
+    assert len(entries) == meta["prompt_tokens"] + 6 and len(rows) == len(entries) - 1
+    every = entries + [entry for row in rows for entry in row]
+    assert [text for _, _, text in every] == [tokenizer.decode([tid]) for _, tid, _ in every]
+    assert any(text.strip() for _, _, text in every)
+    # The same answer otherwise, with null texts.
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        assert [entry[:2] for entry in plain[key]] == [entry[:2] for entry in meta[key]]
+        assert all(text is None for _, _, text in plain[key])
+    response = client.post("/generate", json={**body, "return_text_in_logprobs": "yes"})
+    assert response.status_code == 400, response.text
 
 
 @pytest.mark.parametrize("field", ["sampling_params", "rid", "return_logprob",

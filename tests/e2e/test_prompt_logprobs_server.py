@@ -137,9 +137,9 @@ def test_generate_returns_the_prompt_from_logprob_start_len(
         "input_ids": prompt_ids, "return_logprob": True, "logprob_start_len": 2,
         "top_logprobs_num": 1, "sampling_params": {"max_new_tokens": 1}}).json()
     meta = out["meta_info"]
-    pairs = meta["input_token_logprobs"]
-    assert [t for _, t in pairs] == prompt_ids[2:]
-    for (value, token), p in zip(pairs, range(2, len(prompt_ids))):
+    entries = meta["input_token_logprobs"]
+    assert [t for _, t, _ in entries] == prompt_ids[2:]
+    for (value, token, _), p in zip(entries, range(2, len(prompt_ids))):
         assert value == pytest.approx(float(reference[p - 1][token]), abs=ATOL)
         assert meta["input_top_logprobs"][p - 2][0][1] == int(reference[p - 1].argmax())
     assert len(meta["output_token_logprobs"]) == 1

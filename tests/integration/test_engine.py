@@ -60,15 +60,19 @@ def transformers_greedy(model_dir: Path, prompt_ids: list[int],
 def test_batched_greedy_matches_transformers(arch: str, tmp_path: Path) -> None:
     model_dir = make_tiny_checkpoint(tmp_path, arch, seed=3)
     with Engine(model_path=str(model_dir), chunked_prefill_size=64, **IN_THREADS) as engine:
-        outputs = engine.generate(PROMPTS, GREEDY, return_logprob=True)
+        outputs = engine.generate(PROMPTS, GREEDY, return_logprob=True,
+                                  return_text_in_logprobs=True)
         assert engine.get_server_info()["kv_cache_idle_and_free"] is True
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     for prompt, out in zip(PROMPTS, outputs):
         ref_ids, ref_logprobs = transformers_greedy(model_dir, tokenizer.encode(prompt),
                                                     NEW_TOKENS)
         assert out["output_ids"] == ref_ids, prompt
-        got = [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
-        assert np.allclose(got, ref_logprobs, atol=1e-4, rtol=0), prompt
+        entries = out["meta_info"]["output_token_logprobs"]
+        assert np.allclose([lp for lp, _, _ in entries], ref_logprobs, atol=1e-4, rtol=0)
+        # Each entry names its token and carries the token's text, decoded alone.
+        assert [(tid, text) for _, tid, text in entries] == [
+            (tid, tokenizer.decode([tid])) for tid in ref_ids], prompt
         assert out["meta_info"]["completion_tokens"] == NEW_TOKENS
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": NEW_TOKENS}
 

@@ -58,20 +58,20 @@ def reference_logprobs(model: Any, ids: list[int]) -> torch.Tensor:
 def check(meta: dict[str, Any], model: Any, ids: list[int], start: int) -> None:
     """``input_token_logprobs`` / ``input_top_logprobs`` from ``start`` against the reference."""
     ref = reference_logprobs(model, ids)
-    pairs = meta["input_token_logprobs"]
+    entries = meta["input_token_logprobs"]
     tops = meta["input_top_logprobs"]
-    assert [t for _, t in pairs] == ids[start:]
+    assert [t for _, t, _ in entries] == ids[start:]
     assert len(tops) == len(ids) - start
     if start == 0:
-        assert pairs[0][0] is None and tops[0] is None  # nothing comes before the first token
-    for (value, token), top, position in zip(pairs, tops, range(start, len(ids))):
+        assert entries[0][0] is None and tops[0] is None  # nothing comes before the first token
+    for (value, token, _), top, position in zip(entries, tops, range(start, len(ids))):
         if position == 0:
             continue
         row = ref[position - 1]
         assert value == pytest.approx(float(row[token]), abs=ATOL), position
         want_vals, want_ids = row.topk(TOP)
-        assert [t for _, t in top] == want_ids.tolist(), position
-        assert np.allclose([v for v, _ in top], want_vals.numpy(), atol=ATOL, rtol=0)
+        assert [t for _, t, _ in top] == want_ids.tolist(), position
+        assert np.allclose([v for v, _, _ in top], want_vals.numpy(), atol=ATOL, rtol=0)
 
 
 def test_prompt_logprobs_match_transformers(engine: Engine, reference_model: Any) -> None:

@@ -57,14 +57,14 @@ SAMPLED = [{"temperature": 0.8, "top_p": 0.9, "seed": 7 + i, "repetition_penalty
 
 def _sampled(engine: Engine) -> list[tuple[list[int], list[float]]]:
     outs = engine.generate(PROMPTS, SAMPLED, return_logprob=True, top_logprobs_num=2)
-    return [(o["output_ids"], [lp for lp, _ in o["meta_info"]["output_token_logprobs"]])
+    return [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
             for o in outs]
 
 
 def _scored(engine: Engine) -> list[list[float]]:
     """Every prompt's prompt logprobs, all prompts in one batch."""
     outs = engine.generate(PROMPTS, GREEDY, return_logprob=True, logprob_start_len=0)
-    return [[lp for lp, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]
+    return [[lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]
 
 
 @pytest.mark.timeout(240)
