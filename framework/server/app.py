@@ -45,6 +45,7 @@ from framework.server.token_text import TextOffsets, TokenText
 logger = logging.getLogger("framework.server")
 
 S = TypeVar("S", bound=msgspec.Struct)
+T = TypeVar("T")
 _json = msgspec.json.Encoder()
 
 
@@ -158,6 +159,40 @@ async def parse_body(request: Request, schema: type[S]) -> S:
         raise RequestError(f"the body is not valid JSON: {exc}") from None
 
 
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready."""
+
+
+async def _disconnect(request: Request) -> None:
+    """Return when the client closes the connection.
+
+    Only once the body is read: what the server receives after it is the disconnect.
+    """
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result; if the client leaves first, ``work`` is cancelled (which aborts
+    its requests, freeing their KV slots) and ``ClientGone`` is raised.
+
+    A server does not cancel a handler whose client went away, so a long non-streamed
+    answer would otherwise run to its end for nobody.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
 Handler = Callable[[Request], Awaitable[Response]]
 _route: ContextVar[str] = ContextVar("route", default="?")
 
@@ -196,6 +231,9 @@ def _handler(fn: Handler) -> Handler:
         _route.set(request.url.path)
         try:
             return await fn(request)
+        except ClientGone:
+            # Nobody reads it: 499 (client closed request) marks it in access logs.
+            return Response(status_code=499)
         except ApiError as exc:
             return error_response(str(exc), exc.status, exc.param, exc.code)
         except (RequestError, ValueError) as exc:
@@ -335,9 +373,12 @@ class Routes:
         if self.state.is_embedding:
             raise RequestError("this model is an embedding model; use /v1/embeddings")
 
-    async def _first_outputs(self, reqs: list[PreparedRequest]) -> list[dict[str, Any]]:
-        """Run every (checked) part to completion; one that fails cancels the others."""
-        return await gather_or_cancel([self._generate_one(r) for r in reqs])
+    async def _first_outputs(self, request: Request, reqs: list[PreparedRequest]
+                             ) -> list[dict[str, Any]]:
+        """Run every (checked) part to completion; one that fails cancels the others, and
+        so does the client leaving."""
+        return await unless_client_leaves(
+            request, gather_or_cancel([self._generate_one(r) for r in reqs]))
 
     def _generate(self, prepared: PreparedRequest) -> AsyncIterator[dict[str, Any]]:
         """``TokenizerManager.generate``, logged when --log-requests is on."""
@@ -401,7 +442,7 @@ class Routes:
         prefix = [self._prompt_text(r) for r in reqs[::params.n]] if body.echo else None
         if body.stream:
             return self._stream_completions(body, reqs, prefix, params.n)
-        outputs = await self._first_outputs(reqs)
+        outputs = await self._first_outputs(request, reqs)
         choices = []
         for i, out in enumerate(outputs):
             meta = out["meta_info"]
@@ -489,7 +530,7 @@ class Routes:
         self._check_context(reqs, field, max_tokens)
         if body.stream:
             return self._stream_chat(body, reqs, params.n)
-        outputs = await self._first_outputs(reqs)
+        outputs = await self._first_outputs(request, reqs)
         decode = self._decode_fn(params)
         choices = [{
             "index": i,
@@ -560,8 +601,8 @@ class Routes:
                                  f"size, {size}, or left out (embeddings are not shortened), "
                                  f"got {body.dimensions}")
         items = oai.split_prompts(body.input)
-        results = await gather_or_cancel([self.tm.embed(text=t, input_ids=ids)
-                                           for t, ids in items])
+        results = await unless_client_leaves(request, gather_or_cancel(
+            [self.tm.embed(text=t, input_ids=ids) for t, ids in items]))
         data = []
         for i, res in enumerate(results):
             vector = np.asarray(res["embedding"], dtype=np.float32)
@@ -656,7 +697,7 @@ class Routes:
                     yield out
             return self._sse(events())
         outputs = [{k: v for k, v in o.items() if k != "delta"}
-                   for o in await self._first_outputs(reqs)]
+                   for o in await self._first_outputs(request, reqs)]
         return JSONResponse(outputs if as_list else outputs[0])
 
     async def openapi(self, request: Request) -> Response:

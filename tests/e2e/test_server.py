@@ -272,6 +272,37 @@ def test_client_disconnect_aborts_and_frees_kv(client: httpx.Client) -> None:
     assert info["aborted_requests"] == before + 1
 
 
+@pytest.mark.parametrize("path, body, parts", [
+    ("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 240, "n": 2,
+                         "ignore_eos": True}, 2),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 200, "ignore_eos": True}, 1),
+    ("/generate", {"text": [PROMPTS[0], PROMPTS[1]],
+                   "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}, 2),
+], ids=["completions", "chat", "generate"])
+def test_client_disconnect_aborts_non_streamed_answers(
+        server: ServerProcess, client: httpx.Client, path: str, body: dict[str, Any],
+        parts: int) -> None:
+    """A client that leaves before its whole answer is ready ends every part of it."""
+    before = client.get("/get_server_info").json()["scheduler"]["aborted_requests"]
+
+    async def leave_while_running() -> None:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as ac:
+            task = asyncio.create_task(ac.post(path, json=body))
+            while True:  # until every part runs (or the answer came: the assertion shows it)
+                info = (await ac.get("/get_server_info")).json()["scheduler"]
+                if info["num_running_reqs"] == parts or task.done():
+                    break
+                await asyncio.sleep(0.02)
+            task.cancel()  # closes the connection
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(leave_while_running())
+    info = wait_until_idle(client)
+    assert info["kv_cache_idle_and_free"] is True, info
+    assert info["aborted_requests"] == before + parts
+
+
 def test_update_weights_from_disk(server: ServerProcess, client: httpx.Client, expected: dict,
                                   checkpoints: tuple, tmp_path: Path) -> None:
     first, second = checkpoints
