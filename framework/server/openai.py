@@ -469,6 +469,18 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     return out
 
 
+def _legacy_top(entry: list[Any], row: list[list[Any]] | None,
+                text: TokenText) -> dict[str, float] | None:
+    """One position's ``top_logprobs``: its top tokens, and always the chosen one (so
+    ``logprobs + 1`` entries at most, as OpenAI's API answers)."""
+    if row is None:
+        return None
+    top = {text.shown(tid): lp for lp, tid, _ in row}
+    logprob, chosen, _ = entry
+    top.setdefault(text.shown(chosen), logprob)
+    return top
+
+
 def _legacy_logprobs(entries: list[list[Any]], tops: list[Any], text: TokenText,
                      offsets: list[int]) -> dict[str, Any]:
     """The legacy ``logprobs`` object of ``[logprob, id, text]`` entries, their top rows
@@ -476,10 +488,7 @@ def _legacy_logprobs(entries: list[list[Any]], tops: list[Any], text: TokenText,
     return {
         "tokens": [text.shown(tid) for _, tid, _ in entries],
         "token_logprobs": [lp for lp, _, _ in entries],
-        "top_logprobs": [
-            None if row is None else {text.shown(tid): lp for lp, tid, _ in row}
-            for row in tops
-        ],
+        "top_logprobs": [_legacy_top(entry, row, text) for entry, row in zip(entries, tops)],
         "text_offset": offsets,
     }
 

@@ -200,6 +200,18 @@ def _shown(raw: list[int]) -> str:
     return bytes(raw).decode("utf-8", errors="backslashreplace")
 
 
+def _without_values(entries: list[dict[str, Any]]) -> list[Any]:
+    """Chat logprob entries with their tops, less the logprob values."""
+    return [({k: v for k, v in e.items() if k not in ("logprob", "top_logprobs")},
+             [{k: v for k, v in t.items() if k != "logprob"} for t in e["top_logprobs"]])
+            for e in entries]
+
+
+def _values(entries: list[dict[str, Any]]) -> list[float]:
+    """Every logprob value of chat logprob entries and their tops, in order."""
+    return [v for e in entries for v in (e["logprob"], *(t["logprob"] for t in e["top_logprobs"]))]
+
+
 def _chat_entries(events: list[Any]) -> list[dict[str, Any]]:
     return [entry for e in events if e != "[DONE]" and e["choices"]
             and e["choices"][0]["logprobs"] for entry in e["choices"][0]["logprobs"]["content"]]
@@ -223,7 +235,10 @@ def test_chat_logprobs_bytes_rebuild_split_characters(client: httpx.Client) -> N
         assert content[-1]["token"] == "</s>" and content[-1]["bytes"] is None
     streamed = _chat_entries(list(sse_events_of(client, "/v1/chat/completions",
                                                 {**body, "stream": True})))
-    assert streamed == content
+    # The same entries; the values to float32 rounding (the second request reuses the
+    # first one's cached prefix, so its prefill sums in another order).
+    assert _without_values(streamed) == _without_values(content)
+    assert _values(streamed) == pytest.approx(_values(content), abs=1e-5)
 
 
 def sse_events_of(client: httpx.Client, path: str, body: dict[str, Any]) -> list[Any]:
@@ -255,6 +270,21 @@ def test_completion_text_offsets_are_positions_in_the_text(client: httpx.Client)
     # The three tokens of "日" start where "日" does.
     starts = [o for t, o in zip(logprobs["tokens"], logprobs["text_offset"]) if t == "\\xe6"]
     assert starts[0] == want.index("日")
+
+
+@pytest.mark.parametrize("top", [0, 1, 3])
+def test_completion_top_logprobs_always_hold_the_chosen_token(client: httpx.Client,
+                                                              top: int) -> None:
+    """Each position's ``top_logprobs`` has its top tokens and the chosen one: at most
+    ``logprobs + 1`` entries (sampled hot, the chosen token is often not the top one)."""
+    body = {"prompt": "the", "max_tokens": 12, "temperature": 1.5, "seed": 7,
+            "ignore_eos": True, "logprobs": top, "echo": True}
+    logprobs = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    rows = list(zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]))
+    assert rows[0][2] is None  # the first prompt token: nothing comes before it
+    for token, logprob, row in rows[1:]:
+        assert row[token] == pytest.approx(logprob) or len(row) == top, (token, row)
+        assert token in row and top <= len(row) <= top + 1, (token, row)
 
 
 @pytest.mark.parametrize("cut", [False, True], ids=["text", "ids ending inside a character"])

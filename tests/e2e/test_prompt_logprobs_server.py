@@ -78,9 +78,11 @@ def check_echoed_prompt(logprobs: Any, prompt_ids: list[int], reference: torch.T
         row = reference[p - 1]
         assert logprobs.token_logprobs[p] == pytest.approx(float(row[prompt_ids[p]]), abs=ATOL)
         # Keyed by token text, as OpenAI's format is: two ids that decode alike share a key.
+        # The top 2, and the prompt's own token whether or not it is among them.
         top = logprobs.top_logprobs[p]
-        want = row.topk(2).values.tolist()
+        want = [*row.topk(2).values.tolist(), float(row[prompt_ids[p]])]
         assert top and all(min(abs(v - w) for w in want) < ATOL for v in top.values()), p
+        assert tokenizer_decode(prompt_ids[p]) in top and len(top) <= 3, p
 
 
 @pytest.fixture(scope="module")
