@@ -36,6 +36,14 @@ INT64_MAX = 2**63 - 1
 CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf")
 
 
+class FieldError(ValueError):
+    """A field whose value is refused (the API answers 400); ``param`` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def _is_int(value: object) -> bool:
     """True for an ``int`` that is not a ``bool``."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -44,8 +52,8 @@ def _is_int(value: object) -> bool:
 def check_top_logprobs_num(value: object, field: str = "top_logprobs_num") -> None:
     """Raise ``ValueError`` naming ``field`` unless ``value`` is an int in [0, MAX_TOP_LOGPROBS]."""
     if not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS:  # type: ignore[operator]
-        raise ValueError(
-            f"{field} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}"
+        raise FieldError(
+            field, f"{field} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}"
         )
 
 
@@ -58,8 +66,8 @@ def check_token_ids(token_ids: Sequence[object], vocab_size: int | None, field: 
     upper = vocab_size if vocab_size is not None else INT64_MAX + 1
     for position, token in enumerate(token_ids):
         if not _is_int(token) or not 0 <= token < upper:  # type: ignore[operator]
-            raise ValueError(
-                f"{field} must hold integer token ids in [0, {upper}), got {token!r} at "
+            raise FieldError(
+                field, f"{field} must hold integer token ids in [0, {upper}), got {token!r} at "
                 f"position {position}"
             )
 
@@ -120,7 +128,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         try:
             return msgspec.convert(params, cls, strict=False)
         except msgspec.ValidationError as exc:
-            raise ValueError(f"invalid sampling_params: {exc}") from None
+            raise FieldError("sampling_params", f"invalid sampling_params: {exc}") from None
 
     @property
     def has_penalties(self) -> bool:
@@ -156,7 +164,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not isinstance(self.stop, list) or not all(
             isinstance(s, str) and s for s in self.stop
         ):
-            raise ValueError("stop must be a list of non-empty strings")
+            raise FieldError("stop", "stop must be a list of non-empty strings")
         check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
         self._verify_logit_bias(vocab_size)
         self._verify_constraint()
@@ -165,28 +173,29 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """At most one constraint, a non-empty string; whether it compiles is checked later."""
         given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
-            raise ValueError(f"give at most one of {', '.join(CONSTRAINT_FIELDS)}; got "
-                             f"{' and '.join(given)}")
+            raise FieldError(given[1], f"give at most one of {', '.join(CONSTRAINT_FIELDS)}; "
+                             f"got {' and '.join(given)}")
         if not given:
             return
         name = given[0]
         if not isinstance(getattr(self, name), str) or not getattr(self, name):
-            raise ValueError(f"{name} must be a non-empty string")
+            raise FieldError(name, f"{name} must be a non-empty string")
         if self.min_new_tokens:
             # The grammar decides where the output ends; a ban on ending could leave no token.
-            raise ValueError(f"min_new_tokens cannot be combined with {name}")
+            raise FieldError("min_new_tokens", f"min_new_tokens cannot be combined with {name}")
 
     def _verify_logit_bias(self, vocab_size: int | None) -> None:
         if not self.logit_bias:
             return
         for key, value in self.logit_bias.items():
             if not key.strip().isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+                raise FieldError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
             check_token_ids([int(key)], vocab_size, "logit_bias")
             if not (isinstance(value, (int, float)) and math.isfinite(value)
                     and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
-                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
-                                 f"{MAX_LOGIT_BIAS:g}], got {value!r} for token {key}")
+                raise FieldError("logit_bias", f"logit_bias values must be in "
+                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r} "
+                                 f"for token {key}")
 
     def logit_bias_by_id(self) -> dict[int, float]:
         """``logit_bias`` with integer token ids (empty when unset)."""
@@ -204,29 +213,33 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         }
         for name, value in floats.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a number, got {value!r}")
+                raise FieldError(name, f"{name} must be a number, got {value!r}")
             if not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-        checks: list[tuple[bool, str]] = [
+                raise FieldError(name, f"{name} must be a finite number, got {value!r}")
+        checks: list[tuple[bool, str, str]] = [
             (
                 0.0 <= self.temperature <= MAX_TEMPERATURE,
+                "temperature",
                 f"temperature must be in [0, {MAX_TEMPERATURE:g}] (below {GREEDY_TEMPERATURE:g}"
                 f" it means greedy), got {self.temperature}",
             ),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+            (0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
+            (0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
             (
                 -MAX_PENALTY <= self.frequency_penalty <= MAX_PENALTY,
+                "frequency_penalty",
                 f"frequency_penalty must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got "
                 f"{self.frequency_penalty}",
             ),
             (
                 -MAX_PENALTY <= self.presence_penalty <= MAX_PENALTY,
+                "presence_penalty",
                 f"presence_penalty must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got "
                 f"{self.presence_penalty}",
             ),
             (
                 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+                "repetition_penalty",
                 f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got "
                 f"{self.repetition_penalty}",
             ),
@@ -247,32 +260,38 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ints["seed"] = self.seed
         for name, value in ints.items():
             if not _is_int(value):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
-        checks: list[tuple[bool, str]] = [
+                raise FieldError(name, f"{name} must be an integer, got {value!r}")
+        checks: list[tuple[bool, str, str]] = [
             (
                 0 <= self.max_new_tokens <= INT64_MAX,
+                "max_new_tokens",
                 f"max_new_tokens must be in [0, {INT64_MAX}], got {self.max_new_tokens}",
             ),
             (
                 0 <= self.min_new_tokens <= INT64_MAX,
+                "min_new_tokens",
                 f"min_new_tokens must be in [0, {INT64_MAX}], got {self.min_new_tokens}",
             ),
             (
                 self.min_new_tokens <= self.max_new_tokens,
+                "min_new_tokens",
                 f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
                 f"({self.max_new_tokens})",
             ),
             (
                 self.top_k == _TOP_K_ALL or 1 <= self.top_k <= INT64_MAX,
+                "top_k",
                 f"top_k must be -1 (disabled) or in [1, {INT64_MAX}], got {self.top_k}",
             ),
-            (1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}"),
+            (1 <= self.n <= MAX_N, "n", f"n must be in [1, {MAX_N}], got {self.n}"),
             (
                 self.stream_interval is None or 1 <= self.stream_interval <= INT64_MAX,
+                "stream_interval",
                 f"stream_interval must be in [1, {INT64_MAX}], got {self.stream_interval}",
             ),
             (
                 self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
+                "seed",
                 f"seed must be in [-2**63, 2**64 - 1] = [{SEED_MIN}, {SEED_MAX}], "
                 f"got {self.seed}",
             ),
@@ -280,8 +299,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _raise_first(checks)
 
 
-def _raise_first(checks: list[tuple[bool, str]]) -> None:
-    """Raise ``ValueError`` with the message of the first check that failed."""
-    for ok, message in checks:
+def _raise_first(checks: list[tuple[bool, str, str]]) -> None:
+    """Raise ``FieldError`` naming the field and with the message of the first check that
+    failed."""
+    for ok, field, message in checks:
         if not ok:
-            raise ValueError(message)
+            raise FieldError(field, message)

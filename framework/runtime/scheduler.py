@@ -243,14 +243,16 @@ class Scheduler:
             top_logprobs_num=msg.top_logprobs_num, logprob_start_len=msg.logprob_start_len,
             stream_interval=params.stream_interval or self.server_args.stream_interval,
         )
+        self.add_request(req)  # checked with the max_new_tokens asked for
+        if req.finished_reason is not None:
+            return
         room = self.capacity - len(req.origin_input_ids)
         if params.max_new_tokens > room:
             # As the OpenAI API does, generation stops at the context length (or at what the
             # KV cache can hold for a request alone).
-            params.max_new_tokens = max(room, 0)
+            params.max_new_tokens = room
             params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
         self.grammars.prefetch(params)  # compiles while the request waits
-        self.add_request(req)
 
     @property
     def capacity(self) -> int:
@@ -275,12 +277,15 @@ class Scheduler:
             return f"this model serves {served} only"
         if n == 0:
             return "the prompt is empty"
-        if n >= self.context_len and not req.is_embedding:
-            return (f"the prompt has {n} tokens, but the model's context length is "
-                    f"{self.context_len}")
         if n > self.context_len:
             return f"the input has {n} tokens, more than the context length {self.context_len}"
+        # Embeddings and prompts only scored (max_new_tokens 0) generate nothing after it.
+        generates = not req.is_embedding and req.sampling_params.max_new_tokens != 0
+        if n == self.context_len and generates:
+            return (f"the prompt has {n} tokens, but the model's context length is "
+                    f"{self.context_len}: no room is left for a new token")
         if n + 1 > self.allocator.size:
+            # Admission keeps a slot for the token after any prompt (``PrefillAdder``).
             return (f"the prompt has {n} tokens, but the KV cache holds only "
                     f"{self.allocator.size} (the prompt and one new token must fit)")
         vocab = self.model_config.vocab_size

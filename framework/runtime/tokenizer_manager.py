@@ -58,7 +58,12 @@ from framework.runtime.data_parallel import (
     replica_port_args,
 )
 from framework.runtime.metrics import make_metrics
-from framework.sampling_params import SamplingParams, check_token_ids, check_top_logprobs_num
+from framework.sampling_params import (
+    FieldError,
+    SamplingParams,
+    check_token_ids,
+    check_top_logprobs_num,
+)
 
 logger = logging.getLogger("framework.tokenizer_manager")
 T = TypeVar("T")
@@ -74,7 +79,16 @@ _GONE = "the client disconnected"
 
 
 class RequestError(ValueError):
-    """A request the runtime cannot serve (bad input); the API answers 400 with its message."""
+    """A request the runtime cannot serve (bad input); the API answers 400 with its message.
+
+    ``param`` names the refused field where there is one; ``code`` is OpenAI's error code
+    (``context_length_exceeded``) where one applies.
+    """
+
+    def __init__(self, message: str, *, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 class OverloadedError(RuntimeError):
@@ -450,13 +464,12 @@ class TokenizerManager:
             # The tokenizer's own ids need no check; the Scheduler checks them all again.
             try:
                 check_token_ids(ids, self.vocab_size, "input_ids")
-            except ValueError as exc:
-                raise RequestError(str(exc)) from None
-        if self.context_len is not None and len(ids) >= self.context_len:
+            except FieldError as exc:
+                raise RequestError(str(exc), param=exc.param) from None
+        if self.context_len is not None and len(ids) > self.context_len:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens, but the model's context length is "
-                f"{self.context_len}"
-            )
+                f"{self.context_len}", code="context_length_exceeded")
         return ids
 
     def _check_alive(self) -> None:
@@ -477,8 +490,8 @@ class TokenizerManager:
         self._verify_params(req.sampling_params)
         try:
             check_top_logprobs_num(req.top_logprobs_num)
-        except ValueError as exc:
-            raise RequestError(str(exc)) from None
+        except FieldError as exc:
+            raise RequestError(str(exc), param=exc.param) from None
         if not isinstance(req.return_logprob, bool):
             raise RequestError(f"return_logprob must be true or false, got {req.return_logprob!r}")
         start = req.logprob_start_len
@@ -498,8 +511,8 @@ class TokenizerManager:
     def _verify_params(self, params: SamplingParams) -> None:
         try:
             params.verify(self.vocab_size)
-        except ValueError as exc:
-            raise RequestError(str(exc)) from None
+        except FieldError as exc:
+            raise RequestError(str(exc), param=exc.param) from None
 
     def check_capacity(self) -> None:
         """Refuse (``OverloadedError``) a new request when the queue allowed is full.
@@ -530,6 +543,14 @@ class TokenizerManager:
             await asyncio.to_thread(check_constraint, req.sampling_params,
                                     self.server_args.grammar_backend)
         ids = await self._input_ids(req.text, req.input_ids)
+        if (self.context_len is not None and len(ids) == self.context_len
+                and req.sampling_params.max_new_tokens != 0):
+            # A prompt may fill the context only to be scored (max_new_tokens 0).
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens, but the model's context length is "
+                f"{self.context_len}: no room is left for a new token (max_new_tokens 0 "
+                f"scores the prompt alone)",
+                code="context_length_exceeded")
         if req.logprob_start_len >= len(ids):
             raise RequestError(f"logprob_start_len must be below the prompt's length "
                                f"{len(ids)}, got {req.logprob_start_len}")

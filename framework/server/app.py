@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import hmac
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextvars import ContextVar
@@ -148,13 +149,24 @@ async def read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
+def _invalid_field(message: str) -> str | None:
+    """The field a msgspec validation message names (``... - at `$.messages[0].role```,
+    ``Object missing required field `prompt```), as OpenAI's ``param`` gives it."""
+    at = re.search(r" - at `\$\.?([^`]*)`$", message)
+    path = at.group(1) if at else ""
+    named = re.search(r"(?:missing required|unknown) field `([^`]+)`", message)
+    if named:
+        return f"{path}.{named.group(1)}" if path else named.group(1)
+    return path or None
+
+
 async def parse_body(request: Request, schema: type[S]) -> S:
     """Decode and validate the JSON body; a bad body is a ``RequestError`` (400)."""
     body = await read_body(request)
     try:
         return msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as exc:
-        raise RequestError(f"invalid request: {exc}") from None
+        raise RequestError(f"invalid request: {exc}", param=_invalid_field(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise RequestError(f"the body is not valid JSON: {exc}") from None
 
@@ -237,7 +249,8 @@ def _handler(fn: Handler) -> Handler:
         except ApiError as exc:
             return error_response(str(exc), exc.status, exc.param, exc.code)
         except (RequestError, ValueError) as exc:
-            return error_response(str(exc), 400, getattr(exc, "param", None))
+            return error_response(str(exc), 400, getattr(exc, "param", None),
+                                  getattr(exc, "code", None))
         except OverloadedError as exc:
             response = error_response(str(exc), 503, code="overloaded")
             response.headers["Retry-After"] = str(exc.retry_after)
@@ -434,10 +447,11 @@ class Routes:
         self._check_generation()
         field, max_tokens = body.requested_max_tokens()
         params = body.sampling_params(max_tokens, 16, field)
-        params.verify(self.tm.vocab_size)
         prompts = oai.split_prompts(body.prompt, "prompt", self.tm.vocab_size)
-        reqs = await self._prepare_all(prompts, params, body.stream, body.top_logprobs_num(),
-                                       prompt_logprobs=body.echo)
+        with body.naming_fields(field):
+            params.verify(self.tm.vocab_size)
+            reqs = await self._prepare_all(prompts, params, body.stream,
+                                           body.top_logprobs_num(), prompt_logprobs=body.echo)
         self._check_context(reqs, field, max_tokens)
         prefix = [self._prompt_text(r) for r in reqs[::params.n]] if body.echo else None
         if body.stream:
@@ -524,9 +538,10 @@ class Routes:
         prompt = self._chat_prompt(body.messages)
         field, max_tokens = body.requested_max_tokens()
         params = body.sampling_params(max_tokens, self.state.context_len, field)
-        params.verify(self.tm.vocab_size)
-        reqs = await self._prepare_all([(None, prompt)], params, body.stream,
-                                       body.top_logprobs_num())
+        with body.naming_fields(field):
+            params.verify(self.tm.vocab_size)
+            reqs = await self._prepare_all([(None, prompt)], params, body.stream,
+                                           body.top_logprobs_num())
         self._check_context(reqs, field, max_tokens)
         if body.stream:
             return self._stream_chat(body, reqs, params.n)
@@ -594,13 +609,18 @@ class Routes:
         if not self.state.is_embedding:
             raise RequestError("this model is a generation model; it does not serve embeddings")
         if body.encoding_format not in ("float", "base64"):
-            raise RequestError("encoding_format must be 'float' or 'base64'")
+            raise oai.FieldError("encoding_format", "encoding_format must be 'float' or "
+                                 f"'base64', got {body.encoding_format!r}")
         size = self.state.embedding_size
         if body.dimensions is not None and body.dimensions != size:
             raise oai.FieldError("dimensions", f"dimensions must be this model's embedding "
                                  f"size, {size}, or left out (embeddings are not shortened), "
                                  f"got {body.dimensions}")
-        items = oai.split_prompts(body.input)
+        items = oai.split_prompts(body.input, "input", self.tm.vocab_size)
+        if any(text == "" for text, _ in items):
+            # As OpenAI's API: an empty text has no embedding (a tokenizer would still
+            # give its special tokens one).
+            raise oai.FieldError("input", "input must not hold an empty string")
         results = await unless_client_leaves(request, gather_or_cancel(
             [self.tm.embed(text=t, input_ids=ids) for t, ids in items]))
         data = []

@@ -7,9 +7,11 @@ OpenAI names onto ``SamplingParams``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any, ClassVar, Union
 
 import msgspec
@@ -18,6 +20,7 @@ from framework.constrained.base import InvalidConstraintError
 from framework.runtime.incremental_decoder import DecodeFn
 from framework.sampling_params import (
     INT64_MAX,
+    FieldError,
     SamplingParams,
     check_token_ids,
     check_top_logprobs_num,
@@ -35,14 +38,6 @@ class UnsupportedFieldError(ValueError):
     def __init__(self, field: str) -> None:
         super().__init__(f"`{field}` is not supported by this server")
         self.param = field
-
-
-class FieldError(ValueError):
-    """A field whose value this server refuses (a 400); ``param`` names the field."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class _RefusesUnsupported(msgspec.Struct, kw_only=True):
@@ -106,6 +101,10 @@ class StreamOptions(msgspec.Struct):
     """``stream_options`` of a streaming request."""
 
     include_usage: bool = False
+
+
+# SamplingParams fields that OpenAI requests name otherwise (max_tokens: per request).
+_REQUEST_NAMES = {"min_new_tokens": "min_tokens"}
 
 
 class _SamplingFields(_RefusesUnsupported, kw_only=True):
@@ -187,6 +186,22 @@ class _SamplingFields(_RefusesUnsupported, kw_only=True):
             skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim,
             seed=self.seed, n=self.n, logit_bias=self.logit_bias, **self.constraint_fields(),
         )
+
+    @contextlib.contextmanager
+    def naming_fields(self, max_tokens_field: str) -> Iterator[None]:
+        """Name a refused ``SamplingParams`` field (an error's ``param``) as this request
+        names it: ``max_tokens_field``, ``min_tokens``, ``response_format``."""
+        try:
+            yield
+        except ValueError as exc:
+            param = getattr(exc, "param", None)
+            if param == "max_new_tokens":
+                exc.param = max_tokens_field  # type: ignore[attr-defined]
+            elif param == "json_schema" and self.response_format is not None:
+                exc.param = "response_format"  # type: ignore[attr-defined]
+            elif param in _REQUEST_NAMES:
+                exc.param = _REQUEST_NAMES[param]  # type: ignore[attr-defined]
+            raise
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -312,7 +327,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
         if self.top_logprobs is None:
             return 0 if self.logprobs else None
         if not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set to true")
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs set to true")
         check_top_logprobs_num(self.top_logprobs, "top_logprobs")
         return self.top_logprobs
 
@@ -422,7 +437,7 @@ def split_prompts(prompt: Prompt, field: str = "prompt",
     if isinstance(prompt, str):
         return [(prompt, None)]
     if not prompt:
-        raise ValueError(f"{field} is empty")
+        raise FieldError(field, f"{field} is empty")
     if all(_is_token_id(p) for p in prompt):
         pairs: list[tuple[str | None, list[int] | None]] = [(None, list(prompt))]
     elif all(isinstance(p, str) for p in prompt):
@@ -430,7 +445,7 @@ def split_prompts(prompt: Prompt, field: str = "prompt",
     elif all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in prompt):
         pairs = [(None, list(p)) for p in prompt]
     else:
-        raise ValueError(f"{field} must be a string, a list of strings, or token ids")
+        raise FieldError(field, f"{field} must be a string, a list of strings, or token ids")
     for _, ids in pairs:
         check_token_ids(ids or [], vocab_size, field)
     return pairs

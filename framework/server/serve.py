@@ -124,9 +124,12 @@ def _host(host: str) -> str:
 
 def _startup_banner(args: ServerArgs, state: ServerState, base: str,
                     attention_backend: str) -> str:
-    example: dict[str, Any] = {"model": state.model_name, "prompt": "def fibonacci(n):",
-                               "max_tokens": 32}
     import json
+
+    route = "/v1/embeddings" if state.is_embedding else "/v1/completions"
+    example: dict[str, Any] = (
+        {"model": state.model_name, "input": "a sentence to embed"} if state.is_embedding
+        else {"model": state.model_name, "prompt": "def fibonacci(n):", "max_tokens": 32})
 
     # The key itself is never printed: the example names the variable holding it.
     auth = " -H \"Authorization: Bearer $API_KEY\"" if args.api_key else ""
@@ -134,6 +137,6 @@ def _startup_banner(args: ServerArgs, state: ServerState, base: str,
         f"framework is serving {state.model_name} at {base} "
         f"(transport {args.transport}, codec {args.codec}, "
         f"attention backend {attention_backend})\n"
-        f"  try: curl {base}/v1/completions -H 'Content-Type: application/json'{auth} "
+        f"  try: curl {base}{route} -H 'Content-Type: application/json'{auth} "
         f"-d '{json.dumps(example)}'"
     )

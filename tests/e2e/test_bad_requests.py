@@ -19,73 +19,84 @@ import pytest
 
 from framework import Engine
 from tests.model_fixtures import TINY_VOCAB_SIZE, make_tiny_checkpoint
-from tests.server_harness import ServerProcess, http_client, serving
+from tests.server_harness import ServerProcess, http_client, serving, wait_until_idle
 
 VOCAB = TINY_VOCAB_SIZE
 CHAT = [{"role": "user", "content": "hello"}]
 # Scheduler counters that move once a request reaches it (admitted, refused or failed).
 TOUCHED = ("extend_steps", "decode_steps", "aborted_requests", "failed_requests")
 
-# (route, body, words the error message must hold)
-BAD_JSON: list[tuple[str, dict[str, Any], str]] = [
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "logprobs": -1}, "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs must be an integer in [0, 20]"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": -1, "stream": True}, "logprobs"),
+# (route, body, the error's param, words its message must hold)
+BAD_JSON: list[tuple[str, dict[str, Any], str, str]] = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "logprobs": -1}, "logprobs", "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21},
+     "logprobs", "logprobs must be an integer in [0, 20]"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": -1, "stream": True}, "logprobs", "logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
-     "top_logprobs must be an integer in [0, 20]"),
+     "top_logprobs", "top_logprobs must be an integer in [0, 20]"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": -1},
-     "top_logprobs"),
-    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs needs logprobs"),
+     "top_logprobs", "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2},
+     "top_logprobs", "top_logprobs needs logprobs"),
     ("/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": -1},
-     "top_logprobs_num must be an integer in [0, 20]"),
+     "top_logprobs_num", "top_logprobs_num must be an integer in [0, 20]"),
     ("/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": 21,
-                   "stream": True}, "top_logprobs_num"),
-    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed must be in [-2**63, 2**64 - 1]"),
-    ("/v1/completions", {"prompt": "hi", "seed": -(2**63) - 1}, "seed must be in"),
-    ("/generate", {"text": "hi", "sampling_params": {"seed": 2**64}}, "seed"),
+                   "stream": True}, "top_logprobs_num", "top_logprobs_num"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64},
+     "seed", "seed must be in [-2**63, 2**64 - 1]"),
+    ("/v1/completions", {"prompt": "hi", "seed": -(2**63) - 1}, "seed", "seed must be in"),
+    ("/generate", {"text": "hi", "sampling_params": {"seed": 2**64}}, "seed", "seed"),
     ("/generate", {"input_ids": [1, VOCAB]},
-     f"input_ids must hold integer token ids in [0, {VOCAB})"),
-    ("/generate", {"input_ids": [1, -1]}, "input_ids must hold integer token ids"),
-    ("/generate", {"input_ids": [[1, 2], [VOCAB + 7]], "stream": True}, "input_ids"),
+     "input_ids", f"input_ids must hold integer token ids in [0, {VOCAB})"),
+    ("/generate", {"input_ids": [1, -1]}, "input_ids", "input_ids must hold integer token ids"),
+    ("/generate", {"input_ids": [[1, 2], [VOCAB + 7]], "stream": True}, "input_ids", "input_ids"),
     ("/v1/completions", {"prompt": [1, VOCAB]},
-     f"prompt must hold integer token ids in [0, {VOCAB})"),
-    ("/v1/completions", {"prompt": [[3, -5]]}, "prompt must hold integer token ids"),
+     "prompt", f"prompt must hold integer token ids in [0, {VOCAB})"),
+    ("/v1/completions", {"prompt": [[3, -5]]}, "prompt", "prompt must hold integer token ids"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [VOCAB]},
-     f"stop_token_ids must hold integer token ids in [0, {VOCAB})"),
-    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [-1]}}, "stop_token_ids"),
-    ("/v1/completions", {"prompt": "hi", "n": 0}, "n must be in [1, 128]"),
-    ("/v1/completions", {"prompt": "hi", "n": 129}, "n must be in [1, 128]"),
+     "stop_token_ids", f"stop_token_ids must hold integer token ids in [0, {VOCAB})"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [-1]}},
+     "stop_token_ids", "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n", "n must be in [1, 128]"),
+    ("/v1/completions", {"prompt": "hi", "n": 129}, "n", "n must be in [1, 128]"),
     ("/generate", {"text": "hi", "stream": True, "sampling_params": {"n": 129}},
-     "n must be in [1, 128]"),
-    ("/v1/completions", {"prompt": "hi", "top_k": 0}, "top_k must be -1 (disabled) or in [1, "),
-    ("/generate", {"text": "hi", "sampling_params": {"top_k": -2}}, "top_k"),
-    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p must be in (0, 1]"),
-    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p must be in (0, 1]"),
-    ("/v1/chat/completions", {"messages": CHAT, "min_p": 1.5}, "min_p must be in [0, 1]"),
-    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature must be in [0, 100]"),
-    ("/v1/completions", {"prompt": "hi", "temperature": 1e300}, "temperature must be in [0, 100]"),
-    ("/generate", {"text": "hi", "sampling_params": {"temperature": -0.5}}, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 3}, "frequency_penalty"),
+     "n", "n must be in [1, 128]"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 0},
+     "top_k", "top_k must be -1 (disabled) or in [1, "),
+    ("/generate", {"text": "hi", "sampling_params": {"top_k": -2}}, "top_k", "top_k"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p", "top_p must be in (0, 1]"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p", "top_p must be in (0, 1]"),
+    ("/v1/chat/completions", {"messages": CHAT, "min_p": 1.5}, "min_p", "min_p must be in [0, 1]"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1},
+     "temperature", "temperature must be in [0, 100]"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 1e300},
+     "temperature", "temperature must be in [0, 100]"),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": -0.5}},
+     "temperature", "temperature"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 3},
+     "frequency_penalty", "frequency_penalty"),
     # Structured outputs: a constraint that does not compile, or two at once.
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
-     'invalid json_schema: Unsupported type "foo"'),
+     "response_format", 'invalid json_schema: Unsupported type "foo"'),
     ("/v1/chat/completions", {"messages": CHAT, "stream": True, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format",
      "invalid response_format: a json_schema response_format needs json_schema.schema"),
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "yaml"}},
-     "invalid response_format: type must be text, json_object or json_schema"),
+     "response_format", "invalid response_format: type must be text, json_object or json_schema"),
     ("/v1/completions", {"prompt": "hi", "regex": "a", "response_format": {
-        "type": "json_object"}}, "give either response_format or regex, not both"),
+        "type": "json_object"}},
+     "response_format", "give either response_format or regex, not both"),
     ("/v1/completions", {"prompt": "hi", "regex": "a(b"},
-     "invalid regex: Regex parsing error at position 4: The parenthesis is not closed"),
+     "regex", "invalid regex: Regex parsing error at position 4: The parenthesis is not closed"),
     ("/generate", {"text": "hi", "sampling_params": {"ebnf": "root ::= foo"}},
-     'invalid ebnf: EBNF parser error at line 1, column 10: Rule "foo" is not defined'),
+     "ebnf", 'invalid ebnf: EBNF parser error at line 1, column 10: Rule "foo" is not defined'),
     ("/generate", {"text": "hi", "stream": True, "sampling_params": {
         "json_schema": {"type": "object"}, "regex": "a+"}},
-     "give at most one of json_schema, regex, ebnf; got json_schema and regex"),
+     "regex", "give at most one of json_schema, regex, ebnf; got json_schema and regex"),
     ("/generate", {"text": "hi", "sampling_params": {"json_schema": "{not json"}},
-     "invalid json_schema: Failed to parse JSON"),
+     "json_schema", "invalid json_schema: Failed to parse JSON"),
 ]
 
 # (route, body, the error's param, words its message must hold): the field is named as the
@@ -122,6 +133,26 @@ BAD_FIELDS: list[tuple[str, dict[str, Any], str, str]] = [
      "messages[0].content[0].type", "'input_audio', but this model reads text only"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
      "messages[0].content[0].text", "messages[0].content[0].text must be a string"),
+    # Refused while decoding: msgspec's path to the value is the param.
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature",
+     "Expected `float`, got `str` - at `$.temperature`"),
+    ("/v1/chat/completions", {"messages": CHAT, "stop": ["ok", 7]}, "stop[1]",
+     "got `int` - at `$.stop[1]`"),
+    ("/v1/chat/completions", {"messages": "hello"}, "messages", "Expected `array`, got `str`"),
+    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages[0].role",
+     "Object missing required field `role`"),
+    ("/v1/completions", {"max_tokens": 2}, "prompt", "Object missing required field `prompt`"),
+    # Checked with the rest of the sampling values: named as the request names them.
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, "min_tokens",
+     "min_new_tokens (5) must be <= max_new_tokens (2)"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 2, "min_tokens": 3},
+     "min_tokens", "min_new_tokens (3) must be <= max_new_tokens (2)"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias",
+     "logit_bias keys must be token ids, got 'abc'"),
+    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"5": 101}}, "logit_bias",
+     "logit_bias values must be in [-100, 100], got 101"),
+    ("/v1/chat/completions", {"messages": CHAT, "presence_penalty": 3}, "presence_penalty",
+     "presence_penalty must be in [-2, 2], got 3"),
 ]
 
 # Bodies that JSON encoders write but strict JSON has no number for.
@@ -171,12 +202,15 @@ def _assert_refused(client: httpx.Client, response: httpx.Response, words: str,
     assert _counters(client) == before
 
 
-@pytest.mark.parametrize(("path", "body", "words"), BAD_JSON,
-                         ids=[f"{p} {json.dumps(b)}" for p, b, _ in BAD_JSON])
+@pytest.mark.parametrize(("path", "body", "param", "words"), BAD_JSON,
+                         ids=[f"{p} {json.dumps(b)}" for p, b, _, _ in BAD_JSON])
 def test_bad_value_is_a_400_naming_the_field(client: httpx.Client, path: str,
-                                             body: dict[str, Any], words: str) -> None:
+                                             body: dict[str, Any], param: str,
+                                             words: str) -> None:
     before = _counters(client)
-    _assert_refused(client, client.post(path, json=body), words, before)
+    response = client.post(path, json=body)
+    _assert_refused(client, response, words, before)
+    assert response.json()["error"]["param"] == param
 
 
 @pytest.mark.parametrize(("path", "body", "param", "words"), BAD_FIELDS,
@@ -231,6 +265,34 @@ def test_max_tokens_that_fill_the_context_or_unset_are_served(client: httpx.Clie
     assert chat.status_code == 200, chat.text
     assert chat.json()["usage"]["total_tokens"] == 256
     assert chat.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_prompt_may_fill_the_context_only_to_be_scored(client: httpx.Client) -> None:
+    """A prompt of the whole context (256 tokens) is scored with max_tokens 0; asked for
+    more, or one token longer, it is a 400 context_length_exceeded."""
+    full = [5] * 256
+    scored = client.post("/v1/completions", json={"prompt": full, "max_tokens": 0,
+                                                  "echo": True, "logprobs": 0})
+    assert scored.status_code == 200, scored.text
+    assert len(scored.json()["choices"][0]["logprobs"]["token_logprobs"]) == 256
+    native = client.post("/generate", json={"input_ids": full, "return_logprob": True,
+                                             "logprob_start_len": 0,
+                                             "sampling_params": {"max_new_tokens": 0}})
+    assert native.status_code == 200, native.text
+    assert len(native.json()["meta_info"]["input_token_logprobs"]) == 256
+    before = _counters(client)
+    for path, body in [("/v1/completions", {"prompt": full}),
+                       ("/v1/completions", {"prompt": [*full, 5], "max_tokens": 0}),
+                       ("/generate", {"input_ids": full}),
+                       ("/generate", {"input_ids": [*full, 5],
+                                      "sampling_params": {"max_new_tokens": 0}})]:
+        response = client.post(path, json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "context_length_exceeded", error
+        assert "the model's context length is 256" in error["message"], error
+    assert _counters(client) == before
+    assert wait_until_idle(client)["kv_cache_idle_and_free"] is True
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])

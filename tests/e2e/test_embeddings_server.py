@@ -66,3 +66,34 @@ def test_dimensions_must_be_the_embedding_size(model_dir: Path, client: httpx.Cl
         error = response.json()["error"]
         assert error["param"] == "dimensions", error
         assert f"dimensions must be this model's embedding size, {size}" in error["message"]
+
+
+def test_an_input_may_fill_the_context(model_dir: Path, client: httpx.Client) -> None:
+    """The model's whole context (512 positions here) is embedded; one more is refused."""
+    context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    word = tokenizer.convert_tokens_to_ids("word")
+    full = [tokenizer.cls_token_id, *[word] * (context - 2), tokenizer.sep_token_id]
+    reply = client.post("/v1/embeddings", json={"input": full})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] == context
+    over = client.post("/v1/embeddings", json={"input": [*full, word]})
+    assert over.status_code == 400, over.text
+    assert over.json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"input": ""}, "input", "input must not hold an empty string"),
+    ({"input": ["fine", ""]}, "input", "input must not hold an empty string"),
+    ({"input": [1, -1]}, "input", "input must hold integer token ids in [0, "),
+    ({"input": [[1, 2], [10**9]]}, "input", "input must hold integer token ids in [0, "),
+    ({"input": "x", "encoding_format": "hex"}, "encoding_format",
+     "encoding_format must be 'float' or 'base64', got 'hex'"),
+    ({"input": 5}, "input", "Expected `str | array`, got `int`"),
+])
+def test_bad_inputs_are_refused_naming_the_field(client: httpx.Client, body: dict,
+                                                 param: str, words: str) -> None:
+    response = client.post("/v1/embeddings", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error

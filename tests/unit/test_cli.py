@@ -83,3 +83,21 @@ def test_a_kv_cache_that_host_memory_cannot_hold_is_a_one_line_error(tmp_path: P
     assert len(errors) == 1, result.stderr
     assert errors[0].startswith("framework: error: the scheduler failed to start: no host "
                                 "memory left for the KV cache"), result.stderr
+
+
+def test_the_start_up_banner_suggests_a_route_the_model_serves() -> None:
+    from framework.server.app import ServerState
+    from framework.server.serve import _startup_banner
+
+    def banner(is_embedding: bool, api_key: str | None = None) -> str:
+        args = ServerArgs(model_path="m", api_key=api_key)
+        state = ServerState(tokenizer_manager=None, server_args=args,  # type: ignore[arg-type]
+                            model_name="m", model_path="m", context_len=16,
+                            is_embedding=is_embedding)
+        return _startup_banner(args, state, "http://127.0.0.1:1", "cpu")
+
+    assert "curl http://127.0.0.1:1/v1/completions" in banner(False)
+    assert '"prompt": ' in banner(False)
+    embedding = banner(True, api_key="secret")
+    assert "curl http://127.0.0.1:1/v1/embeddings" in embedding and '"input": ' in embedding
+    assert "$API_KEY" in embedding and "secret" not in embedding

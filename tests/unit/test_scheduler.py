@@ -128,6 +128,25 @@ def test_a_prompt_that_can_never_fit_is_refused_with_a_reason(harness_factory) -
     h.assert_idle_invariant()
 
 
+def test_a_prompt_may_fill_the_context_only_to_be_scored(harness_factory) -> None:
+    """A prompt of the whole context runs with max_new_tokens 0 (scored, its logprobs
+    back) and is refused when a token must follow it: there is no room for one."""
+    h = harness_factory(FakeModelRunner(context_len=32, max_total_tokens=64))
+    h.submit("scored", prompt(1, 32), max_new_tokens=0, return_logprob=True,
+             logprob_start_len=0)
+    h.submit("generates", prompt(2, 32), max_new_tokens=1, **GREEDY)
+    h.submit("too long", prompt(3, 33), max_new_tokens=0)
+    h.run()
+    scored = h.outcomes["scored"]
+    assert scored.finished_reason.type == "length" and scored.output_ids == []
+    assert scored.prompt_logprobs is not None and len(scored.prompt_logprobs.values) == 32
+    refused = h.outcomes["generates"].finished_reason
+    assert refused.type == "abort" and "no room is left for a new token" in refused.message
+    too_long = h.outcomes["too long"].finished_reason
+    assert too_long.type == "abort" and "more than the context length 32" in too_long.message
+    h.assert_idle_invariant()
+
+
 def test_abort_at_every_stage_frees_everything(harness_factory) -> None:
     h = harness_factory(chunked_prefill_size=4, max_running_requests=2)
     h.submit("running", prompt(1, 3), max_new_tokens=50, ignore_eos=True, **GREEDY)
