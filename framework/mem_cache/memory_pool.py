@@ -65,6 +65,10 @@ class ReqToTokenPool:
         """Number of free request slots."""
         return len(self._free_slots)
 
+    def free_indices(self) -> list[int]:
+        """The free request slots (a copy, for checks)."""
+        return list(self._free_slots)
+
     def clear(self) -> None:
         """Mark every request slot free."""
         self._free_slots = list(range(self.size))
@@ -111,6 +115,10 @@ class TokenToKVPoolAllocator:
     def available_size(self) -> int:
         """Exact number of free KV slots."""
         return self._available
+
+    def free_indices(self) -> torch.Tensor:
+        """Every free KV slot, in no particular order (a copy, for checks, not hot paths)."""
+        return torch.cat((self._free_slots, *self._freed))
 
     def clear(self) -> None:
         """Mark every KV slot free."""

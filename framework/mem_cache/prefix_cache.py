@@ -138,6 +138,10 @@ class PrefixCache(ABC):
     def reset(self) -> None:
         """Forget every entry (their slots must be freed first, or be about to be)."""
 
+    @abstractmethod
+    def held_indices(self) -> torch.Tensor:
+        """Every KV slot the cache holds, locked or not (for checks, not hot paths)."""
+
     def available_size(self) -> int:
         """Slots a new allocation can get: free ones plus those eviction can free."""
         return self.allocator.available_size() + self.evictable_size()
@@ -204,3 +208,6 @@ class ChunkCache(PrefixCache):
 
     def reset(self) -> None:
         return None
+
+    def held_indices(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.allocator.device)

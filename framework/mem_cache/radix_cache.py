@@ -119,6 +119,10 @@ class RadixCache(PrefixCache):
         """Slots held by the whole tree, counted by walking it (for checks, not hot paths)."""
         return sum(node.size for node in self._nodes())
 
+    def held_indices(self) -> torch.Tensor:
+        """Every slot of the tree, walked (for checks, not hot paths)."""
+        return torch.cat([self._empty_indices(), *(node.value for node in self._nodes())])
+
     def _empty_indices(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.allocator.device)
 

@@ -30,11 +30,10 @@ def make_cache(pool_size: int, rows: int = 4, context: int = 16) -> RadixCache:
 
 
 def free_slots(allocator: TokenToKVPoolAllocator) -> list[int]:
-    """The allocator's free slots, read through its public API."""
-    taken = allocator.alloc(allocator.available_size())
-    assert taken is not None
-    allocator.free(taken)
-    return taken.tolist()
+    """The allocator's free slots."""
+    free = allocator.free_indices().tolist()
+    assert len(free) == allocator.available_size()
+    return free
 
 
 def nodes_with_prefix(cache: RadixCache) -> list[tuple[TreeNode, tuple[int, ...]]]:
@@ -209,6 +208,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         in_tree = [slot for node, _ in nodes for slot in node.value.tolist()]
         evictable, protected = self.cache.evictable_size(), self.cache.protected_size()
         assert evictable + protected == len(in_tree) == self.cache.total_size()
+        assert sorted(self.cache.held_indices().tolist()) == sorted(in_tree)
         assert self.allocator.available_size() + evictable + protected == POOL
         # Each slot in exactly one place: none lost, none twice.
         assert sorted(free_slots(self.allocator) + in_tree) == list(range(1, POOL + 1))

@@ -466,6 +466,7 @@ def test_random_traffic_never_crashes_leaks_or_changes_greedy_outputs(
                 if spec["abort_at"] is not None and spec["arrive"] + spec["abort_at"] == step:
                     h.send(AbortReq(rid=rid))
             h.step()
+            h.assert_slots_accounted()
             if step > 6 and all(o.finished_reason is not None for o in h.outcomes.values()):
                 break
         else:
