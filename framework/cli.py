@@ -9,12 +9,16 @@ from collections.abc import Callable, Sequence
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
+    from framework.models import MODEL_ARCHITECTURES
     from framework.registry import REGISTRIES
 
-    for registry in REGISTRIES:
+    registries = (*REGISTRIES, MODEL_ARCHITECTURES)
+    entries = [(registry, registry.entries()) for registry in registries]
+    width = max(len(entry.name) for _, listed in entries for entry in listed)
+    for registry, listed in entries:
         print(f"{registry.kind}s (entry-point group {registry.group}):")
-        for entry in registry.entries():
-            print(f"  {entry.name:<12} {entry.target:<60} [{entry.source}]")
+        for entry in listed:
+            print(f"  {entry.name:<{width}} {entry.target:<60} [{entry.source}]")
     return 0
 
 
@@ -70,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     ServerArgs.add_cli_args(serve)
     serve.set_defaults(handler=_cmd_serve)
 
-    plugins = sub.add_parser("plugins", help="list registered transports, codecs and "
-                             "attention backends")
+    plugins = sub.add_parser("plugins", help="list registered transports, codecs, attention "
+                             "and grammar backends and model architectures")
     plugins.set_defaults(handler=_cmd_plugins)
 
     reference = sub.add_parser("reference", help="print the CLI reference (docs/cli.md)")

@@ -230,9 +230,12 @@ class Engine:
         """Flush the prefix cache (when idle)."""
         return self._run(self._manager.flush_cache())
 
-    def update_weights_from_disk(self, model_path: str, load_format: str = "auto") -> Any:
-        """Load new weights of the same architecture."""
-        return self._run(self._manager.update_weights_from_disk(model_path, load_format))
+    def update_weights_from_disk(self, model_path: str, load_format: str = "auto",
+                                 abort_all_requests: bool = False) -> Any:
+        """Load new weights of the same architecture (requests in flight go on with them,
+        or end with ``abort`` with ``abort_all_requests``)."""
+        return self._run(self._manager.update_weights_from_disk(model_path, load_format,
+                                                                abort_all_requests))
 
     def get_server_info(self) -> dict[str, Any]:
         """The Scheduler's state, including whether every KV slot is free when idle."""

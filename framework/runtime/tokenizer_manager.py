@@ -821,10 +821,13 @@ class TokenizerManager:
         """Ask the Scheduler to flush its prefix cache."""
         return await self._call(FlushCacheReqInput())
 
-    async def update_weights_from_disk(self, model_path: str, load_format: str = "auto") -> Any:
-        """Ask the Scheduler to load new weights; in-flight requests keep running."""
-        return await self._call(UpdateWeightsFromDiskReqInput(model_path=model_path,
-                                                              load_format=load_format))
+    async def update_weights_from_disk(self, model_path: str, load_format: str = "auto",
+                                       abort_all_requests: bool = False) -> Any:
+        """Ask the Scheduler to load new weights; in-flight requests keep running (they
+        continue on the new weights), or end with ``abort`` with ``abort_all_requests``."""
+        return await self._call(UpdateWeightsFromDiskReqInput(
+            model_path=model_path, load_format=load_format,
+            abort_all_requests=abort_all_requests))
 
     async def get_scheduler_info(self) -> dict[str, Any]:
         """The Scheduler's state (memory, queues, configuration).

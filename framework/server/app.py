@@ -781,7 +781,8 @@ class Routes:
 
     async def update_weights_from_disk(self, request: Request) -> Response:
         body = await parse_body(request, oai.UpdateWeightsBody)
-        reply = await self.tm.update_weights_from_disk(body.model_path, body.load_format)
+        reply = await self.tm.update_weights_from_disk(body.model_path, body.load_format,
+                                                       body.abort_all_requests)
         return _operation_reply(reply.success, reply.message,
                                 num_paused_requests=reply.num_paused_requests)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import signal
@@ -337,6 +338,35 @@ def test_update_weights_from_disk(server: ServerProcess, client: httpx.Client, e
 
     restored = client.post("/update_weights_from_disk", json={"model_path": str(first)})
     assert restored.json()["success"] is True
+
+
+def test_update_weights_can_abort_the_requests_in_flight(
+        server: ServerProcess, client: httpx.Client, checkpoints: tuple) -> None:
+    before = client.get("/get_server_info").json()["scheduler"]["aborted_requests"]
+
+    async def update_during_stream() -> tuple[list[str], dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as ac:
+            body = _completion_body(PROMPTS[0], stream=True, max_tokens=200)
+
+            async def stream() -> list[str]:
+                async with ac.stream("POST", "/v1/completions", json=body) as response:
+                    return [line async for line in response.aiter_lines() if line]
+
+            task = asyncio.create_task(stream())
+            while (await ac.get("/get_server_info")).json()["scheduler"][
+                    "num_running_reqs"] == 0 and not task.done():
+                await asyncio.sleep(0.02)
+            reply = (await ac.post("/update_weights_from_disk", json={
+                "model_path": str(checkpoints[0]), "abort_all_requests": True})).json()
+            return await asyncio.wait_for(task, 60), reply
+
+    lines, reply = asyncio.run(update_during_stream())
+    assert reply["success"] is True, reply
+    assert lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2].removeprefix("data: "))
+    assert last["choices"][0]["finish_reason"] == "abort", lines[-3:]
+    info = wait_until_idle(client)
+    assert info["aborted_requests"] == before + 1 and info["kv_cache_idle_and_free"] is True
 
 
 def test_sigterm_leaves_no_child_and_no_socket_file(checkpoints: tuple, tmp_path: Path) -> None:

@@ -88,12 +88,14 @@ def test_import_dotted_accepts_both_spellings() -> None:
         import_dotted("framework.comm.codec.Nope")
 
 
-def test_framework_plugins_lists_built_in_transports_and_codecs() -> None:
+def test_framework_plugins_lists_every_kind_of_plugin() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "framework.cli", "plugins"],
         capture_output=True, text=True, check=True, timeout=60,
     ).stdout
     lines = {line.split()[0] for line in out.splitlines() if line.startswith("  ")}
-    assert {"zmq", "inproc", "shm", "pickle", "msgpack", "json", "torch"} <= lines
+    assert {"zmq", "inproc", "shm", "pickle", "msgpack", "json", "torch", "cpu", "xgrammar",
+            "LlamaForCausalLM", "BertModel"} <= lines
     assert "transports (entry-point group framework.transports):" in out
+    assert "model architectures (entry-point group framework.models):" in out
     assert "[built-in]" in out
