@@ -26,7 +26,7 @@ import itertools
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -453,6 +453,29 @@ class TokenizerManager:
     def encode(self, text: str) -> list[int]:
         """The tokenizer call (override to change tokenization)."""
         return list(self.tokenizer.encode(text))
+
+    async def chat_prompt_ids(self, conversation: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a chat through the tokenizer's template; long chats are templated
+        off the event loop, as long texts are tokenized."""
+        size = sum(len(str(message.get("content") or "")) for message in conversation)
+        if size > _INLINE_TOKENIZE_CHARS:
+            return await asyncio.to_thread(self.apply_chat_template, conversation)
+        return self.apply_chat_template(conversation)
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]]) -> list[int]:
+        """The chat template call, ending in the assistant's turn (override to change it)."""
+        tokenizer = self.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise RequestError("this model's tokenizer has no chat template; start the "
+                               "server with --chat-template FILE, or use /v1/completions")
+        try:
+            ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                                tokenize=True)
+        except Exception as exc:  # templates raise their own errors for bad roles
+            raise RequestError(f"cannot apply the chat template: {exc}") from None
+        if isinstance(ids, Mapping):  # newer transformers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
 
     async def _input_ids(self, text: str | None, input_ids: list[int] | None) -> list[int]:
         if (text is None) == (input_ids is None):

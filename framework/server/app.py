@@ -10,7 +10,7 @@ import hmac
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -535,7 +535,7 @@ class Routes:
         body.check_unsupported()
         body.check_stream_options()
         self._check_generation()
-        prompt = self._chat_prompt(body.messages)
+        prompt = await self.tm.chat_prompt_ids(oai.chat_conversation(body.messages))
         field, max_tokens = body.requested_max_tokens()
         params = body.sampling_params(max_tokens, self.state.context_len, field)
         with body.naming_fields(field):
@@ -558,21 +558,6 @@ class Routes:
             "model": self.state.model_name, "choices": choices,
             "usage": self._usage(outputs, params.n),
         })
-
-    def _chat_prompt(self, messages: list[oai.ChatMessage]) -> list[int]:
-        conversation = oai.chat_conversation(messages)
-        tokenizer = self.tm.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise RequestError("this model's tokenizer has no chat template; start the "
-                               "server with --chat-template FILE, or use /v1/completions")
-        try:
-            ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
-                                                tokenize=True)
-        except Exception as exc:  # templates raise their own errors for bad roles
-            raise RequestError(f"cannot apply the chat template: {exc}") from None
-        if isinstance(ids, Mapping):  # newer transformers return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
 
     def _stream_chat(self, body: oai.ChatCompletionRequest, reqs: list[PreparedRequest],
                      n: int) -> Response:

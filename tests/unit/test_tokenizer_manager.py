@@ -11,6 +11,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -421,3 +422,36 @@ def test_aborts_and_requests_leave_in_the_order_they_were_handed_over(
     assert [(type(m).__name__, m.rid) for m in got] == [  # type: ignore[attr-defined]
         ("AbortReq", "x"), ("AbortReq", "y"), ("TokenizedGenerateReqInput", "x")]
 
+
+
+class _RecordingChatTokenizer:
+    """A tokenizer whose chat template records the thread it runs on."""
+
+    chat_template = "{{ messages }}"
+
+    def __init__(self) -> None:
+        self.threads: list[threading.Thread] = []
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], **options: Any
+                            ) -> list[int]:
+        self.threads.append(threading.current_thread())
+        return [len(m["content"]) % 100 for m in conversation]
+
+
+@pytest.mark.parametrize("size, on_loop", [(10, True), (5000, False)])
+def test_a_long_chat_is_templated_off_the_event_loop(
+        inproc: tuple[TokenizerManager, FakeRuntime], size: int, on_loop: bool) -> None:
+    tm, _ = inproc
+    tokenizer = tm.tokenizer = _RecordingChatTokenizer()
+    chat = [{"role": "user", "content": "x" * size}]
+    ids = asyncio.run(tm.chat_prompt_ids(chat))
+    assert ids == [size % 100]
+    assert (tokenizer.threads == [threading.main_thread()]) is on_loop
+
+
+def test_a_tokenizer_without_a_chat_template_is_a_request_error(
+        inproc: tuple[TokenizerManager, FakeRuntime]) -> None:
+    tm, _ = inproc
+    tm.tokenizer = SimpleNamespace(chat_template=None)
+    with pytest.raises(RequestError, match="has no chat template"):
+        asyncio.run(tm.chat_prompt_ids([{"role": "user", "content": "hi"}]))
