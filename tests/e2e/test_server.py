@@ -304,11 +304,12 @@ def test_client_disconnect_aborts_non_streamed_answers(
     assert info["aborted_requests"] == before + parts
 
 
-def test_update_weights_from_disk(server: ServerProcess, client: httpx.Client, expected: dict,
-                                  checkpoints: tuple, tmp_path: Path) -> None:
-    first, second = checkpoints
+def _update_during_stream(server: ServerProcess, update: dict[str, Any]
+                          ) -> tuple[list[str], dict[str, Any]]:
+    """POST ``update`` to /update_weights_from_disk while a stream runs: the stream's
+    lines and the update's reply."""
 
-    async def update_during_stream() -> tuple[list[str], dict[str, Any]]:
+    async def run() -> tuple[list[str], dict[str, Any]]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as ac:
             body = _completion_body(PROMPTS[0], stream=True, max_tokens=200)
 
@@ -317,12 +318,19 @@ def test_update_weights_from_disk(server: ServerProcess, client: httpx.Client, e
                     return [line async for line in response.aiter_lines() if line]
 
             task = asyncio.create_task(stream())
-            await asyncio.sleep(0.2)
-            reply = (await ac.post("/update_weights_from_disk",
-                                   json={"model_path": str(second)})).json()
+            while (await ac.get("/get_server_info")).json()["scheduler"][
+                    "num_running_reqs"] == 0 and not task.done():
+                await asyncio.sleep(0.02)
+            reply = (await ac.post("/update_weights_from_disk", json=update)).json()
             return await asyncio.wait_for(task, 60), reply
 
-    lines, reply = asyncio.run(update_during_stream())
+    return asyncio.run(run())
+
+
+def test_update_weights_from_disk(server: ServerProcess, client: httpx.Client, expected: dict,
+                                  checkpoints: tuple, tmp_path: Path) -> None:
+    first, second = checkpoints
+    lines, reply = _update_during_stream(server, {"model_path": str(second)})
     assert reply["success"] is True, reply
     assert lines[-1] == "data: [DONE]"  # the in-flight request finished, it did not hang
     for i in (1, 4):
@@ -343,24 +351,8 @@ def test_update_weights_from_disk(server: ServerProcess, client: httpx.Client, e
 def test_update_weights_can_abort_the_requests_in_flight(
         server: ServerProcess, client: httpx.Client, checkpoints: tuple) -> None:
     before = client.get("/get_server_info").json()["scheduler"]["aborted_requests"]
-
-    async def update_during_stream() -> tuple[list[str], dict[str, Any]]:
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as ac:
-            body = _completion_body(PROMPTS[0], stream=True, max_tokens=200)
-
-            async def stream() -> list[str]:
-                async with ac.stream("POST", "/v1/completions", json=body) as response:
-                    return [line async for line in response.aiter_lines() if line]
-
-            task = asyncio.create_task(stream())
-            while (await ac.get("/get_server_info")).json()["scheduler"][
-                    "num_running_reqs"] == 0 and not task.done():
-                await asyncio.sleep(0.02)
-            reply = (await ac.post("/update_weights_from_disk", json={
-                "model_path": str(checkpoints[0]), "abort_all_requests": True})).json()
-            return await asyncio.wait_for(task, 60), reply
-
-    lines, reply = asyncio.run(update_during_stream())
+    lines, reply = _update_during_stream(
+        server, {"model_path": str(checkpoints[0]), "abort_all_requests": True})
     assert reply["success"] is True, reply
     assert lines[-1] == "data: [DONE]"
     last = json.loads(lines[-2].removeprefix("data: "))
