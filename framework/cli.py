@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -118,13 +120,26 @@ def render_cli_reference() -> str:
     return "\n".join(out)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that every command cleans up on its way out."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
+    # A command stopped by SIGTERM removes what it made (servers it started, socket
+    # directories, model copies) as on Ctrl-C; a serving server installs its own drain.
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return handler(args)
+    except Terminated:
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         return 130
     except (ValueError, OSError) as exc:

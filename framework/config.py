@@ -6,12 +6,15 @@ import argparse
 import atexit
 import contextlib
 import dataclasses
+import math
 import shutil
 import tempfile
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
 _GROUPS = ("model", "server", "transport", "runtime", "extending", "logging")
+# More torch threads than any machine has cores: a typo, which would exhaust the threads.
+MAX_TORCH_THREADS = 1024
 
 
 def _opt(default: Any, help: str, group: str, **extra: Any) -> Any:
@@ -128,6 +131,30 @@ class ServerArgs:
     log_requests: bool = _opt(False, "log each request's id, route, prompt length and "
                               "sampling parameters, and its finish, at INFO", "logging")
 
+    def __post_init__(self) -> None:
+        """Refuse (``ValueError``, one line on the CLI) values no component could run with."""
+        problem = _first_problem([
+            (1 <= self.port <= 65535, f"--port must be in [1, 65535], got {self.port}"),
+            (self.stream_interval >= 1,
+             f"--stream-interval must be at least 1, got {self.stream_interval}"),
+            (self.max_request_bytes >= 1,
+             f"--max-request-bytes must be at least 1, got {self.max_request_bytes}"),
+            (math.isfinite(self.graceful_shutdown_timeout)
+             and self.graceful_shutdown_timeout >= 0,
+             f"--graceful-shutdown-timeout must be a number of seconds >= 0, got "
+             f"{self.graceful_shutdown_timeout}"),
+            (self.api_key != "", "--api-key must not be empty (leave it out to serve "
+             "without a key)"),
+            (self.max_running_requests >= 1,
+             f"--max-running-requests must be at least 1, got {self.max_running_requests}"),
+            (self.chunked_prefill_size >= 1,
+             f"--chunked-prefill-size must be at least 1, got {self.chunked_prefill_size}"),
+            (self.torch_threads is None or 1 <= self.torch_threads <= MAX_TORCH_THREADS,
+             f"--torch-threads must be in [1, {MAX_TORCH_THREADS}], got {self.torch_threads}"),
+        ])
+        if problem is not None:
+            raise ValueError(problem)
+
     def resolved_model_path(self) -> str:
         """The model directory to serve: the one given, or the embedded default."""
         if self.model_path:
@@ -167,6 +194,11 @@ class ServerArgs:
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
         """Build from parsed arguments."""
         return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
+
+
+def _first_problem(checks: list[tuple[bool, str]]) -> str | None:
+    """The message of the first check that failed, or None."""
+    return next((message for ok, message in checks if not ok), None)
 
 
 def _metavar(name: str, kind: type) -> str:

@@ -28,3 +28,17 @@ def libc_function(name: str) -> Callable[..., int] | None:
     """The Linux C library's function ``name``, or None where there is none (musl lacks some)."""
     library = linux_libc()
     return None if library is None else getattr(library, name, None)  # type: ignore[no-any-return]
+
+
+def parent_death_signal(signum: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the kernel send ``signum`` to the child when its parent
+    dies (``PR_SET_PDEATHSIG``), so that a command killed outright leaves no server
+    behind; None where Linux's ``prctl`` is missing. Resolved here, before the fork."""
+    prctl = libc_function("prctl")
+    if prctl is None:
+        return None
+
+    def ask() -> None:
+        prctl(1, signum)  # PR_SET_PDEATHSIG
+
+    return ask

@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ import httpx
 
 from framework.bench.environment import git_commit, machine_description
 from framework.comm.zmq import free_tcp_port
+from framework.libc import parent_death_signal
 
 PROMPT_WORDS = ("the", "model", "serves", "requests", "in", "batches", "while", "cache",
                 "keeps", "every", "prefix", "it", "has", "seen", "so", "that", "later",
@@ -230,7 +232,8 @@ async def run_soak(settings: SoakSettings) -> dict[str, Any]:
     base_url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "framework.cli", "serve", "--port", str(port),
                "--log-level", "warning", *settings.serve_args]
-    proc = subprocess.Popen(command)
+    # SIGTERM to the server if this process dies outright: it drains and stops its children.
+    proc = subprocess.Popen(command, preexec_fn=parent_death_signal(signal.SIGTERM))
     try:
         await wait_ready(base_url, proc, 300)
         pids = process_tree(proc.pid)

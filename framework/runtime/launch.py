@@ -433,10 +433,15 @@ def _use_torch_threads(spec: ComponentSpec, *, own_process: bool) -> None:
 
 def die_with_parent() -> None:
     """Make sure this child never outlives the process that started it."""
-    parent = os.getppid()
+    # The launcher's pid as multiprocessing knows it: the parent may have died already, and
+    # then os.getppid() names whoever adopted this process.
+    launcher = mp.parent_process()
+    parent = launcher.pid if launcher is not None and launcher.pid else os.getppid()
     libc = linux_libc()
     if libc is not None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)  # it died before the signal was asked for: nothing would send it
 
     def watch() -> None:
         while True:

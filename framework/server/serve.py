@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,8 @@ def run_server(server_args: ServerArgs) -> int:
 async def _serve(server_args: ServerArgs) -> int:
     # Made first: it refuses impossible launch settings before anything loads.
     components = ComponentTree(server_args)
+    # Bound before the model loads: a port in use is one line at once, not after the load.
+    listener = listening_socket(server_args.host, server_args.port)
     manager = None
     try:
         model_path = server_args.resolved_model_path()
@@ -60,8 +63,9 @@ async def _serve(server_args: ServerArgs) -> int:
             context_len=info["context_len"], is_embedding=info["is_embedding"],
             embedding_size=info["hidden_size"],
         )
-        return await _run_http(server_args, state, components)
+        return await _run_http(server_args, state, components, listener)
     finally:
+        listener.close()  # a no-op once Hypercorn has it
         components.stop()
         if manager is not None:
             await manager.close()
@@ -73,8 +77,27 @@ def _import_http_stack() -> None:
     import framework.server.app  # noqa: F401
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` for Hypercorn, which listens on it (``fd://``).
+
+    Set up as Hypercorn sets up its own; an address that cannot be bound is an ``OSError``
+    naming it.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                         socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        reason = exc.strerror or str(exc)
+        raise OSError(f"cannot listen on {_host(host)}:{port}: {reason}") from None
+    return sock
+
+
 async def _run_http(server_args: ServerArgs, state: ServerState,
-                    components: ComponentTree) -> int:
+                    components: ComponentTree, listener: socket.socket) -> int:
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config as HypercornConfig
 
@@ -98,7 +121,7 @@ async def _run_http(server_args: ServerArgs, state: ServerState,
 
     watcher = asyncio.create_task(watch_components())
     config = HypercornConfig()
-    config.bind = [f"{_host(server_args.host)}:{server_args.port}"]
+    config.bind = [f"fd://{listener.detach()}"]  # Hypercorn owns the socket from here
     config.accesslog = None
     # Hypercorn's default listen backlog (100) overflows when hundreds of clients connect at
     # once; the kernel then drops or resets connections before the server sees them.

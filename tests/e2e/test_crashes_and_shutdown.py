@@ -14,7 +14,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
+from framework.bench.soak import process_tree
+from framework.comm.zmq import free_tcp_port
 from tests.model_fixtures import make_tiny_checkpoint
 from tests.server_harness import ServerProcess, private_tmp, start_server, still_running
 
@@ -153,3 +158,28 @@ def test_sigterm_aborts_what_outlives_the_timeout(checkpoint: Path, tmp_path: Pa
     assert still_running(children) == []
     assert os.listdir(env["TMPDIR"]) == []
 
+
+
+def test_sigterm_during_start_up_removes_everything(checkpoint: Path, tmp_path: Path) -> None:
+    """Stopped while its components start, the server ends with 143 (SIGTERM) and leaves
+    no process, socket file or channel directory behind."""
+    env = private_tmp(tmp_path)
+    command = [sys.executable, "-m", "framework.cli", "serve", "--model-path", str(checkpoint),
+               "--port", str(free_tcp_port()), "--log-level", "warning"]
+    with (tmp_path / "server.log").open("w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **env})
+    try:
+        deadline = time.monotonic() + 60  # a liveness bound: the children appear in seconds
+        while not (children := process_tree(proc.pid)[1:]) and proc.poll() is None:
+            assert time.monotonic() < deadline, "the server started no component"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    log_text = (tmp_path / "server.log").read_text()
+    assert code == 128 + signal.SIGTERM, log_text
+    assert "Traceback" not in log_text, log_text
+    assert still_running(children) == []
+    assert os.listdir(env["TMPDIR"]) == []

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from framework.cli import build_parser, render_cli_reference
 from framework.config import ServerArgs
@@ -47,6 +50,37 @@ def test_a_missing_model_directory_is_a_one_line_error(tmp_path: Path) -> None:
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("framework: error:")
     assert "nowhere" in lines[0]
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--chunked-prefill-size", "0"], "--chunked-prefill-size must be at least 1, got 0"),
+    (["--api-key="], "--api-key must not be empty"),
+    (["--port", "70000"], "--port must be in [1, 65535], got 70000"),
+    (["--stream-interval", "0"], "--stream-interval must be at least 1"),
+    (["--max-request-bytes", "-1"], "--max-request-bytes must be at least 1"),
+    (["--graceful-shutdown-timeout", "nan"], "--graceful-shutdown-timeout must be"),
+    (["--max-running-requests", "0"], "--max-running-requests must be at least 1"),
+    (["--torch-threads", "100000"], "--torch-threads must be in [1, 1024]"),
+    (["--host", "no.such.host.invalid"], "cannot listen on no.such.host.invalid:30000"),
+])
+def test_a_value_no_server_could_run_with_is_a_one_line_error(flags: list[str],
+                                                              words: str) -> None:
+    result = run_cli("serve", *flags)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"framework: error: {words}"), lines
+
+
+def test_a_port_in_use_is_a_one_line_error_before_the_model_loads() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("serve", "--port", str(port))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"framework: error: cannot listen on 127.0.0.1:{port}: Address already in use"]
+    assert "serving" not in result.stdout  # it failed before the banner, and the load
 
 
 def test_an_unknown_transport_lists_the_known_ones(tmp_path: Path) -> None:
