@@ -26,14 +26,9 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from framework.config import ServerArgs
-    from framework.runtime.launch import ComponentError
     from framework.server.serve import run_server
 
-    try:
-        return run_server(ServerArgs.from_cli_args(args))
-    except ComponentError as exc:
-        print(f"framework: error: {exc}", file=sys.stderr)
-        return 1
+    return run_server(ServerArgs.from_cli_args(args))
 
 
 # ``framework bench NAME``: the module holding its ``add_cli_args`` and ``run_from_cli``,
@@ -142,10 +137,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         return 130
-    except (ValueError, OSError) as exc:
+    except Exception as exc:
+        code = _user_error_code(exc)
+        if code is None:
+            raise  # a bug: its traceback says where
         # User errors end in one line, not a traceback.
         print(f"framework: error: {exc}", file=sys.stderr)
+        return code
+
+
+# Errors a user can fix (a flag, a file, the machine), by class path, with their exit status;
+# by name, so that a command that never loads their modules does not import them.
+_USER_ERRORS = {
+    "framework.runtime.launch.ComponentError": 1,  # a component could not start, or died
+    "framework.comm.transport.TransportError": 2,  # a channel this machine cannot make
+}
+
+
+def _user_error_code(exc: Exception) -> int | None:
+    """The exit status of an error printed as one line, or None for one to show in full."""
+    if isinstance(exc, (ValueError, OSError)):
         return 2
+    for cls in type(exc).__mro__:
+        code = _USER_ERRORS.get(f"{cls.__module__}.{cls.__qualname__}")
+        if code is not None:
+            return code
+    return None
 
 
 if __name__ == "__main__":

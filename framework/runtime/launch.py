@@ -172,8 +172,6 @@ def check_launch_args(server_args: ServerArgs) -> None:
     if server_args.launch_mode not in LAUNCH_MODES:
         raise ValueError(f"launch_mode must be one of {', '.join(LAUNCH_MODES)}, "
                          f"got {server_args.launch_mode!r}")
-    if server_args.torch_threads is not None and server_args.torch_threads < 1:
-        raise ValueError(f"torch_threads must be at least 1, got {server_args.torch_threads}")
     if server_args.dp_size < 1:
         raise ValueError(f"dp_size must be at least 1, got {server_args.dp_size}")
     _check_parallel_args(server_args)

@@ -213,7 +213,7 @@ def _check_runs_here(args: AttentionBackendArgs) -> None:
     """Refuse, in one line each, what the kernels cannot run on."""
     interpreted = is_interpreter()
     if args.device.type != "cuda" and not interpreted:
-        raise RuntimeError(
+        raise ValueError(
             f"the triton attention backend needs a CUDA device, not {args.device}: use "
             "--attention-backend torch (or set TRITON_INTERPRET=1 to run the kernels slowly "
             "in Triton's CPU interpreter)"
