@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
@@ -10,6 +11,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from framework.config import ServerArgs
+from framework.messages import AbortReq
 from framework.runtime.launch import (
     ComponentTree,
     apply_scheduler_info,
@@ -23,6 +25,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("framework.serve")
 # Connections the kernel queues for the server to accept (see _run_http).
 _LISTEN_BACKLOG = 2048
+# On shutdown, seconds past --graceful-shutdown-timeout for the requests aborted then to send
+# their last event before Hypercorn closes what is still open.
+_ABORTED_GRACE_S = 2.0
 
 
 def run_server(server_args: ServerArgs) -> int:
@@ -119,7 +124,16 @@ async def _run_http(server_args: ServerArgs, state: ServerState,
         exit_code = 1
         shutdown.set()
 
+    async def abort_what_outlives_the_timeout() -> None:
+        await shutdown.wait()
+        await asyncio.sleep(server_args.graceful_shutdown_timeout)
+        # Each stream still running then ends with finish_reason "abort" and [DONE].
+        with contextlib.suppress(Exception):  # a dead runtime has failed them already
+            await state.tokenizer_manager.dispatch(
+                AbortReq(abort_all=True, reason="the server is shutting down"))
+
     watcher = asyncio.create_task(watch_components())
+    aborter = asyncio.create_task(abort_what_outlives_the_timeout())
     config = HypercornConfig()
     config.bind = [f"fd://{listener.detach()}"]  # Hypercorn owns the socket from here
     config.accesslog = None
@@ -127,8 +141,9 @@ async def _run_http(server_args: ServerArgs, state: ServerState,
     # once; the kernel then drops or resets connections before the server sees them.
     config.backlog = _LISTEN_BACKLOG
     # On shutdown Hypercorn stops listening at once and waits this long for the requests in
-    # flight; the components run until it returns, so those requests can finish.
-    config.graceful_timeout = server_args.graceful_shutdown_timeout
+    # flight; the components run until it returns, so those requests can finish (or end
+    # aborted, with their last event, at --graceful-shutdown-timeout).
+    config.graceful_timeout = server_args.graceful_shutdown_timeout + _ABORTED_GRACE_S
     config.loglevel = "WARNING"
     base = f"http://{_host(server_args.host)}:{server_args.port}"
     backend = components.scheduler_info["attention_backend"]
@@ -138,6 +153,7 @@ async def _run_http(server_args: ServerArgs, state: ServerState,
     finally:
         shutdown.set()
         watcher.cancel()
+        aborter.cancel()
     return exit_code
 
 
