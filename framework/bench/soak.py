@@ -50,6 +50,20 @@ class SoakSettings:
     output: Path = Path("benchmarks/results/soak")
     serve_args: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        """Refuse (``ValueError``) a run that could not show anything."""
+        checks = [
+            (self.duration_s > 0, f"--duration must be above 0 s, got {self.duration_s}"),
+            (self.concurrency >= 1, f"--concurrency must be at least 1, got {self.concurrency}"),
+            (self.sample_interval_s > 0,
+             f"--sample-interval must be above 0 s, got {self.sample_interval_s}"),
+            (self.rss_tolerance >= 0,
+             f"--rss-tolerance must be at least 0, got {self.rss_tolerance}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
 
 @dataclass
 class SoakCounts:
@@ -194,7 +208,8 @@ async def wait_ready(base_url: str, proc: subprocess.Popen[bytes], timeout: floa
     async with httpx.AsyncClient(base_url=base_url, timeout=5, trust_env=False) as client:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode} while starting")
+                # Its own output (above) says why: a bad flag is a user error.
+                raise ValueError(f"the server exited with {proc.returncode} while starting")
             try:
                 if (await client.get("/health")).status_code == 200:
                     return

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from framework.bench.soak import add_cli_args, render_markdown, rss_growth, run_from_cli
 from tests.model_fixtures import make_tiny_checkpoint
@@ -33,3 +37,19 @@ def test_a_short_soak_passes_and_writes_its_report(tmp_path: Path) -> None:
     assert "scheduler" in summary["process_roles"].values()
     assert len(summary["rss_samples"]) >= 2
     assert (tmp_path / "out" / "soak.md").read_text() == render_markdown(summary)
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--duration", "-1"], "--duration must be above 0 s"),
+    (["--concurrency", "0"], "--concurrency must be at least 1"),
+    (["--sample-interval", "0"], "--sample-interval must be above 0 s"),
+    (["--rss-tolerance", "-1"], "--rss-tolerance must be at least 0"),
+    (["--duration", "1", "--", "--port", "0"], "the server exited with 2 while starting"),
+])
+def test_a_soak_that_could_show_nothing_is_a_one_line_error(flags: list[str],
+                                                            words: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "framework.cli", "bench", "soak", *flags],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"framework: error: {words}")
+    assert "Traceback" not in result.stderr
