@@ -37,7 +37,7 @@ from framework.runtime.tokenizer_manager import (
     TokenizerManager,
     gather_or_cancel,
 )
-from framework.sampling_params import SamplingParams, check_token_ids
+from framework.sampling_params import FieldError, SamplingParams, check_token_ids
 from framework.server import openai as oai
 from framework.server.openapi_schema import RouteSpec, build_openapi
 from framework.server.sse import error_body, sse_event, sse_stream
@@ -594,18 +594,18 @@ class Routes:
         if not self.state.is_embedding:
             raise RequestError("this model is a generation model; it does not serve embeddings")
         if body.encoding_format not in ("float", "base64"):
-            raise oai.FieldError("encoding_format", "encoding_format must be 'float' or "
+            raise FieldError("encoding_format", "encoding_format must be 'float' or "
                                  f"'base64', got {body.encoding_format!r}")
         size = self.state.embedding_size
         if body.dimensions is not None and body.dimensions != size:
-            raise oai.FieldError("dimensions", f"dimensions must be this model's embedding "
+            raise FieldError("dimensions", f"dimensions must be this model's embedding "
                                  f"size, {size}, or left out (embeddings are not shortened), "
                                  f"got {body.dimensions}")
         items = oai.split_prompts(body.input, "input", self.tm.vocab_size)
         if any(text == "" for text, _ in items):
             # As OpenAI's API: an empty text has no embedding (a tokenizer would still
             # give its special tokens one).
-            raise oai.FieldError("input", "input must not hold an empty string")
+            raise FieldError("input", "input must not hold an empty string")
         results = await unless_client_leaves(request, gather_or_cancel(
             [self.tm.embed(text=t, input_ids=ids) for t, ids in items]))
         data = []

@@ -103,10 +103,6 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-# SamplingParams fields that OpenAI requests name otherwise (max_tokens: per request).
-_REQUEST_NAMES = {"min_new_tokens": "min_tokens"}
-
-
 class _SamplingFields(_RefusesUnsupported, kw_only=True):
     """Sampling fields shared by completions and chat completions (OpenAI names + extras)."""
 
@@ -191,16 +187,15 @@ class _SamplingFields(_RefusesUnsupported, kw_only=True):
     def naming_fields(self, max_tokens_field: str) -> Iterator[None]:
         """Name a refused ``SamplingParams`` field (an error's ``param``) as this request
         names it: ``max_tokens_field``, ``min_tokens``, ``response_format``."""
+        names = {"max_new_tokens": max_tokens_field, "min_new_tokens": "min_tokens"}
+        if self.response_format is not None:
+            names["json_schema"] = "response_format"
         try:
             yield
         except ValueError as exc:
             param = getattr(exc, "param", None)
-            if param == "max_new_tokens":
-                exc.param = max_tokens_field  # type: ignore[attr-defined]
-            elif param == "json_schema" and self.response_format is not None:
-                exc.param = "response_format"  # type: ignore[attr-defined]
-            elif param in _REQUEST_NAMES:
-                exc.param = _REQUEST_NAMES[param]  # type: ignore[attr-defined]
+            if param in names:
+                exc.param = names[param]  # type: ignore[attr-defined]
             raise
 
 
