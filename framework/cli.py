@@ -12,6 +12,7 @@ from typing import Any
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
     from framework.models import MODEL_ARCHITECTURES
+    from framework.optional import OPTIONAL_PARTS
     from framework.registry import REGISTRIES
 
     registries = (*REGISTRIES, MODEL_ARCHITECTURES)
@@ -21,6 +22,11 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
         print(f"{registry.kind}s (entry-point group {registry.group}):")
         for entry in listed:
             print(f"  {entry.name:<{width}} {entry.target:<60} [{entry.source}]")
+    missing = [part for part in OPTIONAL_PARTS if not part.installed()]
+    if missing:
+        print("optional, not installed:")
+        for part in missing:
+            print(f"  {part.name:<{width}} {part.kind:<60} [not installed: {part.install}]")
     return 0
 
 
@@ -59,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="framework", description="An asyncio-first LLM serving runtime.",
         formatter_class=_formatter,
     )
+    from framework import __version__
+
+    parser.add_argument("--version", action="version", version=f"framework {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_subparser)
     sub.required = True
 

@@ -43,7 +43,8 @@ class ServerArgs:
                                      "(default: the tokenizer's)", "model")
     # server
     host: str = _opt("127.0.0.1", "HTTP host to listen on", "server")
-    port: int = _opt(30000, "HTTP port to listen on", "server")
+    port: int = _opt(30000, "HTTP port to listen on; 0: a free port, named in the "
+                     "\"framework is serving\" line", "server")
     stream_interval: int = _opt(2, "send a streamed chunk every N tokens", "server")
     max_request_bytes: int = _opt(32 * 1024 * 1024, "largest request body accepted; a larger "
                                   "one gets 413", "server")
@@ -134,7 +135,7 @@ class ServerArgs:
     def __post_init__(self) -> None:
         """Refuse (``ValueError``, one line on the CLI) values no component could run with."""
         problem = _first_problem([
-            (1 <= self.port <= 65535, f"--port must be in [1, 65535], got {self.port}"),
+            (0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}"),
             (self.stream_interval >= 1,
              f"--stream-interval must be at least 1, got {self.stream_interval}"),
             (self.max_request_bytes >= 1,
@@ -154,6 +155,29 @@ class ServerArgs:
         ])
         if problem is not None:
             raise ValueError(problem)
+        self._check_registered_names()
+
+    def _check_registered_names(self) -> None:
+        """Refuse a name no registry holds now, before any model loads (nothing is imported:
+        the registries list names only)."""
+        from framework.registry import (
+            ATTENTION_BACKENDS,
+            CODECS,
+            GRAMMAR_BACKENDS,
+            TRANSPORTS,
+            UnknownPluginError,
+        )
+
+        for flag, value, registry, also in (
+            ("--transport", self.transport, TRANSPORTS, ()),
+            ("--codec", self.codec, CODECS, ()),
+            ("--attention-backend", self.attention_backend, ATTENTION_BACKENDS, ("auto",)),
+            ("--grammar-backend", self.grammar_backend, GRAMMAR_BACKENDS, ("none",)),
+        ):
+            try:
+                registry.check(value, also)
+            except UnknownPluginError as exc:
+                raise ValueError(f"{flag}: {exc}") from None
 
     def resolved_model_path(self) -> str:
         """The model directory to serve: the one given, or the embedded default."""

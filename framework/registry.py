@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, Generic, TypeVar
 
+from framework.optional import optional_part
+
 T = TypeVar("T")
 
 
@@ -64,12 +66,26 @@ class Registry(Generic[T]):
                 return self._loaded[name]
             entry = self._entries.get(name)
         if entry is None:
-            known = ", ".join(sorted(self._entries)) or "none"
-            raise UnknownPluginError(f"unknown {self.kind} {name!r}; known: {known}")
+            raise UnknownPluginError(self.unknown_message(name))
         obj = _import(entry.target, f"{self.kind} {name!r} ({entry.source})")
         with self._lock:
             self._loaded[name] = obj
         return obj
+
+    def unknown_message(self, name: str, also: tuple[str, ...] = ()) -> str:
+        """Why ``name`` is not here: an optional part to install, or a typo among the known
+        (the registered names and ``also``)."""
+        part = optional_part(self.kind, name)
+        if part is not None and not part.installed():
+            return part.missing_message()
+        known = ", ".join([*also, *sorted(self._entries)]) or "none"
+        return f"unknown {self.kind} {name!r}; known: {known}"
+
+    def check(self, name: str, also: tuple[str, ...] = ()) -> None:
+        """Refuse (``UnknownPluginError``) a name that is neither registered nor in ``also``,
+        without importing anything."""
+        if name not in also and name not in self.names():
+            raise UnknownPluginError(self.unknown_message(name, also))
 
     def names(self) -> list[str]:
         """Every registered name, sorted."""

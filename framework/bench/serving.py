@@ -48,6 +48,7 @@ import httpx
 import msgspec
 
 from framework.bench.environment import git_commit, machine_description
+from framework.optional import PLOTS
 
 DEFAULT_OUTPUT = "benchmarks/results/serving"
 DEFAULT_BASE_URL = "http://127.0.0.1:30000"
@@ -762,7 +763,7 @@ def write_plot(records: Sequence[RequestRecord], path: Path) -> bool:
         from matplotlib.figure import Figure
     except ImportError:
         print(f"note: matplotlib is not installed, so {path.name} is not drawn "
-              "(pip install 'framework[bench]')", file=sys.stderr)
+              f"({PLOTS.install})", file=sys.stderr)
         return False
     done = [r for r in records if r.success]
     series = {

@@ -50,6 +50,7 @@ from framework.bench.messages import SAMPLE_DESCRIPTIONS, SAMPLE_MESSAGES, build
 from framework.comm.codec import Buffer, Codec
 from framework.comm.transport import PipeReceiver, PipeSender, Transport, TransportError
 from framework.messages import Message
+from framework.optional import PLOTS
 from framework.registry import (
     CODECS,
     TRANSPORTS,
@@ -674,7 +675,7 @@ def write_plot(rows: Sequence[TransportRow], path: Path) -> bool:
         from matplotlib.figure import Figure
     except ImportError:
         _print_note(f"note: matplotlib is not installed, so {path.name} is not drawn "
-                    "(pip install 'framework[bench]')")
+                    f"({PLOTS.install})")
         return False
     messages = list(dict.fromkeys(r.message for r in rows))
     if not messages:

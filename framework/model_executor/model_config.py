@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from framework.model_executor.model_dir import check_model_dir
 from framework.model_executor.plain_config import plain_config
 from framework.models import EMBEDDING_ARCHITECTURES, resolve_architecture
 
@@ -31,18 +32,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-
-
-def check_model_dir(model_path: str | Path) -> Path:
-    """The model directory as a ``Path``; ``ValueError`` if it is missing or has no config.json."""
-    path = Path(model_path)
-    if not path.exists():
-        raise ValueError(f"model path {str(path)!r} does not exist")
-    if not path.is_dir():
-        raise ValueError(f"model path {str(path)!r} is not a directory")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"no config.json in model directory {str(path)!r}")
-    return path
 
 
 def read_hf_config(model_path: str | Path) -> Any:

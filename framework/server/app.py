@@ -739,7 +739,13 @@ class Routes:
 
     async def get_server_info(self, request: Request) -> Response:
         info = await self.tm.get_scheduler_info()
-        args = dataclasses.asdict(self.state.server_args)
+        server_args = self.state.server_args
+        args = dataclasses.asdict(server_args)
+        # What is served, also where the flags were left to their defaults (the embedded
+        # model, its tokenizer, the name the API reports).
+        args.update(model_path=self.state.model_path,
+                    tokenizer_path=server_args.tokenizer_path or self.state.model_path,
+                    served_model_name=self.state.model_name)
         if args.get("api_key"):
             args["api_key"] = "<set>"  # a secret is never echoed back
         metrics = self.tm.last_metrics

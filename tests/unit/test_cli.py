@@ -48,20 +48,26 @@ def test_a_missing_model_directory_is_a_one_line_error(tmp_path: Path) -> None:
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("framework: error:")
-    assert "nowhere" in lines[0]
+    # Named as the flag the user gave, not as the tokenizer path it defaults.
+    assert lines[0] == f"framework: error: model path '{tmp_path / 'nowhere'}' does not exist"
 
 
 @pytest.mark.parametrize(("flags", "words"), [
     (["--chunked-prefill-size", "0"], "--chunked-prefill-size must be at least 1, got 0"),
     (["--api-key="], "--api-key must not be empty"),
-    (["--port", "70000"], "--port must be in [1, 65535], got 70000"),
+    (["--port", "70000"], "--port must be in [0, 65535], got 70000"),
     (["--stream-interval", "0"], "--stream-interval must be at least 1"),
     (["--max-request-bytes", "-1"], "--max-request-bytes must be at least 1"),
     (["--graceful-shutdown-timeout", "nan"], "--graceful-shutdown-timeout must be"),
     (["--max-running-requests", "0"], "--max-running-requests must be at least 1"),
     (["--torch-threads", "100000"], "--torch-threads must be in [1, 1024]"),
     (["--host", "no.such.host.invalid"], "cannot listen on no.such.host.invalid:30000"),
+    # Names from a registry are checked with the arguments, before any model loads.
+    (["--grammar-backend", "nosuch"],
+     "--grammar-backend: unknown grammar backend 'nosuch'; known: none, xgrammar"),
+    (["--attention-backend", "nosuch"], "--attention-backend: unknown attention backend "
+     "'nosuch'; known: auto, cpu, torch"),
+    (["--codec", "nosuch"], "--codec: unknown codec 'nosuch'; known: json, msgpack, pickle"),
 ])
 def test_a_value_no_server_could_run_with_is_a_one_line_error(flags: list[str],
                                                               words: str) -> None:
@@ -135,3 +141,12 @@ def test_the_start_up_banner_suggests_a_route_the_model_serves() -> None:
     embedding = banner(True, api_key="secret")
     assert "curl http://127.0.0.1:1/v1/embeddings" in embedding and '"input": ' in embedding
     assert "$API_KEY" in embedding and "secret" not in embedding
+
+
+def test_python_dash_m_framework_prints_the_version() -> None:
+    from framework import __version__
+
+    result = subprocess.run([sys.executable, "-m", "framework", "--version"],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"framework {__version__}"

@@ -90,7 +90,7 @@ def test_import_dotted_accepts_both_spellings() -> None:
 
 def test_framework_plugins_lists_every_kind_of_plugin() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "framework.cli", "plugins"],
+        [sys.executable, "-m", "framework", "plugins"],
         capture_output=True, text=True, check=True, timeout=60,
     ).stdout
     lines = {line.split()[0] for line in out.splitlines() if line.startswith("  ")}
@@ -99,3 +99,25 @@ def test_framework_plugins_lists_every_kind_of_plugin() -> None:
     assert "transports (entry-point group framework.transports):" in out
     assert "model architectures (entry-point group framework.models):" in out
     assert "[built-in]" in out
+
+
+def test_a_missing_optional_part_names_its_install_command(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from framework import cli, optional
+
+    missing = optional.OptionalPart("attention backend", "triton", "fw_no_such_module",
+                                    "pip install -e plugins/triton_attention")
+    monkeypatch.setattr(optional, "OPTIONAL_PARTS", (missing,))
+    registry: Registry[type] = Registry("attention backend", "framework.no_such_group")
+    registry.register("torch", "framework.comm.codec:JsonCodec")
+    with pytest.raises(UnknownPluginError) as asked:
+        registry.get("triton")
+    assert str(asked.value) == ("attention backend 'triton' is not installed: "
+                                "pip install -e plugins/triton_attention")
+    with pytest.raises(UnknownPluginError, match="unknown attention backend 'other'; known: "
+                                                  "auto, torch"):
+        registry.check("other", ("auto",))
+    assert cli.main(["plugins"]) == 0
+    listed = capsys.readouterr().out.split("optional, not installed:\n")[1].split()
+    assert listed[:3] == ["triton", "attention", "backend"]
+    assert "pip install -e plugins/triton_attention]" in " ".join(listed)
