@@ -55,6 +55,7 @@ from typing import Any, NoReturn
 from framework.config import PortArgs, ServerArgs
 from framework.distributed.config import ParallelConfig
 from framework.libc import linux_libc
+from framework.model_executor.model_dir import check_model_dir
 from framework.registry import create_transport, import_dotted
 from framework.runtime.heap import hold_freed_memory
 from framework.runtime.hf_tokenizer import import_transformers, start_loading_tokenizer
@@ -66,6 +67,14 @@ _READY_TIMEOUT_S = 600.0
 _STOP_TIMEOUT_S = 10.0
 _JOIN_TIMEOUT_S = 5.0
 LAUNCH_MODES = ("process", "thread")
+# Each spawned child imports the caller's main module again. A script that starts the runtime
+# at its top level, not under ``if __name__ == "__main__":``, would start it again in every
+# child; the child exits with this code instead, silently, and the parent says why, once.
+_UNGUARDED_MAIN_EXIT = 3
+UNGUARDED_MAIN_MESSAGE = (
+    "the script starts the runtime when it is imported, and each process the runtime spawns "
+    "imports it again: put the code that starts it under `if __name__ == \"__main__\":`"
+)
 
 
 # Each kind of component, and the built-in class that ``--<kind>-class`` must subclass.
@@ -508,6 +517,13 @@ def _exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
+def _leave_if_importing_main() -> None:
+    """In a spawned child still importing the parent's main module, exit (see
+    ``_UNGUARDED_MAIN_EXIT``): multiprocessing marks that phase ``_inheriting``."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        sys.exit(_UNGUARDED_MAIN_EXIT)
+
+
 def _describe_exit(code: int | None) -> str:
     if code is not None and code < 0:
         with contextlib.suppress(ValueError):
@@ -552,11 +568,13 @@ class _ProcessHandle:
         self.process.join(_JOIN_TIMEOUT_S)
         return self.process.exitcode
 
-    def not_ready_reason(self) -> str:
-        # It died before its body ran (an import error, a script that makes an Engine
-        # outside ``if __name__ == "__main__":``); the child printed why.
-        return (f"the process exited {_describe_exit(self.exit_code())} before reporting "
-                "(see its output above)")
+    def not_ready_message(self) -> str:
+        code = self.exit_code()
+        if code == _UNGUARDED_MAIN_EXIT:
+            return UNGUARDED_MAIN_MESSAGE
+        # It died before its body ran (an import error, a crash); the child printed why.
+        return (f"the {self.spec.name} failed to start: the process exited "
+                f"{_describe_exit(code)} before reporting (see its output above)")
 
     def death_message(self) -> str:
         return (f"the {self.spec.name} process exited unexpectedly "
@@ -639,8 +657,8 @@ class _ThreadHandle:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def not_ready_reason(self) -> str:
-        return "the thread ended without reporting"
+    def not_ready_message(self) -> str:
+        return f"the {self.spec.name} failed to start: the thread ended without reporting"
 
     def death_message(self) -> str:
         detail = f": {self.error!r}" if self.error is not None else ""
@@ -685,7 +703,10 @@ class ComponentTree:
     """
 
     def __init__(self, server_args: ServerArgs, num_ranks: int | None = None) -> None:
+        _leave_if_importing_main()
         check_launch_args(server_args)
+        # Named as the user gave it, before its tokenizer is looked for in it.
+        check_model_dir(server_args.resolved_model_path())
         self.server_args = server_args
         check_component_classes(server_args)
         self.tokenizer_manager_class = component_class(server_args, "tokenizer_manager")
@@ -781,8 +802,7 @@ class ComponentTree:
         elif handle.is_alive():
             return False
         if message is None:
-            raise ComponentError(f"the {handle.spec.name} failed to start: "
-                                 f"{handle.not_ready_reason()}")
+            raise ComponentError(handle.not_ready_message())
         status, payload = message
         if status != "ready":
             raise ComponentError(f"the {handle.spec.name} failed to start: {payload}")
