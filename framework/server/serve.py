@@ -7,7 +7,9 @@ import contextlib
 import logging
 import signal
 import socket
+import sys
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from framework.config import ServerArgs
@@ -109,10 +111,12 @@ async def _run_http(server_args: ServerArgs, state: ServerState,
     from framework.server.app import build_app
 
     loop = asyncio.get_running_loop()
-    shutdown = asyncio.Event()
+    drain = Drain(server_args.graceful_shutdown_timeout,
+                  lambda: len(state.tokenizer_manager.rid_to_state))
+    shutdown = drain.started
     exit_code = 0
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, shutdown.set)
+        loop.add_signal_handler(sig, drain.on_signal)
 
     async def watch_components() -> None:
         nonlocal exit_code
@@ -125,8 +129,7 @@ async def _run_http(server_args: ServerArgs, state: ServerState,
         shutdown.set()
 
     async def abort_what_outlives_the_timeout() -> None:
-        await shutdown.wait()
-        await asyncio.sleep(server_args.graceful_shutdown_timeout)
+        await drain.wait_until_over()
         # Each stream still running then ends with finish_reason "abort" and [DONE].
         with contextlib.suppress(Exception):  # a dead runtime has failed them already
             await state.tokenizer_manager.dispatch(
@@ -134,6 +137,8 @@ async def _run_http(server_args: ServerArgs, state: ServerState,
 
     watcher = asyncio.create_task(watch_components())
     aborter = asyncio.create_task(abort_what_outlives_the_timeout())
+    # The bound port: the one asked for, or the free one --port 0 got.
+    base = f"http://{_host(server_args.host)}:{listener.getsockname()[1]}"
     config = HypercornConfig()
     config.bind = [f"fd://{listener.detach()}"]  # Hypercorn owns the socket from here
     config.accesslog = None
@@ -145,7 +150,6 @@ async def _run_http(server_args: ServerArgs, state: ServerState,
     # aborted, with their last event, at --graceful-shutdown-timeout).
     config.graceful_timeout = server_args.graceful_shutdown_timeout + _ABORTED_GRACE_S
     config.loglevel = "WARNING"
-    base = f"http://{_host(server_args.host)}:{server_args.port}"
     backend = components.scheduler_info["attention_backend"]
     print(_startup_banner(server_args, state, base, backend), flush=True)
     try:
@@ -155,6 +159,44 @@ async def _run_http(server_args: ServerArgs, state: ServerState,
         watcher.cancel()
         aborter.cancel()
     return exit_code
+
+
+class Drain:
+    """Shutdown in two steps, as SIGINT or SIGTERM asks.
+
+    The first signal stops the server taking requests and lets those in flight finish
+    for ``timeout`` seconds, saying so in one line; the timeout, or a second signal,
+    ends the drain (the server then aborts what is left).
+    """
+
+    def __init__(self, timeout: float, in_flight: Callable[[], int]) -> None:
+        self.timeout = timeout
+        self.in_flight = in_flight
+        self.started = asyncio.Event()
+        self._cut_short = asyncio.Event()
+
+    def on_signal(self) -> None:
+        """SIGINT or SIGTERM: begin the drain, or end it at once if it has begun."""
+        if not self.started.is_set():
+            count = self.in_flight()
+            if count and self.timeout > 0:
+                _say(f"draining: {count} request(s) in flight may finish within "
+                     f"{self.timeout:g} s (--graceful-shutdown-timeout); press Ctrl-C again "
+                     "to abort them now")
+            self.started.set()
+        elif not self._cut_short.is_set():
+            _say("aborting the requests in flight")
+            self._cut_short.set()
+
+    async def wait_until_over(self) -> None:
+        """Return once the drain has begun and then timed out or been cut short."""
+        await self.started.wait()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._cut_short.wait(), self.timeout)
+
+
+def _say(line: str) -> None:
+    print(f"framework: {line}", file=sys.stderr, flush=True)
 
 
 def _host(host: str) -> str:

@@ -26,7 +26,6 @@ import httpx
 import pytest
 
 from framework.bench.soak import process_tree
-from framework.comm.zmq import free_tcp_port
 from tests.model_fixtures import make_tiny_checkpoint
 from tests.server_harness import ServerProcess, private_tmp, start_server, still_running
 
@@ -84,6 +83,18 @@ class Stream:
         return self.events
 
 
+# The one line a server prints when a signal finds requests in flight.
+DRAINING = ("framework: draining: {count} request(s) in flight may finish within {seconds} s "
+            "(--graceful-shutdown-timeout); press Ctrl-C again to abort them now")
+
+
+def wait_for_line(server: ServerProcess, line: str) -> None:
+    deadline = time.monotonic() + 60  # a liveness bound: the line comes at once
+    while line not in server.log().splitlines():
+        assert time.monotonic() < deadline and server.proc.poll() is None, server.log()
+        time.sleep(0.05)
+
+
 def component_pid(server: ServerProcess, component: str) -> int:
     info = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()
     if component == "scheduler":
@@ -131,6 +142,7 @@ def test_sigterm_lets_streams_in_flight_finish(checkpoint: Path, tmp_path: Path,
     stream = Stream(server.base_url, 300)
     assert stream.first.wait(60), stream.error
     server.proc.send_signal(signal.SIGTERM)
+    wait_for_line(server, DRAINING.format(count=1, seconds=120))
     events = stream.join()
     assert server.proc.wait(timeout=120) == 0, server.log()
     finishes = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]]
@@ -139,6 +151,24 @@ def test_sigterm_lets_streams_in_flight_finish(checkpoint: Path, tmp_path: Path,
     assert text  # the whole output arrived after the signal
     assert still_running(children) == []
     assert os.listdir(env["TMPDIR"]) == []
+
+
+def test_a_second_signal_ends_the_drain_at_once(checkpoint: Path, tmp_path: Path,
+                                               started: list[ServerProcess]) -> None:
+    server = start_server(checkpoint, tmp_path, "--graceful-shutdown-timeout", "600")
+    started.append(server)
+    stream = Stream(server.base_url, LONG)
+    assert stream.first.wait(60), stream.error
+    server.proc.send_signal(signal.SIGTERM)
+    wait_for_line(server, DRAINING.format(count=1, seconds=600))
+    server.proc.send_signal(signal.SIGINT)  # Ctrl-C, a second time
+    # Long before the drain's 600 s: the second signal aborted what was in flight.
+    assert server.proc.wait(timeout=60) == 0, server.log()
+    stream.join()
+    finishes = [e["choices"][0]["finish_reason"] for e in stream.events
+                if isinstance(e, dict) and e.get("choices")]
+    assert finishes[-1] == "abort" and stream.events[-1] == "[DONE]", stream.events[-3:]
+    assert "framework: aborting the requests in flight" in server.log()
 
 
 def test_sigterm_aborts_what_outlives_the_timeout(checkpoint: Path, tmp_path: Path,
@@ -166,7 +196,7 @@ def test_sigterm_during_start_up_removes_everything(checkpoint: Path, tmp_path: 
     no process, socket file or channel directory behind."""
     env = private_tmp(tmp_path)
     command = [sys.executable, "-m", "framework.cli", "serve", "--model-path", str(checkpoint),
-               "--port", str(free_tcp_port()), "--log-level", "warning"]
+               "--port", "0", "--log-level", "warning"]
     with (tmp_path / "server.log").open("w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, **env})
