@@ -42,6 +42,7 @@ from framework.layers.sampler import (
     StepSample,
     sample_step,
 )
+from framework.mem_cache.accounting import slot_accounting_problem
 from framework.mem_cache.prefix_cache import ChunkCache, PrefixCache
 from framework.messages import (
     AbortReq,
@@ -414,14 +415,20 @@ class Scheduler:
         }
 
     def memory_is_free(self) -> bool:
-        """The idle invariant: nothing in flight, free + evictable == pool, nothing locked."""
-        return (
-            not self.all_requests()
-            and self.allocator.available_size() + self.tree_cache.evictable_size()
-            == self.allocator.size
-            and self.tree_cache.protected_size() == 0
-            and self.req_to_token_pool.available_size() == self.req_to_token_pool.size
-        )
+        """The idle invariant: nothing in flight, nothing locked, and every KV slot either
+        free or held by the prefix cache, once (the sets compared, not their sizes)."""
+        return (not self.all_requests() and self.tree_cache.protected_size() == 0
+                and self.slot_accounting_problem() is None)
+
+    def slot_accounting_problem(self) -> str | None:
+        """What is wrong with where the KV slots and request rows are (``None``: nothing):
+        each must be free, cached, or owned by exactly one live request."""
+        holders = [r for r in self.all_requests() if r.req_pool_idx is not None]
+        table = self.req_to_token_pool.req_to_token
+        # A request owns its slots past the cached prefix it locked.
+        owned = [table[r.req_pool_idx, r.cache_protected_len:r.kv_len] for r in holders]
+        return slot_accounting_problem(self.allocator, self.tree_cache, self.req_to_token_pool,
+                                       owned, [r.req_pool_idx for r in holders])
 
     # ------------------------------------------------------------------ batching
 

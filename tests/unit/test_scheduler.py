@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -635,3 +636,21 @@ def test_queue_time_runs_from_intake_to_first_admission(harness_factory, monkeyp
     assert h.outcomes["first"].queue_seconds == 0.0
     assert h.outcomes["second"].queue_seconds == 5.0
     h.assert_idle_invariant()
+
+
+def test_the_idle_check_compares_the_slots_not_their_counts(harness_factory) -> None:
+    h = harness_factory()
+    h.submit("r", prompt(3, 12), max_new_tokens=4, ignore_eos=True, **GREEDY)
+    h.run()
+    scheduler = h.scheduler
+    assert scheduler.memory_is_free()
+    held = scheduler.tree_cache.held_indices()
+    assert held.numel() > 0, "the prefix cache keeps the finished request's slots"
+    # One cached slot also on the free list, one free slot lost: every count still adds up.
+    free = scheduler.allocator.free_indices()
+    scheduler.allocator._free_slots = torch.cat([free[1:], held[:1]])
+    scheduler.allocator._freed = []
+    assert scheduler.allocator.available_size() == free.numel()
+    assert not scheduler.memory_is_free()
+    assert "1 accounted for nowhere, 1 accounted for more than once" in (
+        scheduler.slot_accounting_problem() or "")
