@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +20,6 @@ from typing import Any
 import httpx
 
 from framework.bench.soak import process_tree
-from framework.comm.zmq import free_tcp_port
 
 
 @dataclass
@@ -53,35 +56,49 @@ def child_pids(pid: int) -> list[int]:
     return process_tree(pid)[1:]
 
 
-def start_server(model_dir: Path, log_dir: Path, *extra: str, timeout: float = 180.0,
+# The line ``framework serve`` prints once it serves, naming the port it bound.
+SERVING_LINE = re.compile(r"framework is serving .* at (http://\S+) \(")
+
+
+def start_server(model_dir: Path | None, log_dir: Path, *extra: str, timeout: float = 180.0,
                  env: dict[str, str] | None = None) -> ServerProcess:
-    """Start ``framework serve`` and wait until ``/health`` answers 200."""
-    port = free_tcp_port()
-    args = [sys.executable, "-m", "framework.cli", "serve", "--port", str(port),
+    """Start ``framework serve --port 0`` and wait until ``/health`` answers 200.
+
+    The server binds a free port itself and names it in its "framework is serving"
+    line, read back from its output (no port is chosen here and then raced for).
+    """
+    args = [sys.executable, "-m", "framework.cli", "serve", "--port", "0",
             "--log-level", "warning"]
     if model_dir is not None:
         args += ["--model-path", str(model_dir)]
     args += list(extra)
-    log_path = log_dir / f"server-{port}.log"
-    log = log_path.open("w")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
-    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path, args)
+    log_path = Path(tempfile.mkstemp(prefix="server-", suffix=".log", dir=log_dir)[1])
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+    server = ServerProcess(proc, "", log_path, args)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+        if not server.base_url:
+            found = SERVING_LINE.search(server.log())
+            server.base_url = found.group(1) if found else ""
+        if server.base_url and _healthy(server.base_url):
+            return server
+        time.sleep(0.1)
     server.stop(signal.SIGKILL)
     raise RuntimeError(f"server did not become healthy:\n{server.log()}")
 
 
-def serving(model_dir: Path, log_dir: Path, *extra: str, **options: Any
+def _healthy(base_url: str) -> bool:
+    try:
+        return httpx.get(f"{base_url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def serving(model_dir: Path | None, log_dir: Path, *extra: str, **options: Any
             ) -> Iterator[ServerProcess]:
     """A started server, for a fixture to ``yield from``; it must then stop with status 0."""
     proc = start_server(model_dir, log_dir, *extra, **options)
@@ -166,3 +183,74 @@ def own_children() -> set[int]:
         if b"resource_tracker" not in cmdline:
             pids.add(pid)
     return pids
+
+
+class SharedPool:
+    """Servers and Engines shared by every test that asks for the same one.
+
+    Keyed by what makes them (checkpoint, flags, environment); at most ``capacity``
+    alive at once, so that the suite fits in memory: a new one first closes the least
+    recently used of those no fixture holds. A server must stop with status 0; one
+    that does not is reported when the session ends.
+    """
+
+    def __init__(self, log_dir: Path, capacity: int = 3) -> None:
+        self.log_dir = log_dir
+        self.capacity = capacity
+        # key -> (the server or Engine, how to close it, how many fixtures hold it)
+        self._alive: OrderedDict[Hashable, list[Any]] = OrderedDict()
+        self.failures: list[str] = []
+
+    @contextlib.contextmanager
+    def server(self, model_dir: Path | None, *flags: str,
+               env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+        """Hold the server of ``model_dir`` and ``flags`` (started, or started before)."""
+        key = ("server", str(model_dir), flags, tuple(sorted((env or {}).items())))
+        with self._hold(key, lambda: start_server(model_dir, self.log_dir, *flags, env=env),
+                        self._stop_server) as server:
+            if server.proc.poll() is not None:
+                raise RuntimeError(f"a shared server exited:\n{server.log()}")
+            yield server
+
+    @contextlib.contextmanager
+    def engine(self, **kwargs: Any) -> Iterator[Any]:
+        """Hold the Engine made with ``kwargs`` (``ServerArgs`` fields)."""
+        from framework import Engine
+
+        key = ("engine", tuple(sorted((k, str(v)) for k, v in kwargs.items())))
+        with self._hold(key, lambda: Engine(**kwargs), lambda e: e.shutdown()) as engine:
+            yield engine
+
+    @contextlib.contextmanager
+    def _hold(self, key: Hashable, make: Callable[[], Any],
+              close: Callable[[Any], None]) -> Iterator[Any]:
+        entry = self._alive.get(key)
+        if entry is None:
+            self._make_room()
+            entry = self._alive[key] = [make(), close, 0]
+        self._alive.move_to_end(key)
+        entry[2] += 1
+        try:
+            yield entry[0]
+        finally:
+            entry[2] -= 1
+
+    def _make_room(self) -> None:
+        idle = [key for key, entry in self._alive.items() if entry[2] == 0]
+        while len(self._alive) >= self.capacity and idle:
+            self._close(idle.pop(0))
+
+    def _close(self, key: Hashable) -> None:
+        obj, close, _ = self._alive.pop(key)
+        close(obj)
+
+    def _stop_server(self, server: ServerProcess) -> None:
+        status = server.stop()
+        if status != 0:
+            self.failures.append(f"{' '.join(server.args)} exited with {status}:\n"
+                                 f"{server.log()}")
+
+    def close(self) -> None:
+        """Close everything still alive."""
+        for key in list(self._alive):
+            self._close(key)

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.model_fixtures import TINY_VOCAB_SIZE, make_tiny_checkpoint
-from tests.server_harness import ServerProcess, serving, sse_events, wait_until_idle
+from tests.model_fixtures import TINY_VOCAB_SIZE
+from tests.server_harness import ServerProcess, SharedPool, sse_events, wait_until_idle
 
 KEY = "sk-test"
 MODEL = "tiny"
@@ -51,12 +52,12 @@ def _body(route: str, stream: bool = False, **extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(shared: SharedPool, tiny_checkpoint: Callable[..., Path]) -> Iterator[ServerProcess]:
     # A long context, so that the abort test's requests are still running when it aborts.
-    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama",
-                                max_position_embeddings=8192)
-    yield from serving(ckpt, tmp_path_factory.mktemp("logs"), "--api-key", KEY,
-                       "--served-model-name", MODEL, "--log-requests", "--log-level", "info")
+    ckpt = tiny_checkpoint("llama", max_position_embeddings=8192)
+    with shared.server(ckpt, "--api-key", KEY, "--served-model-name", MODEL, "--log-requests",
+                       "--log-level", "info") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from framework import Engine
-from tests.model_fixtures import TINY_VOCAB_SIZE, make_tiny_checkpoint
-from tests.server_harness import ServerProcess, http_client, serving, wait_until_idle
+from tests.model_fixtures import TINY_VOCAB_SIZE
+from tests.server_harness import ServerProcess, SharedPool, http_client, wait_until_idle
 
 VOCAB = TINY_VOCAB_SIZE
 CHAT = [{"role": "user", "content": "hello"}]
@@ -168,16 +168,16 @@ BAD_RAW: list[tuple[str, bytes, str]] = [
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def checkpoint(tiny_checkpoint: Callable[..., Path]) -> Path:
     """A tiny random Llama with its tokenizer (and chat template)."""
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", seed=3)
+    return tiny_checkpoint("llama", seed=3)
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(checkpoint: Path, shared: SharedPool) -> Iterator[ServerProcess]:
     """One server for the whole module; msgpack, the codec with the narrowest integers."""
-    yield from serving(checkpoint, tmp_path_factory.mktemp("logs"), "--transport", "zmq",
-                       "--codec", "msgpack")
+    with shared.server(checkpoint, "--transport", "zmq", "--codec", "msgpack") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

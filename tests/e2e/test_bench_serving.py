@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +28,7 @@ from framework.bench.serving import (
 )
 from framework.cli import main
 from framework.comm.zmq import free_tcp_port
-from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import ServerProcess, serving
+from tests.server_harness import ServerProcess
 
 RECORD_FIELDS = {
     "index", "group", "input_len", "output_len", "success", "error", "prompt_tokens",
@@ -40,10 +38,8 @@ RECORD_FIELDS = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    tmp = tmp_path_factory.mktemp("serving_bench")
-    model = make_tiny_checkpoint(tmp, "llama")
-    yield from serving(model, tmp, "--served-model-name", "tiny")
+def server(tiny_server: ServerProcess) -> ServerProcess:
+    return tiny_server
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

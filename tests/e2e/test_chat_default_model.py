@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -23,14 +22,6 @@ GREEDY = {"temperature": 0.0, "max_tokens": 16}
 # A template of another shape than the tiny tokenizer's own (which is removed).
 TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}[assistant] {% endif %}")
-
-
-@pytest.fixture(scope="module")
-def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """``framework serve`` with no model path: the embedded default model."""
-    server = start_server(None, tmp_path_factory.mktemp("chat-default"))
-    yield server
-    server.stop()
 
 
 def client_of(server: ServerProcess) -> openai.OpenAI:

@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +21,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from framework import Engine
-from tests.model_fixtures import make_tiny_checkpoint
 from tests.server_harness import (
     ServerProcess,
+    SharedPool,
     http_client,
     scheduler_info,
-    serving,
     sse_events,
     start_server,
     wait_until_idle,
@@ -39,9 +38,14 @@ LONG = {"temperature": 0.0, "max_new_tokens": 4000, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("dp_ckpt"), "llama", seed=11,
-                                max_position_embeddings=8192)
+def model_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
+    return tiny_checkpoint("llama", seed=11, max_position_embeddings=8192)
+
+
+@pytest.fixture(scope="module")
+def other_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
+    """The same shapes as ``model_dir``, other weights."""
+    return tiny_checkpoint("llama", seed=12, max_position_embeddings=8192)
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +57,10 @@ def reference(model_dir: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="module", params=["round_robin", "shortest_queue"])
 def server(request: pytest.FixtureRequest, model_dir: Path,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from serving(model_dir, tmp_path_factory.mktemp("dp_logs"), "--dp-size", "2",
-                       "--load-balance-method", request.param, "--enable-metrics")
+           shared: SharedPool) -> Iterator[ServerProcess]:
+    with shared.server(model_dir, "--dp-size", "2", "--load-balance-method", request.param,
+                       "--enable-metrics") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -167,13 +172,33 @@ def test_flush_cache_acts_on_every_replica(client: httpx.Client) -> None:
 
 
 def test_update_weights_answers_for_every_replica(client: httpx.Client, model_dir: Path,
+                                                  other_dir: Path,
                                                   reference: list[list[int]]) -> None:
-    reply = client.post("/update_weights_from_disk", json={"model_path": str(model_dir)})
-    assert reply.status_code == 200, reply.text
-    assert reply.json()["success"] is True
-    assert "replica 0:" in reply.json()["message"] and "replica 1:" in reply.json()["message"]
-    outputs = client.post("/generate", json={"text": PROMPTS[:4], "sampling_params": GREEDY})
-    assert [o["output_ids"] for o in outputs.json()] == reference[:4]
+    def update(path: Path) -> None:
+        reply = client.post("/update_weights_from_disk", json={"model_path": str(path)})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["success"] is True
+        assert "replica 0:" in reply.json()["message"]
+        assert "replica 1:" in reply.json()["message"]
+
+    def generate() -> tuple[list[list[int]], list[int]]:
+        """Every prompt's tokens, and how many prompts each replica served."""
+        before = [r["load"]["routed_requests"] for r in replicas(client)]
+        outputs = client.post("/generate", json={"text": PROMPTS, "sampling_params": GREEDY})
+        assert outputs.status_code == 200, outputs.text
+        routed = [r["load"]["routed_requests"] - b for r, b in zip(replicas(client), before)]
+        return [o["output_ids"] for o in outputs.json()], routed
+
+    update(other_dir)  # other weights of the same shapes
+    tokens, routed = generate()
+    assert all(count > 0 for count in routed), routed
+    # Every prompt, whichever replica served it, runs on the new weights.
+    unchanged = [i for i, (new, old) in enumerate(zip(tokens, reference)) if new == old]
+    assert unchanged == [], f"prompts still on the old weights: {unchanged}"
+    update(model_dir)  # and back, for the other tests
+    tokens, routed = generate()
+    assert all(count > 0 for count in routed), routed
+    assert tokens == reference
 
 
 def test_each_replica_reports_its_load(client: httpx.Client) -> None:

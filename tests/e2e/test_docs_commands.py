@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.server_harness import ServerProcess
+
 ROOT = Path(__file__).resolve().parents[2]
-BASE = "http://127.0.0.1:30000"
+# The address the README and the quickstart write; their commands run against the test's
+# server, which listens on a free port instead.
+DOCS_BASE = "http://127.0.0.1:30000"
 
 
 def code_blocks(path: Path, language: str) -> list[str]:
@@ -43,82 +43,62 @@ def readme_serve_command() -> str:
 
 
 @pytest.fixture(scope="module")
-def readme_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The README's serve command, run as written (the install step is what CI runs)."""
-    log = (tmp_path_factory.mktemp("readme") / "server.log").open("w")
-    # `exec`: the shell becomes the server, so a signal reaches the server itself.
-    proc = subprocess.Popen(f"exec {readme_serve_command()}", shell=True, cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"the README's server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{BASE}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail("the README's server did not become healthy")
-        time.sleep(0.2)
-    yield
-    proc.send_signal(signal.SIGTERM)
-    try:
-        assert proc.wait(30) == 0
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+def readme_server(default_server: ServerProcess) -> ServerProcess:
+    """The README's serve command, on a free port (``.ci/run`` runs it as written, with
+    its install, in a fresh venv)."""
+    assert default_server.args[-4:] == readme_serve_command().split()[2:]
+    return default_server
 
 
-def run_shell(command: str) -> str:
-    result = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
+def run_shell(command: str, server: ServerProcess) -> str:
+    result = subprocess.run(command.replace(DOCS_BASE, server.base_url), shell=True, cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
 
-def test_readme_curl_example(readme_server: None) -> None:
+def test_readme_curl_example(readme_server: ServerProcess) -> None:
     curl = [c for c in commands(code_blocks(ROOT / "README.md", "bash")[1])
             if c.startswith("curl")]
     assert curl, "the README has a curl example"
-    body = json.loads(run_shell(curl[0]))
+    body = json.loads(run_shell(curl[0], readme_server))
     assert body["object"] == "text_completion"
     assert body["choices"][0]["text"]
     assert body["usage"]["completion_tokens"] == 32
 
 
-def test_quickstart_shell_commands(readme_server: None) -> None:
+def test_quickstart_shell_commands(readme_server: ServerProcess) -> None:
     quickstart = ROOT / "docs" / "quickstart.md"
     curls = [c for block in code_blocks(quickstart, "bash") for c in commands(block)
              if c.startswith("curl")]
     assert len(curls) == 3
-    completion = json.loads(run_shell(curls[0]))
+    completion = json.loads(run_shell(curls[0], readme_server))
     assert completion["choices"][0]["finish_reason"] in ("stop", "length")
-    events = [line for line in run_shell(curls[1]).splitlines() if line.startswith("data: ")]
+    events = [line for line in run_shell(curls[1], readme_server).splitlines()
+              if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     assert len(events) >= 2
-    generated = json.loads(run_shell(curls[2]))
+    generated = json.loads(run_shell(curls[2], readme_server))
     assert generated["meta_info"]["completion_tokens"] <= 8
 
 
-def test_quickstart_python_snippets(readme_server: None) -> None:
-    snippets = code_blocks(ROOT / "docs" / "quickstart.md", "python")
-    assert len(snippets) == 2
-    for snippet in snippets:
-        result = subprocess.run([sys.executable, "-c", snippet], cwd=ROOT, capture_output=True,
-                                text=True, timeout=300,
-                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        assert result.returncode == 0, result.stderr
-        assert result.stdout.strip()
+def test_quickstart_client_snippet(readme_server: ServerProcess, tmp_path: Path) -> None:
+    """The ``openai`` client snippet, run as a file (the Engine's: test_docs_snippets.py)."""
+    snippets = [s for s in code_blocks(ROOT / "docs" / "quickstart.md", "python")
+                if "Engine(" not in s]
+    assert len(snippets) == 1
+    script = tmp_path / "client.py"
+    script.write_text(snippets[0].replace(DOCS_BASE, readme_server.base_url))
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
 
 
-def test_default_model_completes_code_like_code() -> None:
-    from framework import Engine
-
-    with Engine() as engine:
-        out = engine.generate("def fibonacci(n):", {"max_new_tokens": 48, "temperature": 0})
+def test_default_model_completes_code_like_code(readme_server: ServerProcess) -> None:
+    out = httpx.post(f"{readme_server.base_url}/generate", timeout=120, json={
+        "text": "def fibonacci(n):", "sampling_params": {"max_new_tokens": 48,
+                                                          "temperature": 0}}).json()
     text = out["text"]
     # A code model's continuation: an indented body with Python keywords or calls.
     assert "\n    " in text or "\n        " in text, text

@@ -13,7 +13,7 @@ import pytest
 import transformers
 
 from tests.model_fixtures import minilm_checkpoint, reference_sentence_embeddings
-from tests.server_harness import ServerProcess, http_client, serving
+from tests.server_harness import ServerProcess, SharedPool, http_client
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +22,9 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[ServerProcess]:
-    yield from serving(model_dir, tmp_path_factory.mktemp("logs"), "--transport", "zmq",
-                       "--codec", "msgpack")
+def server(model_dir: Path, shared: SharedPool) -> Iterator[ServerProcess]:
+    with shared.server(model_dir, "--transport", "zmq", "--codec", "msgpack") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

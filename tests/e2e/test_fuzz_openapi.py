@@ -16,8 +16,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import ServerProcess, serving, wait_until_idle
+from tests.server_harness import ServerProcess, wait_until_idle
 
 EXAMPLES = 20
 # Fields whose generated values would make a call long rather than interesting.
@@ -26,10 +25,8 @@ CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "max_new_tokens": 4, "n": 2
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", seed=4)
-    yield from serving(ckpt, tmp_path_factory.mktemp("logs"), "--context-length", "64",
-                       "--max-total-tokens", "512")
+def server(small_context_server: ServerProcess) -> ServerProcess:
+    return small_context_server
 
 
 def cap(value: Any) -> None:

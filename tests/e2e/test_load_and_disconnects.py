@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,13 @@ import httpx
 import pytest
 
 from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import ServerProcess, http_client, serving, start_server, wait_until_idle
+from tests.server_harness import (
+    ServerProcess,
+    SharedPool,
+    http_client,
+    start_server,
+    wait_until_idle,
+)
 
 NEW_TOKENS = 8
 PROMPTS = [" ".join(f"w{(seed * 7 + i) % 50}" for i in range(3 + seed % 11)) for seed in range(20)]
@@ -37,16 +43,16 @@ def generate_body(prompt: str, stream: bool, new_tokens: int = NEW_TOKENS) -> di
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", seed=21)
+def checkpoint(tiny_checkpoint: Callable[..., Path]) -> Path:
+    return tiny_checkpoint("llama", seed=21)
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[ServerProcess]:
+def server(checkpoint: Path, shared: SharedPool) -> Iterator[ServerProcess]:
     # A pool of 256 tokens for 8 running requests: retraction and queueing, not just batching.
-    yield from serving(checkpoint, tmp_path_factory.mktemp("logs"), "--max-running-requests",
-                       "8", "--max-total-tokens", "256", "--chunked-prefill-size", "64")
+    with shared.server(checkpoint, "--max-running-requests", "8", "--max-total-tokens", "256",
+                       "--chunked-prefill-size", "64") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,13 @@ histogram by exactly its rule's number of observations (see
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from framework.messages import SchedulerMetrics
-from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import ServerProcess, serving, stream_events
+from tests.server_harness import ServerProcess, stream_events
 
 PROMPT = "The scheduler picks which requests run next, and the tokenizer turns text into ids."
 GAUGES = ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate",
@@ -26,10 +24,8 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    tmp = tmp_path_factory.mktemp("metrics_server")
-    model = make_tiny_checkpoint(tmp, "llama", seed=5)
-    yield from serving(model, tmp, "--served-model-name", "tiny", "--enable-metrics")
+def server(tiny_server: ServerProcess) -> ServerProcess:
+    return tiny_server
 
 
 def scrape(server: ServerProcess) -> Samples:

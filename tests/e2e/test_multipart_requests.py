@@ -15,8 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import ServerProcess, http_client, serving, wait_until_idle
+from tests.server_harness import ServerProcess, http_client, wait_until_idle
 
 CONTEXT = 64
 SHORT_IDS = [5, 6, 7]
@@ -45,11 +44,10 @@ ONE_PART_TOO_LONG: list[tuple[str, dict[str, Any]]] = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """One server for the module, with a context small enough for one prompt to overflow."""
-    checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", seed=4)
-    yield from serving(checkpoint, tmp_path_factory.mktemp("logs"),
-                       "--context-length", str(CONTEXT))
+def server(small_context_server: ServerProcess) -> ServerProcess:
+    """A context small enough for one prompt to overflow."""
+    assert small_context_server.args[-4:-2] == ["--context-length", str(CONTEXT)]
+    return small_context_server
 
 
 @pytest.fixture(scope="module")

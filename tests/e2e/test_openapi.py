@@ -7,7 +7,7 @@ table of an app built in this process with the same flags.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +21,9 @@ from framework.config import ServerArgs
 from framework.sampling_params import SamplingParams
 from framework.server.app import OPEN_PATHS, ServerState, build_app
 from framework.server.openapi_schema import BOUNDS, openapi_path
-from tests.model_fixtures import make_tiny_checkpoint
 from tests.server_harness import (
     ServerProcess,
-    serving,
+    SharedPool,
     stream_events,
     wait_until_idle,
 )
@@ -34,14 +33,14 @@ PROMPT = "hello there"
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
+def ckpt(tiny_checkpoint: Callable[..., Path]) -> Path:
+    return tiny_checkpoint("llama")
 
 
 @pytest.fixture(scope="module")
-def server(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from serving(ckpt, tmp_path_factory.mktemp("logs"), "--api-key", KEY,
-                       "--enable-metrics")
+def server(ckpt: Path, shared: SharedPool) -> Iterator[ServerProcess]:
+    with shared.server(ckpt, "--api-key", KEY, "--enable-metrics") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

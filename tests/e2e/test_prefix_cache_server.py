@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import openai
 import pytest
 
-from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import ServerProcess, serving, wait_until_idle
+from tests.server_harness import ServerProcess, wait_until_idle
 
 SHARED = ("The scheduler picks which requests run next; the tokenizer turns text into ids. "
           "Paged memory splits the cache into slots so that requests of any length fit "
@@ -17,10 +14,8 @@ SHARED = ("The scheduler picks which requests run next; the tokenizer turns text
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    tmp = tmp_path_factory.mktemp("prefix_server")
-    model = make_tiny_checkpoint(tmp, "llama", seed=4)
-    yield from serving(model, tmp, "--served-model-name", "tiny")
+def server(tiny_server: ServerProcess) -> ServerProcess:
+    return tiny_server
 
 
 def complete(client: openai.OpenAI, prompt: str) -> openai.types.Completion:
@@ -31,6 +26,8 @@ def complete(client: openai.OpenAI, prompt: str) -> openai.types.Completion:
 def test_a_shared_prefix_is_reported_as_cached_and_flush_empties_the_cache(
         server: ServerProcess) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+    # The server is shared: what other tests left in the cache goes first.
+    assert httpx.post(f"{server.base_url}/flush_cache", timeout=30).status_code == 200
     first = complete(client, SHARED + " First question?")
     assert first.usage.prompt_tokens_details is None  # nothing was cached yet
 

@@ -5,7 +5,7 @@ client, and ``logprob_start_len`` on /generate, against transformers' log-softma
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,11 +16,10 @@ import pytest
 import torch
 import transformers
 
-from tests.model_fixtures import make_tiny_checkpoint
 from tests.server_harness import (
     ServerProcess,
+    SharedPool,
     http_client,
-    serving,
     stream_events,
     wait_until_idle,
 )
@@ -31,16 +30,16 @@ PROMPT = "the quick brown fox jumps over the lazy dog and then the cat"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", seed=13)
+def checkpoint(tiny_checkpoint: Callable[..., Path]) -> Path:
+    return tiny_checkpoint("llama", seed=13)
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[ServerProcess]:
+def server(checkpoint: Path, shared: SharedPool) -> Iterator[ServerProcess]:
     # Small chunks: the prompt's logprobs are gathered over several prefill steps.
-    yield from serving(checkpoint, tmp_path_factory.mktemp("logs"),
-                       "--chunked-prefill-size", "4", "--served-model-name", MODEL)
+    with shared.server(checkpoint, "--chunked-prefill-size", "4", "--served-model-name",
+                       MODEL) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +17,12 @@ import openai
 import pytest
 
 from framework import Engine
-from tests.model_fixtures import make_tiny_checkpoint
 from tests.server_harness import (
     ServerProcess,
+    SharedPool,
     child_pids,
     http_client,
     private_tmp,
-    serving,
     start_server,
     still_running,
     stream_events,
@@ -48,11 +47,9 @@ CONFIGS = [("zmq", "pickle"), ("zmq", "msgpack"), ("shm", "msgpack")]
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def checkpoints(tiny_checkpoint: Callable[..., Path]) -> tuple[Path, Path]:
     """Two tiny Llama checkpoints of the same shape with different weights."""
-    first = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt_a"), "llama", seed=1)
-    second = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt_b"), "llama", seed=2)
-    return first, second
+    return tiny_checkpoint("llama", seed=1), tiny_checkpoint("llama", seed=2)
 
 
 def _engine_outputs(model: Path) -> list[dict[str, Any]]:
@@ -69,11 +66,11 @@ def expected(checkpoints: tuple[Path, Path]) -> dict[Path, list[dict[str, Any]]]
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=[f"{t}+{c}" for t, c in CONFIGS])
 def server(request: pytest.FixtureRequest, checkpoints: tuple[Path, Path],
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+           shared: SharedPool) -> Iterator[ServerProcess]:
     transport, codec = request.param
-    log_dir = tmp_path_factory.mktemp("logs")
-    yield from serving(checkpoints[0], log_dir, "--transport", transport, "--codec", codec,
-                       "--stream-interval", str(STREAM_INTERVAL))
+    with shared.server(checkpoints[0], "--transport", transport, "--codec", codec,
+                       "--stream-interval", str(STREAM_INTERVAL)) as server:
+        yield server
 
 
 @pytest.fixture

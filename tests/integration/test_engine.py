@@ -37,11 +37,10 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 IN_THREADS = {"launch_mode": "thread"}
 
 
-def transformers_greedy(model_dir: Path, prompt_ids: list[int],
+def transformers_greedy(model: Any, prompt_ids: list[int],
                         new_tokens: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens and their logprobs from transformers, one prompt at a time, float64."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
-    model.eval()
+    """Greedy tokens and their logprobs from transformers (a float64 model), one prompt at a
+    time, each step over the whole sequence."""
     ids = torch.tensor([prompt_ids])
     out_ids: list[int] = []
     logprobs: list[float] = []
@@ -64,8 +63,9 @@ def test_batched_greedy_matches_transformers(arch: str, tmp_path: Path) -> None:
                                   return_text_in_logprobs=True)
         assert engine.get_server_info()["kv_cache_idle_and_free"] is True
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
     for prompt, out in zip(PROMPTS, outputs):
-        ref_ids, ref_logprobs = transformers_greedy(model_dir, tokenizer.encode(prompt),
+        ref_ids, ref_logprobs = transformers_greedy(model.eval(), tokenizer.encode(prompt),
                                                     NEW_TOKENS)
         assert out["output_ids"] == ref_ids, prompt
         entries = out["meta_info"]["output_token_logprobs"]

@@ -273,8 +273,21 @@ def test_pickle_over_tcp_is_refused_without_opt_in(workdir: str) -> None:
 
 def test_pickle_over_ipc_needs_no_opt_in(workdir: str) -> None:
     transport = create_transport("zmq")
-    receiver = transport.receiver(transport.make_address(workdir, "local"), create_codec("pickle"))
-    receiver.close()
+    address = transport.make_address(workdir, "local")
+    receiver = transport.receiver(address, create_codec("pickle"))
+    sender = transport.sender(address, create_codec("pickle"))
+    sent = _token_batch(seed=1, size=16)
+
+    async def scenario() -> Any:
+        await sender.send(sent)
+        return await asyncio.wait_for(receiver.recv(), 20)
+
+    try:
+        got = asyncio.run(scenario())
+    finally:
+        receiver.close()
+        sender.close()
+    assert same(got, sent)
 
 
 def test_a_transport_refuses_foreign_address_schemes(workdir: str) -> None:

@@ -1,0 +1,78 @@
+"""What every test shares: a cache of the run's own, tiny checkpoints built once per session,
+and the pool of servers and Engines that tests with the same needs share."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.model_fixtures import make_tiny_checkpoint
+from tests.server_harness import ServerProcess, SharedPool
+
+# Each run gets a $XDG_CACHE_HOME of its own (built kernels, remembered tokenizer classes),
+# set before anything reads it, so that no test depends on what an earlier run left there.
+# The servers and Engines the tests start inherit it.
+_RUN_CACHE = tempfile.mkdtemp(prefix="framework-tests-cache-")
+os.environ["XDG_CACHE_HOME"] = _RUN_CACHE
+atexit.register(shutil.rmtree, _RUN_CACHE, True)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``make_tiny_checkpoint`` without its directory argument, built once per session for
+    each set of arguments: the directory is shared, so a test must not change it."""
+    root = tmp_path_factory.mktemp("tiny")
+    built: dict[str, Path] = {}
+
+    def make(arch: str, **kwargs: Any) -> Path:
+        key = json.dumps([arch, kwargs], sort_keys=True, default=str)
+        if key not in built:
+            built[key] = make_tiny_checkpoint(root, arch, **kwargs)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedPool]:
+    """Servers and Engines shared across modules (``shared.server(...)``, ``shared.engine(...)``),
+    at most three alive at once."""
+    pool = SharedPool(tmp_path_factory.mktemp("shared-servers"))
+    yield pool
+    pool.close()
+    assert not pool.failures, "\n".join(pool.failures)
+
+
+@pytest.fixture(scope="module")
+def default_server(shared: SharedPool) -> Iterator[ServerProcess]:
+    """The server of the README's serve command: the embedded model, zmq and pickle."""
+    with shared.server(None, "--transport", "zmq", "--codec", "pickle") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tiny_server(shared: SharedPool, tiny_checkpoint: Callable[..., Path]
+                ) -> Iterator[ServerProcess]:
+    """A tiny Llama served as ``tiny``, with ``/metrics``: for the tests that need no other
+    flag (they must not rely on an empty prefix cache: flush it first)."""
+    with shared.server(tiny_checkpoint("llama", seed=4), "--served-model-name", "tiny",
+                       "--enable-metrics") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def small_context_server(shared: SharedPool, tiny_checkpoint: Callable[..., Path]
+                         ) -> Iterator[ServerProcess]:
+    """A tiny Llama with a 64-token context and a 512-token KV pool: long prompts overflow,
+    generated lengths stay short."""
+    with shared.server(tiny_checkpoint("llama", seed=4), "--context-length", "64",
+                       "--max-total-tokens", "512") as server:
+        yield server
