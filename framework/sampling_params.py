@@ -119,8 +119,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @classmethod
     def from_dict(cls, params: dict | None) -> SamplingParams:
-        """Build from a JSON-like dict; unknown keys and wrong types are ``ValueError``s."""
-        params = dict(params or {})
+        """Build from a JSON-like dict; unknown keys and wrong types are ``ValueError``s.
+
+        A field given as None (JSON's ``null``) takes its default, as if left out; an
+        unknown key is refused whatever its value.
+        """
+        params = {key: value for key, value in (params or {}).items()
+                  if value is not None or key not in cls.__struct_fields__}
         if isinstance(params.get("stop"), str):
             params["stop"] = [params["stop"]]
         if isinstance(params.get("json_schema"), dict):

@@ -1,13 +1,16 @@
 """OpenAI-compatible request schemas and the response shapes built from runtime outputs.
 
 Requests are ``msgspec.Struct``s: decoding validates types, and unknown
-fields are ignored as OpenAI ignores them. ``to_sampling_params`` maps the
-OpenAI names onto ``SamplingParams``.
+fields are ignored as OpenAI ignores them. ``_SamplingFields.sampling_params`` maps
+the OpenAI names onto ``SamplingParams``. A field that OpenAI's API (or SGLang's, on
+``/generate``) lets a client send as ``null`` is typed ``X | None``: with a default
+other than None, a ``null`` means that default (see ``_NullMeansDefault``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 import uuid
@@ -40,7 +43,30 @@ class UnsupportedFieldError(ValueError):
         self.param = field
 
 
-class _RefusesUnsupported(msgspec.Struct, kw_only=True):
+@functools.cache
+def _null_defaults(cls: type[msgspec.Struct]) -> tuple[tuple[str, Any], ...]:
+    """``(name, default)`` of each field of ``cls`` with a plain default other than None."""
+    return tuple((f.name, f.default) for f in msgspec.structs.fields(cls)
+                 if f.default is not None and f.default is not msgspec.NODEFAULT)
+
+
+class _NullMeansDefault(msgspec.Struct, kw_only=True):
+    """A request body in which an explicit ``null`` means "not given".
+
+    OpenAI's API marks most request fields nullable, and clients that serialise
+    ``None`` send ``null`` for what they leave unset. Such a field is typed ``X | None``
+    so that ``null`` decodes; if its default is not None, ``__post_init__`` (which
+    msgspec runs after decoding) puts that default in its place, so that every later
+    reader sees the same value as for a field left out.
+    """
+
+    def __post_init__(self) -> None:
+        for name, default in _null_defaults(type(self)):
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+
+
+class _RefusesUnsupported(_NullMeansDefault, kw_only=True):
     """A request with fields that are refused unless left at a value meaning "off".
 
     ``UNSUPPORTED`` maps each such field to the values that ask for nothing (its
@@ -97,24 +123,25 @@ def response_format_schema(response_format: dict[str, Any] | None) -> str | None
         "response_format", f"type must be text, json_object or json_schema, got {kind!r}")
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(_NullMeansDefault, kw_only=True):
     """``stream_options`` of a streaming request."""
 
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class _SamplingFields(_RefusesUnsupported, kw_only=True):
     """Sampling fields shared by completions and chat completions (OpenAI names + extras)."""
 
     model: str | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    stream: bool = False
+    # OpenAI's nullable fields: a null means the default (see _NullMeansDefault).
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    n: int | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
     seed: int | None = None
     user: str | None = None
     # Extensions that SGLang and vLLM accept as well.
@@ -206,7 +233,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     # None: not given; the route then asks for 16 tokens, as OpenAI's API does.
     max_tokens: int | None = None
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     best_of: Any = None
     suffix: Any = None
 
@@ -286,7 +313,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: Any = None
     tool_choice: Any = None
@@ -346,9 +373,10 @@ class GenerateRequestBody(_RefusesUnsupported, kw_only=True):
     # Each of these is one value for every prompt, or a list of one per prompt.
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
-    return_logprob: bool | list[bool] = False
-    top_logprobs_num: int | list[int] = 0
-    logprob_start_len: int | list[int] = -1
+    # Nullable in SGLang's request: a null means the default (see _NullMeansDefault).
+    return_logprob: bool | list[bool] | None = False
+    top_logprobs_num: int | list[int] | None = 0
+    logprob_start_len: int | list[int] | None = -1
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
     lora_path: Any = None

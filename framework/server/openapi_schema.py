@@ -8,6 +8,10 @@ The structs carry no ``msgspec.Meta`` bounds, on purpose: decoding would then re
 out-of-range value with msgspec's words before ``SamplingParams.verify()`` could name
 the field and its range. The ranges are added to the generated schema instead, from
 the limits in ``framework.sampling_params``.
+
+A field that a route reads ``null`` for (as its default) admits ``null`` here too: the
+request structs type such fields ``X | None``, and ``SamplingParams``, which
+``/generate`` builds from a dict, gets ``null`` added to each of its fields.
 """
 
 from __future__ import annotations
@@ -113,6 +117,18 @@ def add_bounds(components: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------ document
 
 
+def _admit_null(properties: dict[str, Any]) -> None:
+    """Let every property schema in ``properties`` admit ``null`` too (in place).
+
+    A ``type`` becomes a list with ``"null"``, so that the keywords next to it (the
+    ranges of ``add_bounds``) stay where they are: they only constrain numbers. The
+    others (``X | None`` fields) are ``anyOf`` lists that hold null already.
+    """
+    for schema in properties.values():
+        if isinstance(schema.get("type"), str):
+            schema["type"] = [schema["type"], "null"]
+
+
 def _components(bodies: Iterable[type[msgspec.Struct]]) -> dict[str, Any]:
     """JSON Schemas of the request structs, the error body and ``SamplingParams``."""
     types = [*dict.fromkeys(bodies), SamplingParams, oai.ErrorResponse]
@@ -124,6 +140,8 @@ def _components(bodies: Iterable[type[msgspec.Struct]]) -> dict[str, Any]:
             "anyOf": [{"$ref": REF.format(name="SamplingParams")}, {"type": "null"}],
             "default": None}
     add_bounds(components)
+    # ``SamplingParams.from_dict`` reads a null field as its default.
+    _admit_null(components["SamplingParams"]["properties"])
     return components
 
 

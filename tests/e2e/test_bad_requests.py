@@ -135,13 +135,16 @@ BAD_FIELDS: list[tuple[str, dict[str, Any], str, str]] = [
      "messages[0].content[0].text", "messages[0].content[0].text must be a string"),
     # Refused while decoding: msgspec's path to the value is the param.
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature",
-     "Expected `float`, got `str` - at `$.temperature`"),
+     "Expected `float | null`, got `str` - at `$.temperature`"),
     ("/v1/chat/completions", {"messages": CHAT, "stop": ["ok", 7]}, "stop[1]",
      "got `int` - at `$.stop[1]`"),
     ("/v1/chat/completions", {"messages": "hello"}, "messages", "Expected `array`, got `str`"),
     ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages[0].role",
      "Object missing required field `role`"),
     ("/v1/completions", {"max_tokens": 2}, "prompt", "Object missing required field `prompt`"),
+    # A null means the default, but the prompt has none here (OpenAI's is its own end-of-text).
+    ("/v1/completions", {"prompt": None}, "prompt",
+     "Expected `str | array`, got `null` - at `$.prompt`"),
     # Checked with the rest of the sampling values: named as the request names them.
     ("/v1/completions", {"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, "min_tokens",
      "min_new_tokens (5) must be <= max_new_tokens (2)"),

@@ -1,4 +1,5 @@
-"""``GET /openapi.json`` and ``n`` on ``/generate``, on one real server.
+"""``GET /openapi.json``, nulls that mean the defaults, and ``n`` on ``/generate``, on one
+real server.
 
 The server runs with ``--api-key`` and ``--enable-metrics``, so that the document has
 every route, the bearer scheme and the 401 answers; it is checked against the route
@@ -7,18 +8,30 @@ table of an app built in this process with the same flags.
 
 from __future__ import annotations
 
+import json
+import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
+import msgspec
 import pytest
 import transformers
+from openai.types.chat.completion_create_params import (
+    CompletionCreateParamsNonStreaming as ChatParams,
+)
+from openai.types.completion_create_params import (
+    CompletionCreateParamsNonStreaming as CompletionParams,
+)
 from openapi_spec_validator import validate
 from starlette.routing import Route
+from typing_extensions import Required
 
 from framework.config import ServerArgs
 from framework.sampling_params import SamplingParams
+from framework.server import openai as oai
 from framework.server.app import OPEN_PATHS, ServerState, build_app
 from framework.server.openapi_schema import BOUNDS, openapi_path
 from tests.server_harness import (
@@ -30,6 +43,7 @@ from tests.server_harness import (
 
 KEY = "sk-openapi"
 PROMPT = "hello there"
+CHAT = [{"role": "user", "content": PROMPT}]
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +150,129 @@ def test_schema_bounds_match_verify(field: str) -> None:
         return  # its maximum is max_new_tokens, checked below with that field
     assert _accepts(field, bounds["maximum"])
     assert not _accepts(field, bounds["maximum"] + step)
+
+
+# ------------------------------------------------------------------ null means the default
+
+
+def _nullable(params: type, *, required: bool = False) -> set[str]:
+    """The fields that the ``openai`` package's request type ``params`` marks Optional:
+    those a client may leave out (or, with ``required``, those it must send)."""
+    out = set()
+    for name, hint in typing.get_type_hints(params, include_extras=True).items():
+        if (typing.get_origin(hint) is Required) != required:
+            continue
+        if type(None) in typing.get_args(typing.get_args(hint)[0] if required else hint):
+            out.add(name)
+    return out
+
+
+# Per route: its request struct, a body with what it requires, and the paths of the fields
+# a client may send as null. The OpenAI routes' come from the ``openai`` package's types,
+# every one of them: implemented (null is the default), known but not implemented (null is
+# "not set", so not refused) and unknown here (ignored). ``stream_options.include_usage``
+# is nullable in OpenAI's API reference, though not in the package's type. /generate's are
+# those SGLang's ``GenerateReqInput`` marks Optional, and every field of ``sampling_params``.
+NULLABLE: dict[str, tuple[type[msgspec.Struct], dict[str, Any], list[str]]] = {
+    "/v1/completions": (oai.CompletionRequest, {"prompt": PROMPT},
+                        [*sorted(_nullable(CompletionParams)), "stream_options.include_usage"]),
+    "/v1/chat/completions": (oai.ChatCompletionRequest, {"messages": CHAT},
+                             [*sorted(_nullable(ChatParams)), "stream_options.include_usage"]),
+    "/generate": (oai.GenerateRequestBody, {"text": PROMPT},
+                  ["input_ids", "sampling_params", "rid", "return_logprob", "top_logprobs_num",
+                   "logprob_start_len", "lora_path",
+                   *(f"sampling_params.{name}" for name in SamplingParams.__struct_fields__)]),
+}
+
+
+def _with_null(base: dict[str, Any], path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``base`` with the field at ``path`` (``name`` or ``parent.name``) null, and without it."""
+    parent, _, name = path.rpartition(".")
+    if parent:
+        return {**base, parent: {name: None}}, {**base, parent: {}}
+    return {**base, name: None}, base
+
+
+def _as_read(route: str, body: dict[str, Any]) -> Any:
+    """What ``route`` reads of ``body``: the decoded request, and on /generate the
+    ``SamplingParams`` it builds from ``sampling_params``."""
+    request = msgspec.json.decode(json.dumps(body), type=NULLABLE[route][0])
+    if isinstance(request, oai.GenerateRequestBody):
+        return (msgspec.structs.replace(request, sampling_params=None),
+                SamplingParams.from_dict(request.sampling_params))
+    return request
+
+
+@pytest.mark.parametrize(("route", "path"), [(route, path) for route, (_, _, paths)
+                                             in NULLABLE.items() for path in paths])
+def test_a_null_field_reads_as_its_default(route: str, path: str) -> None:
+    with_null, without = _with_null(NULLABLE[route][1], path)
+    assert _as_read(route, with_null) == _as_read(route, without)
+
+
+def test_the_only_nullable_field_openai_requires_is_the_prompt() -> None:
+    """A null prompt is refused (tests/e2e/test_bad_requests.py): this server has no
+    default prompt."""
+    assert _nullable(CompletionParams, required=True) == {"prompt"}
+    assert _nullable(ChatParams, required=True) == set()
+
+
+def _all_null(route: str) -> dict[str, Any]:
+    """A body of ``route`` with every nullable field null: each field of ``sampling_params``,
+    and ``stream_options`` itself (its fields need ``stream: true``)."""
+    base, paths = NULLABLE[route][1:]
+    body = {**base, **{path: None for path in paths if "." not in path}}
+    sampling = [path.split(".")[1] for path in paths if path.startswith("sampling_params.")]
+    if sampling:
+        body["sampling_params"] = dict.fromkeys(sampling)
+    return body
+
+
+def _validator(document: dict[str, Any], route: str) -> jsonschema.Draft202012Validator:
+    """A validator of ``route``'s request body by /openapi.json (its ``$ref``s resolved)."""
+    name = NULLABLE[route][0].__name__
+    return jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}",
+                                            "components": document["components"]})
+
+
+@pytest.mark.parametrize("route", sorted(NULLABLE))
+def test_every_nullable_field_may_be_null_and_means_its_default(
+        client: httpx.Client, document: dict[str, Any], route: str) -> None:
+    body = _all_null(route)
+    if route != "/generate":
+        body["ignore_eos"] = True  # so that the default max_tokens is what is generated
+    response = client.post(route, json=body)
+    assert response.status_code == 200, response.text
+    validator = _validator(document, route)
+    validator.validate(body)  # the document says null is allowed...
+    hot = ({**body, "sampling_params": {"temperature": "hot"}} if route == "/generate"
+           else {**body, "temperature": "hot"})
+    assert not validator.is_valid(hot)  # ...and still refuses a value of the wrong type
+    assert response.headers["content-type"].startswith("application/json")  # no stream
+    answer = response.json()
+    if route == "/generate":
+        meta = answer["meta_info"]  # one object: n is 1
+        assert "output_token_logprobs" not in meta
+        assert meta["completion_tokens"] == 128 or meta["finish_reason"]["type"] == "stop"
+        return
+    [choice] = answer["choices"]
+    assert choice["logprobs"] is None
+    if route == "/v1/completions":
+        assert answer["usage"]["completion_tokens"] == 16
+    else:  # up to the context length (256)
+        assert answer["usage"]["total_tokens"] == 256
+
+
+def test_a_null_include_usage_sends_no_usage(client: httpx.Client,
+                                             document: dict[str, Any]) -> None:
+    route = "/v1/chat/completions"
+    body = {"messages": CHAT, "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": None}}
+    events = stream_events(client, route, body)
+    _validator(document, route).validate(body)
+    assert events[-1] == "[DONE]"
+    assert all("usage" not in e for e in events[:-1])
+    assert wait_until_idle(client)["kv_cache_idle_and_free"] is True
 
 
 # ------------------------------------------------------------------ n on /generate
