@@ -101,6 +101,15 @@ def matmul_modules(model: torch.nn.Module) -> list[PackableLinear]:
     return modules
 
 
+def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """Bytes of ``model``'s parameters, and of every weight it holds: the parameters plus
+    the packed copies the linear backend keeps beside them (``pack_linear_weights``)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    packed = {id(m.packed_weight): m.packed_weight for m in matmul_modules(model)
+              if m.packed_weight is not None}  # a tied head and embedding share one
+    return params, params + sum(w.numel() * w.element_size() for w in packed.values())
+
+
 def bind_cpu_layer_ops(model: torch.nn.Module, device: torch.device,
                        dtype: torch.dtype) -> Any | None:
     """For float32 on a CPU, give the norms, activations and rotary embeddings the native
@@ -204,7 +213,8 @@ class ModelRunner:
         self._sampler: Sampler | None = None
         #: Pipeline micro-batches this rank has run (two per step of two or more requests).
         self.micro_batches = 0
-        #: Each rank's pid and bytes of parameters and of KV cache, in global rank order.
+        #: Each rank's pid and bytes of parameters, of all its weights (packed copies
+        #: included) and of KV cache, in global rank order.
         self.rank_info: list[dict[str, int]] = self._gather_rank_info()
         logger.info(
             "loaded %s (%s) on %s in %s; KV cache %d tokens; attention backend %s on %d layers; "
@@ -284,9 +294,11 @@ class ModelRunner:
 
     def _gather_rank_info(self) -> list[dict[str, int]]:
         pool = self.pools.token_to_kv_pool
+        params, weights = weight_bytes(self.model)
         mine = {
             "pid": os.getpid(),
-            "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            "param_bytes": params,
+            "weight_bytes": weights,
             "kv_cache_bytes": sum(b.numel() * b.element_size()
                                   for b in (*pool.k_buffers, *pool.v_buffers)),
         }
@@ -295,7 +307,8 @@ class ModelRunner:
         return self.parallel.control.all_gather_object(mine)
 
     def ranks_info(self) -> dict[str, int]:
-        """Each rank's pid, parameter and KV cache bytes, as flat ``/get_server_info`` fields."""
+        """Each rank's pid, parameter, weight and KV cache bytes, as flat ``/get_server_info``
+        fields."""
         info: dict[str, int] = {}
         for rank, fields in enumerate(self.rank_info):
             for key, value in fields.items():

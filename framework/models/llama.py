@@ -325,12 +325,15 @@ class LlamaForCausalLM(nn.Module):
                 config, self.attention_options(config), tp_rank=tp_rank, tp_size=tp_size,
                 pp_rank=pp_rank, pp_size=pp_size,
             )
+            # Only the last stage projects onto the vocabulary: a first stage that is not
+            # also the last holds no head (tied or not), so none is packed or counted there.
             self.lm_head: VocabParallelEmbedding | None = None
-            if self.tie_word_embeddings and self.model.embed_tokens is not None:
+            if self.model.is_last_stage and self.tie_word_embeddings \
+                    and self.model.embed_tokens is not None:
                 self.lm_head = self.model.embed_tokens
             elif self.model.is_last_stage:
-                # Tied on a last stage without the embedding: a head of its own, loaded
-                # from the embedding table.
+                # Untied, or tied on a last stage without the embedding: a head of its own
+                # (then loaded from the embedding table).
                 self.lm_head = ParallelLMHead(
                     config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
                 )

@@ -370,8 +370,8 @@ class Scheduler:
         """State for ``/get_server_info`` and for KV-leak checks.
 
         With a runner that reports them (``ranks_info``), each rank's pid and bytes of
-        parameters and of KV cache too: ``pid_rank_K``, ``param_bytes_rank_K``,
-        ``kv_cache_bytes_rank_K``.
+        parameters, of all its weights and of KV cache too: ``pid_rank_K``,
+        ``param_bytes_rank_K``, ``weight_bytes_rank_K``, ``kv_cache_bytes_rank_K``.
         """
         ranks_info = getattr(self.model_runner, "ranks_info", dict)
         return {

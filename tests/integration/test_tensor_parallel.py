@@ -93,8 +93,9 @@ def test_two_ranks_give_one_rank_s_tokens_each_holding_half(
     whole = one_rank["info"]
     for rank in (0, 1):
         # Every weight matrix is split, the norms are replicated: a little over half.
-        params = info[f"param_bytes_rank_{rank}"]
-        assert 0.45 * whole["param_bytes_rank_0"] <= params <= 0.55 * whole["param_bytes_rank_0"]
+        for kind in ("param_bytes", "weight_bytes"):  # weights: packed copies included
+            held = info[f"{kind}_rank_{rank}"]
+            assert 0.45 * whole[f"{kind}_rank_0"] <= held <= 0.55 * whole[f"{kind}_rank_0"]
         # Two key/value heads, one per rank.
         assert info[f"kv_cache_bytes_rank_{rank}"] * 2 == whole["kv_cache_bytes_rank_0"]
     assert "param_bytes_rank_2" not in info

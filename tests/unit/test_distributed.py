@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -255,3 +256,37 @@ def test_each_pipeline_stage_reads_only_its_tensors(tmp_path: Path, tied: bool,
         read = _bytes_read(monkeypatch, path, pp_rank=stage, pp_size=2)
         assert dict(read) == {name: stored[name] for name in own[stage]}, stage
 
+
+def test_a_first_stage_holds_no_head_and_packs_none() -> None:
+    """Tied embeddings: the first of two stages looks tokens up and never projects onto the
+    vocabulary, so its table is not packed as a head (a copy as large as the table)."""
+    from framework.model_executor.model_runner import matmul_modules
+
+    config = tiny_config("llama", tie_word_embeddings=True)
+    first, last = (LlamaForCausalLM(config, torch.float32, torch.device("cpu"), pp_rank=rank,
+                                    pp_size=2) for rank in (0, 1))
+    assert first.lm_head is None
+    assert not any(isinstance(m, VocabParallelEmbedding) for m in matmul_modules(first))
+    assert any(isinstance(m, VocabParallelEmbedding) for m in matmul_modules(last))
+
+
+def test_reported_weight_bytes_count_the_packed_copies(tmp_path: Path) -> None:
+    """With the onednn linear backend every matrix that multiplies has a packed copy beside
+    it: ``weight_bytes`` counts them, ``param_bytes`` the parameters alone."""
+    from framework.layers.linear_kernel import onednn_available
+    from framework.model_executor.model_runner import ModelRunner, matmul_modules
+
+    if not onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    args = ServerArgs(model_path=str(path), device="cpu", dtype="float32",
+                      linear_backend="onednn", max_running_requests=2, max_total_tokens=256)
+    runner = ModelRunner(args, str(path))
+    (info,) = runner.rank_info
+    params = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    matrices = sum(m.weight.numel() * m.weight.element_size()
+                   for m in matmul_modules(runner.model))
+    assert info["param_bytes"] == params
+    assert info["weight_bytes"] == params + matrices
+    plain = ModelRunner(dataclasses.replace(args, linear_backend="torch"), str(path))
+    assert plain.rank_info[0]["weight_bytes"] == params
