@@ -26,7 +26,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from framework.distributed.config import stage_layers
-from framework.distributed.micro_batch import merge_logits, split_micro_batches
+from framework.distributed.micro_batch import (
+    MicroBatchPlanner,
+    merge_logits,
+    split_micro_batches,
+)
 from framework.distributed.step_sync import (
     RankStepFailed,
     announce_forward,
@@ -213,6 +217,9 @@ class ModelRunner:
         self._sampler: Sampler | None = None
         #: Pipeline micro-batches this rank has run (two per step of two or more requests).
         self.micro_batches = 0
+        # Rank 0 plans each pipeline step's micro-batches; the plan travels with the step.
+        self._micro_batch_planner = MicroBatchPlanner() \
+            if self.pp_size > 1 and parallel is not None and parallel.is_driver else None
         #: Each rank's pid and bytes of parameters, of all its weights (packed copies
         #: included) and of KV cache, in global rank order.
         self.rank_info: list[dict[str, int]] = self._gather_rank_info()
@@ -351,6 +358,8 @@ class ModelRunner:
         return output
 
     def _forward(self, batch: ForwardBatch, sampling: SamplingRequest | None) -> LogitsOutput:
+        if self._micro_batch_planner is not None:
+            batch = self._micro_batch_planner.plan(batch)
         if self._announces():
             assert self.parallel is not None
             announce_forward(self.parallel.control, batch,
@@ -383,9 +392,9 @@ class ModelRunner:
                          ) -> torch.Tensor | StepSample | None:
         """This stage's part of the step; on the first stage, the sample or the logits.
 
-        The step's requests go through the stages as micro-batches
-        (``split_micro_batches``), so that while a stage computes one, the
-        stage before it computes the next. Each stage receives the previous
+        The step's requests go through the stages as micro-batches (as rank 0
+        planned them, ``split_micro_batches``), so that while a stage computes
+        one, the stage before it computes the next. Each stage receives the previous
         one's hidden states and residual and sends its own to the next; the
         last stage keeps each micro-batch's logits until it has received them
         all; then, along tensor rank 0 (the driver's), it samples the step as

@@ -29,6 +29,7 @@ from tests.model_fixtures import make_tiny_checkpoint, make_tiny_tokenizer, tiny
 
 PROMPTS = ["the quick brown fox", "hello world, this is a test", "def add(a, b):", "x"]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+ONE_PARITY = [{**GREEDY, "max_new_tokens": n} for n in (40, 1, 40, 1)]
 ENGINE_ARGS = {"log_level": "warning", "dtype": "float32"}
 HARNESS_STEPS = 6
 HARNESS_TIMEOUT_S = 120.0  # a liveness bound for the two-rank harness
@@ -108,6 +109,10 @@ def test_two_pipeline_stages_give_one_rank_s_tokens_each_holding_its_layers(
     model_dir: Path, one_rank: dict[str, Any]
 ) -> None:
     with Engine(model_path=str(model_dir), pp_size=2, **ENGINE_ARGS) as engine:
+        # A fresh pool gives rows 0-3; the requests on rows 1 and 3 end at their prefill, so
+        # the other two decode on rows of one parity.
+        engine.generate([PROMPTS[0]] * 4, ONE_PARITY)
+        parity = engine.get_server_info()
         outputs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
         # Prompt logprobs travel back from the last stage with the next-token logits, each
         # micro-batch's rows put back in place.
@@ -123,8 +128,12 @@ def test_two_pipeline_stages_give_one_rank_s_tokens_each_holding_its_layers(
     for got, expected in zip(scored, one_rank["scored"], strict=True):
         assert got == pytest.approx(expected, abs=1e-4)
     assert info["pp_size"] == 2 and info["kv_cache_idle_and_free"] is True, info
+    # Two requests on rows of one parity still run as two micro-batches. They are sent
+    # together; at most a step or two at either end may see one of them alone.
+    assert 2 * parity["pp_micro_batches"] >= 3 * parity["decode_steps"] > 0, parity
     # The four requests' steps ran as two micro-batches each, overlapping the stages.
-    assert info["pp_micro_batches"] >= 2 * info["decode_steps"] > 0, info
+    micro_batches = info["pp_micro_batches"] - parity["pp_micro_batches"]
+    assert micro_batches >= 2 * (info["decode_steps"] - parity["decode_steps"]) > 0, info
     whole = one_rank["info"]
     config = tiny_config("llama")
     embedding = config.vocab_size * config.hidden_size * 4  # float32 bytes
