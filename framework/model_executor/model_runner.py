@@ -35,6 +35,8 @@ from framework.distributed.step_sync import (
     RankStepFailed,
     announce_forward,
     announce_weight_update,
+    describe_failures,
+    gather_failures,
 )
 from framework.layers.attention.base import AttentionBackend, AttentionBackendArgs
 from framework.layers.attention.native_build import load_cpu_kernels
@@ -477,10 +479,42 @@ class ModelRunner:
         are loaded again from where they came from. Settings outside the
         weights (RoPE, norms' epsilon, ...) stay those of the running model.
         Returns ``(success, message)``; on failure the old weights keep serving.
+
+        With several ranks it is all or nothing: the ranks share the outcome of
+        the check and of the load (``step_sync.gather_failures``); if any rank
+        fails either, none keeps new weights (those that loaded them load their
+        previous ones again), and every rank returns the same answer, naming
+        the ranks that failed.
         """
         if self._announces():
             assert self.parallel is not None
             announce_weight_update(self.parallel.control, model_path, load_format)
+        failed = self._failures_on_ranks(self._check_update(model_path, load_format))
+        if failed:
+            return False, f"cannot update weights from {model_path}: {self._describe(failed)}"
+        failed = self._failures_on_ranks(self._load_update(model_path, load_format))
+        if failed:
+            return False, self._restore_after_failed_update(model_path, failed)
+        self._pack_linear_weights()
+        self.model_path = model_path
+        self.load_format = load_format
+        return True, f"weights updated from {model_path}"
+
+    def _failures_on_ranks(self, error: str | None) -> dict[int, str]:
+        """Every rank's error in this phase of a weight update (this rank's alone on one)."""
+        control = None if self.parallel is None else self.parallel.control
+        return gather_failures(control, error)
+
+    @property
+    def _ranks(self) -> int:
+        """How many ranks serve the model (this one alone: 1)."""
+        return 1 if self.parallel is None else self.parallel.config.world_size
+
+    def _describe(self, failures: dict[int, str]) -> str:
+        return describe_failures(failures, self._ranks)
+
+    def _check_update(self, model_path: str, load_format: str) -> str | None:
+        """Why the checkpoint at ``model_path`` cannot replace the weights (None: it can)."""
         try:
             check_load_format(load_format)
             new_config = ModelConfig.from_pretrained(
@@ -493,16 +527,19 @@ class ModelRunner:
             self._check_same_shapes(new_config)
             if load_format != "dummy":
                 dry_run_load(new_config, model_path)
-        except (ValueError, OSError) as exc:
-            return False, f"cannot update weights from {model_path}: {exc}"
+        # Any error, not only the expected ones: with several ranks, one that raised here
+        # would leave the others waiting for its outcome.
+        except Exception as exc:
+            return str(exc)
+        return None
+
+    def _load_update(self, model_path: str, load_format: str) -> str | None:
+        """Load this rank's share of the new weights; why it failed (None: it did not)."""
         try:
             load_weights(self.model, model_path, load_format, seed=self.server_args.random_seed)
         except Exception as exc:  # I/O or data errors after the old weights were partly overwritten
-            return False, self._restore_after_failed_update(model_path, exc)
-        self._pack_linear_weights()
-        self.model_path = model_path
-        self.load_format = load_format
-        return True, f"weights updated from {model_path}"
+            return str(exc)
+        return None
 
     def _check_same_shapes(self, new_config: ModelConfig) -> None:
         old, new = self.model_config.shape_signature(), new_config.shape_signature()
@@ -511,14 +548,27 @@ class ModelRunner:
             raise ValueError("the new model differs from the running one (" + "; ".join(
                 differences) + ")")
 
-    def _restore_after_failed_update(self, model_path: str, error: Exception) -> str:
-        message = f"loading weights from {model_path} failed: {error}"
+    def _restore_after_failed_update(self, model_path: str, failed: dict[int, str]) -> str:
+        """Load the previous weights again on every rank; the answer, saying what each holds.
+
+        Every rank does, those whose load succeeded too: no rank may serve new weights
+        while another serves the old ones.
+        """
+        message = f"loading weights from {model_path} failed: {self._describe(failed)}"
         try:
             load_weights(
                 self.model, self.model_path, self.load_format, seed=self.server_args.random_seed
             )
-        except Exception as restore_error:  # report both; nothing better can be done here
-            logger.error("restoring weights from %s failed: %s", self.model_path, restore_error)
-            return f"{message}; restoring the previous weights also failed: {restore_error}"
-        self._pack_linear_weights()
-        return f"{message}; the previous weights from {Path(self.model_path)} were restored"
+            error = None
+        except Exception as exc:  # reported below; nothing better can be done here
+            logger.error("restoring weights from %s failed: %s", self.model_path, exc)
+            error = str(exc)
+        else:
+            self._pack_linear_weights()
+        unrestored = self._failures_on_ranks(error)
+        if unrestored:
+            return (f"{message}; restoring the previous weights also failed: "
+                    f"{self._describe(unrestored)}")
+        if self._ranks == 1:
+            return f"{message}; the previous weights from {Path(self.model_path)} were restored"
+        return f"{message}; every rank keeps the previous weights from {Path(self.model_path)}"

@@ -12,13 +12,17 @@ rank ending the server is tested through ``framework serve``, in
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import struct
+from collections.abc import Iterator
 from pathlib import Path
 from queue import Empty
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from framework import Engine
 from framework.comm.zmq import free_tcp_port
@@ -104,22 +108,28 @@ def test_two_ranks_give_one_rank_s_tokens_each_holding_half(
     assert not torch.distributed.is_initialized()
 
 
+@pytest.fixture(scope="module")
+def pp_engine(model_dir: Path) -> Iterator[tuple[Engine, dict[str, Any]]]:
+    """A two-stage Engine, and its server info after its first requests: two of them
+    decoding on rows of one parity (a fresh pool gives rows 0-3, and the requests on rows 1
+    and 3 end at their prefill)."""
+    with Engine(model_path=str(model_dir), pp_size=2, **ENGINE_ARGS) as engine:
+        engine.generate([PROMPTS[0]] * 4, ONE_PARITY)
+        yield engine, engine.get_server_info()
+
+
 @pytest.mark.timeout(240)
 def test_two_pipeline_stages_give_one_rank_s_tokens_each_holding_its_layers(
-    model_dir: Path, one_rank: dict[str, Any]
+    pp_engine: tuple[Engine, dict[str, Any]], one_rank: dict[str, Any]
 ) -> None:
-    with Engine(model_path=str(model_dir), pp_size=2, **ENGINE_ARGS) as engine:
-        # A fresh pool gives rows 0-3; the requests on rows 1 and 3 end at their prefill, so
-        # the other two decode on rows of one parity.
-        engine.generate([PROMPTS[0]] * 4, ONE_PARITY)
-        parity = engine.get_server_info()
-        outputs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
-        # Prompt logprobs travel back from the last stage with the next-token logits, each
-        # micro-batch's rows put back in place.
-        scored = _scored(engine)
-        # The last stage samples: seeded draws, penalties, grammars and logprobs as one rank.
-        sampled = _sampled(engine)
-        info = engine.get_server_info()
+    engine, parity = pp_engine
+    outputs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
+    # Prompt logprobs travel back from the last stage with the next-token logits, each
+    # micro-batch's rows put back in place.
+    scored = _scored(engine)
+    # The last stage samples: seeded draws, penalties, grammars and logprobs as one rank.
+    sampled = _sampled(engine)
+    info = engine.get_server_info()
     assert outputs == one_rank["outputs"]
     for (ids, logprobs), (ref_ids, ref_logprobs) in zip(sampled, one_rank["sampled"],
                                                         strict=True):
@@ -143,6 +153,46 @@ def test_two_pipeline_stages_give_one_rank_s_tokens_each_holding_its_layers(
         layers_only = whole["param_bytes_rank_0"] - 2 * embedding
         assert abs(params - embedding - layers_only / 2) <= config.hidden_size * 4, stage
         assert info[f"kv_cache_bytes_rank_{stage}"] * 2 == whole["kv_cache_bytes_rank_0"]
+
+
+def _make_unreadable(checkpoint: Path, name: str) -> None:
+    """Store the float32 tensor ``name`` of ``checkpoint`` as 4-bit floats: its name, shape
+    and offsets check out (the update's dry run passes), reading it fails."""
+    tensors = load_file(checkpoint / "model.safetensors")
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    chunks: list[bytes] = []
+    offset = 0
+    for key, tensor in tensors.items():
+        assert tensor.dtype == torch.float32
+        dtype, data = ("F4", bytes(tensor.numel() // 2)) if key == name else \
+            ("F32", tensor.contiguous().view(torch.uint8).numpy().tobytes())
+        header[key] = {"dtype": dtype, "shape": list(tensor.shape),
+                       "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    (checkpoint / "model.safetensors").write_bytes(
+        struct.pack("<Q", len(encoded)) + encoded + b"".join(chunks))
+
+
+@pytest.mark.timeout(240)
+def test_a_weight_update_one_stage_cannot_load_leaves_every_stage_on_the_old_weights(
+    pp_engine: tuple[Engine, dict[str, Any]], one_rank: dict[str, Any], model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """All or nothing: stage 1 cannot read the final norm (stage 0 never reads it), so
+    stage 0, which loaded its new layers, goes back to its old ones too."""
+    engine, _ = pp_engine
+    broken = make_tiny_checkpoint(tmp_path, "llama", seed=12)  # same shapes, other weights
+    _make_unreadable(broken, "model.norm.weight")
+    reply = engine.update_weights_from_disk(str(broken))
+    outputs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
+    assert not reply.success
+    assert outputs == one_rank["outputs"]  # both stages serve the old weights, and serve on
+    assert f"loading weights from {broken} failed: rank 1: " in reply.message, reply.message
+    assert reply.message.endswith(f"every rank keeps the previous weights from {model_dir}")
+    assert "rank 0:" not in reply.message
 
 
 # --------------------------------------------------------------------------- the harness

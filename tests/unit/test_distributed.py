@@ -290,3 +290,13 @@ def test_reported_weight_bytes_count_the_packed_copies(tmp_path: Path) -> None:
     assert info["weight_bytes"] == params + matrices
     plain = ModelRunner(dataclasses.replace(args, linear_backend="torch"), str(path))
     assert plain.rank_info[0]["weight_bytes"] == params
+
+
+def test_weight_update_failures_are_described_by_rank() -> None:
+    from framework.distributed.step_sync import describe_failures, gather_failures
+
+    assert gather_failures(None, None) == {}
+    assert gather_failures(None, "no file") == {0: "no file"}
+    assert describe_failures({0: "no file"}, 1) == "no file"
+    assert describe_failures({0: "no file", 1: "no file"}, 2) == "on every rank: no file"
+    assert describe_failures({3: "bad", 1: "worse"}, 4) == "rank 1: worse; rank 3: bad"
