@@ -107,7 +107,7 @@ def checkpoint_weights(model: nn.Module, files: list[Path]
     (``loads_checkpoint_slices``), else every tensor read whole."""
     weights = iterate_safetensors(files)
     if getattr(model, "loads_checkpoint_slices", False):
-        return iter(weights)
+        return weights
     return ((name, tensor[...]) for name, tensor in weights)
 
 
