@@ -64,8 +64,12 @@ class ForwardBatch:
     # token each, in the same step as the prefills before them (a mixed step).
     decode_tail: int = 0
     # With pipeline parallelism, which micro-batch of its step this is
-    # (``framework.distributed.micro_batch``): a request is always in the same one.
+    # (``framework.distributed.micro_batch``): a request stays in the same one from
+    # step to step unless the balance moves it.
     micro_batch: int = 0
+    # With pipeline parallelism, the micro-batch of each request of a whole step, as rank
+    # 0 planned it (``MicroBatchPlanner``): every rank cuts the step alike.
+    micro_batch_plan: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -292,11 +292,18 @@ class UpdateWeightsFromDiskReqInput(Message):
 
 
 class UpdateWeightsFromDiskReqOutput(Message):
-    """Whether the weights were replaced; on failure the old weights keep serving."""
+    """Whether the weights were replaced; on failure the old weights keep serving.
+
+    ``previous_model_path`` and ``previous_load_format`` say where the weights
+    served before came from: with several replicas, one that loaded new weights
+    while another could not is sent back to them.
+    """
 
     success: bool
     message: str = ""
     num_paused_requests: int = 0
+    previous_model_path: str = ""
+    previous_load_format: str = "auto"
 
 
 class GetInfoReqInput(Message):

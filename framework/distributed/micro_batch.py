@@ -3,10 +3,17 @@
 With ``--pp-size`` above 1, a step's requests are split into
 ``MICRO_BATCHES`` micro-batches that go through the stages one after the
 other: while stage ``k + 1`` computes the first, stage ``k`` computes the
-second, instead of every stage waiting for the whole batch in turn. A
-request's micro-batch is fixed by its request-pool row (``req_pool_idx %
-MICRO_BATCHES``), so it stays in the same one from step to step and an
-attention backend can keep per-micro-batch state (``ForwardBatch.micro_batch``).
+second, instead of every stage waiting for the whole batch in turn.
+
+``MicroBatchPlanner`` (rank 0's) decides which micro-batch each request runs
+in: a step of two or more requests always fills every micro-batch, balanced
+by new tokens (a prefill counts its prompt's tokens, a decode one). A request
+keeps its micro-batch from step to step, because an attention backend may
+keep per-micro-batch state across steps (the torch backend's kept decode
+keys and values, ``ForwardBatch.micro_batch``); it moves only when the
+balance needs it (the others of its micro-batch finished, say), and then
+that state is rebuilt for it once. The plan travels with the step
+(``ForwardBatch.micro_batch_plan``), so every rank cuts the step alike.
 
 ``split_micro_batches`` cuts a ``ForwardBatch`` into its micro-batches
 (packed tokens, per-request lengths, prompt-logprob rows and the decode tail
@@ -36,14 +43,92 @@ class MicroBatch:
     logits_rows: list[int]
 
 
-def split_micro_batches(batch: ForwardBatch, count: int = MICRO_BATCHES) -> list[MicroBatch]:
-    """The non-empty micro-batches of ``batch``, by request-pool row modulo ``count``."""
+def balanced_parts(tokens: list[int], homes: list[int | None],
+                   count: int = MICRO_BATCHES) -> list[int]:
+    """The micro-batch of each request, given its new ``tokens`` and its ``homes``.
+
+    A request with a home (its micro-batch of the step before, when it keeps
+    state there) starts in it; the others go, largest first, to the lightest
+    micro-batch. Then, while moving one request from a micro-batch to the
+    lightest lowers the heavier's load, the request that best evens the two
+    moves. So no micro-batch stays empty while another holds two requests,
+    and a request leaves its home only for the balance.
+    """
+    parts: list[int] = [-1] * len(tokens)
+    load, size = [0] * count, [0] * count
+    for i, home in enumerate(homes):
+        if home is not None:
+            parts[i] = home
+            load[home] += tokens[i]
+            size[home] += 1
+    for i in sorted((i for i in range(len(tokens)) if parts[i] < 0), key=lambda i: -tokens[i]):
+        parts[i] = min(range(count), key=lambda p: (load[p], size[p]))
+        load[parts[i]] += tokens[i]
+        size[parts[i]] += 1
+    while (move := _best_move(tokens, parts, load)) is not None:
+        i, target = move
+        load[parts[i]] -= tokens[i]
+        load[target] += tokens[i]
+        parts[i] = target
+    return parts
+
+
+def _best_move(tokens: list[int], parts: list[int], load: list[int]) -> tuple[int, int] | None:
+    """The request whose move to the lightest micro-batch evens the loads most, if any helps.
+
+    Moving ``t`` tokens from a micro-batch of load ``a`` to one of ``b`` lowers the
+    larger of the two only when ``t < a - b``; each such move makes the loads strictly
+    more even (their sum of squares drops), so moves end.
+    """
+    light = min(range(len(load)), key=lambda p: load[p])
+    best: tuple[int, int] | None = None  # (how uneven the pair is after the move, request)
+    for i, part in enumerate(parts):
+        gap = load[part] - load[light]
+        if part != light and tokens[i] < gap:
+            uneven = abs(gap - 2 * tokens[i])
+            if best is None or uneven < best[0]:
+                best = (uneven, i)
+    return None if best is None else (best[1], light)
+
+
+class MicroBatchPlanner:
+    """Plans each step's micro-batches, remembering each request's from step to step.
+
+    Requests are known by their request-pool row. A row's next request starts
+    with a prefill, which rebuilds what a backend keeps for it, so a prefill
+    takes no home: only decoding requests (a decode step's, a mixed step's
+    decode tail) keep theirs.
+    """
+
+    def __init__(self, count: int = MICRO_BATCHES) -> None:
+        self.count = count
+        self._home: dict[int, int] = {}  # request-pool row -> micro-batch of its last step
+
+    def plan(self, batch: ForwardBatch) -> ForwardBatch:
+        """``batch`` with its ``micro_batch_plan``: the micro-batch of each request."""
+        batch.fill_cpu_lengths()
+        rows = batch.req_pool_indices_cpu or []
+        if batch.forward_mode.is_extend():
+            tokens = list(batch.extend_seq_lens_cpu or [])
+            decoding = range(batch.batch_size - batch.decode_tail, batch.batch_size)
+        else:
+            tokens = [1] * batch.batch_size
+            decoding = range(batch.batch_size)
+        homes = [self._home.get(row) if i in decoding else None for i, row in enumerate(rows)]
+        parts = balanced_parts(tokens, homes, self.count)
+        self._home.update(zip(rows, parts, strict=True))
+        return dataclasses.replace(batch, micro_batch_plan=parts)
+
+
+def split_micro_batches(batch: ForwardBatch) -> list[MicroBatch]:
+    """The non-empty micro-batches of ``batch``, as its ``micro_batch_plan`` says."""
     batch.fill_cpu_lengths()
-    indices = batch.req_pool_indices_cpu
-    assert indices is not None  # filled above
+    plan = batch.micro_batch_plan
+    if plan is None or len(plan) != batch.batch_size:
+        raise ValueError("a pipeline step needs a micro_batch_plan with one entry per request")
     members: dict[int, list[int]] = {}
-    for i, idx in enumerate(indices):
-        members.setdefault(idx % count, []).append(i)
+    for i, part in enumerate(plan):
+        members.setdefault(part, []).append(i)
     return [_select(batch, requests, part) for part, requests in sorted(members.items())]
 
 
@@ -88,6 +173,7 @@ def _select(batch: ForwardBatch, requests: list[int], part: int) -> MicroBatch:
                                             dtype=torch.int64, device=device) if mine else None,
         "decode_tail": sum(i >= first_tail for i in requests) if extend else 0,
         "micro_batch": part,
+        "micro_batch_plan": None,
     }
     if extend:
         assert batch.extend_prefix_lens is not None and batch.extend_seq_lens is not None

@@ -6,7 +6,11 @@ batch and samples. Before each model step it broadcasts what the step is
 that very batch on its share of the model: the ``ForwardBatch`` (moved to
 the CPU) and the rows of ``req_to_token`` the batch reads, which the
 followers copy into their own request pool before running it. Weight updates
-are announced the same way. A ``Follower`` is the loop of a rank other than 0.
+are announced the same way, and are all or nothing: every rank checks the
+new checkpoint, then loads its share, and after each phase the ranks share
+their outcomes (``gather_failures``), so that if any rank fails, every rank
+keeps (or goes back to) its previous weights, and every rank's answer says
+which ranks failed and why. A ``Follower`` is the loop of a rank other than 0.
 
 A model step that fails on any rank ends that rank (``RankStepFailed``): the
 others are inside the step's collectives, or will wait on them, and can
@@ -68,6 +72,28 @@ class WeightUpdate:
 
     model_path: str
     load_format: str
+
+
+def gather_failures(control: GroupCoordinator | None, error: str | None) -> dict[int, str]:
+    """Every rank's error in one phase of a weight update, by global rank (empty: none).
+
+    Each rank passes its own outcome (None: it succeeded). With several ranks
+    this is a collective over the control group, so that every rank learns
+    every outcome and all take the same next step; without a group (one
+    rank) it is this rank's alone.
+    """
+    outcomes = [error] if control is None else control.all_gather_object(error)
+    return {rank: failure for rank, failure in enumerate(outcomes) if failure is not None}
+
+
+def describe_failures(failures: dict[int, str], world_size: int) -> str:
+    """``failures`` in one line: the error alone on one rank; else naming the ranks."""
+    messages = set(failures.values())
+    if world_size == 1:
+        return next(iter(messages))
+    if len(failures) == world_size and len(messages) == 1:
+        return f"on every rank: {next(iter(messages))}"
+    return "; ".join(f"rank {rank}: {failure}" for rank, failure in sorted(failures.items()))
 
 
 def batch_to(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
@@ -132,9 +158,10 @@ class Follower:
             self.req_to_token[batch.req_pool_indices, :rows.shape[1]] = rows
             self.runner.forward(batch, command.sampling)
         elif isinstance(command, WeightUpdate):
+            # The runner shares its outcome with the other ranks; rank 0 answers for all.
             ok, message = self.runner.update_weights_from_disk(command.model_path,
                                                                command.load_format)
             if not ok:
-                logger.error("rank %d: %s", self.control.rank, message)
+                logger.warning("rank %d: %s", self.control.rank, message)
         else:
             raise RuntimeError(f"unknown command from rank 0: {type(command).__name__}")

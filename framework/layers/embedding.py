@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.layers.linear import TensorParallelGroup, bound_tp_group
+from framework.layers.linear import CheckpointWeight, TensorParallelGroup, bound_tp_group
 from framework.layers.linear_kernel import linear
 
 
@@ -41,7 +41,7 @@ class VocabParallelEmbedding(nn.Module):
         self.packed_weight: torch.Tensor | None = None
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+        self, param: nn.Parameter, loaded_weight: CheckpointWeight, shard_id: object = None
     ) -> None:
         """Copy this rank's rows of the full ``[num_embeddings, dim]`` table; zero the padding."""
         if shard_id is not None:

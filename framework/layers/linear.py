@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -42,6 +42,30 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+class CheckpointWeight(Protocol):
+    """A checkpoint tensor as a weight loader gets it: a ``torch.Tensor``, or a tensor of a
+    file read only as far as it is indexed (``weight_loader.SafetensorsSlice``).
+
+    Loaders take their rank's part with ``narrow`` and read a whole tensor with
+    ``[...]`` (``read_whole``), so that a rank reads only its share of the file.
+    """
+
+    @property
+    def shape(self) -> Any:
+        """The stored shape."""
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """``length`` entries from ``start`` along ``dim`` (read from the file, if it is one)."""
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        """The entries at ``index``; ``[...]``: every one."""
+
+
+def read_whole(loaded: CheckpointWeight) -> torch.Tensor:
+    """All of ``loaded``, as a tensor (for weights every rank holds whole)."""
+    return loaded[...]
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     """``numerator / denominator``, raising ``ValueError`` when it does not divide evenly."""
     if numerator % denominator:
@@ -49,7 +73,7 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def check_loaded_shape(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+def check_loaded_shape(param: torch.Tensor, loaded: CheckpointWeight, what: str) -> None:
     """Raise ``ValueError`` unless ``loaded`` has exactly the shape of ``param``."""
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(
@@ -59,13 +83,13 @@ def check_loaded_shape(param: torch.Tensor, loaded: torch.Tensor, what: str) -> 
 
 
 def default_weight_loader(
-    param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None
+    param: torch.Tensor, loaded_weight: CheckpointWeight, shard_id: object = None
 ) -> None:
     """Copy a whole, unsharded tensor into ``param`` (shapes must match exactly)."""
     if shard_id is not None:
         raise ValueError(f"a replicated parameter takes no shard id, got {shard_id!r}")
     check_loaded_shape(param, loaded_weight, "parameter")
-    param.data.copy_(loaded_weight)
+    param.data.copy_(read_whole(loaded_weight))
 
 
 class TensorParallelGroup(Protocol):
@@ -137,7 +161,7 @@ class LinearBase(nn.Module):
         self.packed_weight: torch.Tensor | None = None
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+        self, param: nn.Parameter, loaded_weight: CheckpointWeight, shard_id: object = None
     ) -> None:
         """Copy this rank's part of the checkpoint tensor ``loaded_weight`` into ``param``."""
         raise NotImplementedError
@@ -156,7 +180,7 @@ class LinearBase(nn.Module):
 
 def _load_rows(
     param: torch.Tensor,
-    loaded_weight: torch.Tensor,
+    loaded_weight: CheckpointWeight,
     *,
     param_offset: int,
     rows: int,
@@ -167,7 +191,7 @@ def _load_rows(
     """Copy ``loaded_weight[loaded_start:+rows]`` into ``param[param_offset:+rows]``.
 
     ``loaded_weight`` must be the whole checkpoint tensor: ``loaded_rows`` rows
-    and the trailing shape of ``param``.
+    and the trailing shape of ``param``; only those ``rows`` of it are read.
     """
     expected = (loaded_rows, *param.shape[1:])
     if tuple(loaded_weight.shape) != expected:
@@ -194,7 +218,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, local_output, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+        self, param: nn.Parameter, loaded_weight: CheckpointWeight, shard_id: object = None
     ) -> None:
         """Copy this rank's rows of the full ``[output_size, ...]`` checkpoint tensor."""
         if shard_id is not None:
@@ -230,7 +254,7 @@ class MergedColumnParallelLinear(LinearBase):
         )
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+        self, param: nn.Parameter, loaded_weight: CheckpointWeight, shard_id: object = None
     ) -> None:
         """Copy this rank's rows of matrix number ``shard_id`` into its place in ``param``."""
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
@@ -278,7 +302,7 @@ class QKVParallelLinear(LinearBase):
         super().__init__(hidden_size, local_output, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+        self, param: nn.Parameter, loaded_weight: CheckpointWeight, shard_id: object = None
     ) -> None:
         """Copy this rank's heads of projection ``shard_id`` ("q", "k" or "v") into ``param``."""
         if shard_id not in self.SHARD_IDS:
@@ -313,7 +337,7 @@ class RowParallelLinear(LinearBase):
         self.tp_group: TensorParallelGroup | None = None
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+        self, param: nn.Parameter, loaded_weight: CheckpointWeight, shard_id: object = None
     ) -> None:
         """Copy this rank's columns of the weight.
 
@@ -329,9 +353,10 @@ class RowParallelLinear(LinearBase):
                     f"{type(self).__name__}: checkpoint tensor has shape "
                     f"{tuple(loaded_weight.shape)}, expected {expected}"
                 )
-            loaded_weight = loaded_weight.narrow(1, self.tp_rank * cols, cols)
+            param.data.copy_(loaded_weight.narrow(1, self.tp_rank * cols, cols))
+            return
         check_loaded_shape(param, loaded_weight, type(self).__name__)
-        param.data.copy_(loaded_weight)
+        param.data.copy_(read_whole(loaded_weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer: this rank's partial product, summed over the ranks."""

@@ -26,11 +26,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from framework.distributed.config import stage_layers
-from framework.distributed.micro_batch import merge_logits, split_micro_batches
+from framework.distributed.micro_batch import (
+    MicroBatchPlanner,
+    merge_logits,
+    split_micro_batches,
+)
 from framework.distributed.step_sync import (
     RankStepFailed,
     announce_forward,
     announce_weight_update,
+    describe_failures,
+    gather_failures,
 )
 from framework.layers.attention.base import AttentionBackend, AttentionBackendArgs
 from framework.layers.attention.native_build import load_cpu_kernels
@@ -99,6 +105,15 @@ def matmul_modules(model: torch.nn.Module) -> list[PackableLinear]:
     if isinstance(head, VocabParallelEmbedding):
         modules.append(head)
     return modules
+
+
+def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """Bytes of ``model``'s parameters, and of every weight it holds: the parameters plus
+    the packed copies the linear backend keeps beside them (``pack_linear_weights``)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    packed = {id(m.packed_weight): m.packed_weight for m in matmul_modules(model)
+              if m.packed_weight is not None}  # a tied head and embedding share one
+    return params, params + sum(w.numel() * w.element_size() for w in packed.values())
 
 
 def bind_cpu_layer_ops(model: torch.nn.Module, device: torch.device,
@@ -204,7 +219,11 @@ class ModelRunner:
         self._sampler: Sampler | None = None
         #: Pipeline micro-batches this rank has run (two per step of two or more requests).
         self.micro_batches = 0
-        #: Each rank's pid and bytes of parameters and of KV cache, in global rank order.
+        # Rank 0 plans each pipeline step's micro-batches; the plan travels with the step.
+        self._micro_batch_planner = MicroBatchPlanner() \
+            if self.pp_size > 1 and parallel is not None and parallel.is_driver else None
+        #: Each rank's pid and bytes of parameters, of all its weights (packed copies
+        #: included) and of KV cache, in global rank order.
         self.rank_info: list[dict[str, int]] = self._gather_rank_info()
         logger.info(
             "loaded %s (%s) on %s in %s; KV cache %d tokens; attention backend %s on %d layers; "
@@ -284,9 +303,11 @@ class ModelRunner:
 
     def _gather_rank_info(self) -> list[dict[str, int]]:
         pool = self.pools.token_to_kv_pool
+        params, weights = weight_bytes(self.model)
         mine = {
             "pid": os.getpid(),
-            "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            "param_bytes": params,
+            "weight_bytes": weights,
             "kv_cache_bytes": sum(b.numel() * b.element_size()
                                   for b in (*pool.k_buffers, *pool.v_buffers)),
         }
@@ -295,7 +316,8 @@ class ModelRunner:
         return self.parallel.control.all_gather_object(mine)
 
     def ranks_info(self) -> dict[str, int]:
-        """Each rank's pid, parameter and KV cache bytes, as flat ``/get_server_info`` fields."""
+        """Each rank's pid, parameter, weight and KV cache bytes, as flat ``/get_server_info``
+        fields."""
         info: dict[str, int] = {}
         for rank, fields in enumerate(self.rank_info):
             for key, value in fields.items():
@@ -338,6 +360,8 @@ class ModelRunner:
         return output
 
     def _forward(self, batch: ForwardBatch, sampling: SamplingRequest | None) -> LogitsOutput:
+        if self._micro_batch_planner is not None:
+            batch = self._micro_batch_planner.plan(batch)
         if self._announces():
             assert self.parallel is not None
             announce_forward(self.parallel.control, batch,
@@ -370,9 +394,9 @@ class ModelRunner:
                          ) -> torch.Tensor | StepSample | None:
         """This stage's part of the step; on the first stage, the sample or the logits.
 
-        The step's requests go through the stages as micro-batches
-        (``split_micro_batches``), so that while a stage computes one, the
-        stage before it computes the next. Each stage receives the previous
+        The step's requests go through the stages as micro-batches (as rank 0
+        planned them, ``split_micro_batches``), so that while a stage computes
+        one, the stage before it computes the next. Each stage receives the previous
         one's hidden states and residual and sends its own to the next; the
         last stage keeps each micro-batch's logits until it has received them
         all; then, along tensor rank 0 (the driver's), it samples the step as
@@ -455,10 +479,42 @@ class ModelRunner:
         are loaded again from where they came from. Settings outside the
         weights (RoPE, norms' epsilon, ...) stay those of the running model.
         Returns ``(success, message)``; on failure the old weights keep serving.
+
+        With several ranks it is all or nothing: the ranks share the outcome of
+        the check and of the load (``step_sync.gather_failures``); if any rank
+        fails either, none keeps new weights (those that loaded them load their
+        previous ones again), and every rank returns the same answer, naming
+        the ranks that failed.
         """
         if self._announces():
             assert self.parallel is not None
             announce_weight_update(self.parallel.control, model_path, load_format)
+        failed = self._failures_on_ranks(self._check_update(model_path, load_format))
+        if failed:
+            return False, f"cannot update weights from {model_path}: {self._describe(failed)}"
+        failed = self._failures_on_ranks(self._load_update(model_path, load_format))
+        if failed:
+            return False, self._restore_after_failed_update(model_path, failed)
+        self._pack_linear_weights()
+        self.model_path = model_path
+        self.load_format = load_format
+        return True, f"weights updated from {model_path}"
+
+    def _failures_on_ranks(self, error: str | None) -> dict[int, str]:
+        """Every rank's error in this phase of a weight update (this rank's alone on one)."""
+        control = None if self.parallel is None else self.parallel.control
+        return gather_failures(control, error)
+
+    @property
+    def _ranks(self) -> int:
+        """How many ranks serve the model (this one alone: 1)."""
+        return 1 if self.parallel is None else self.parallel.config.world_size
+
+    def _describe(self, failures: dict[int, str]) -> str:
+        return describe_failures(failures, self._ranks)
+
+    def _check_update(self, model_path: str, load_format: str) -> str | None:
+        """Why the checkpoint at ``model_path`` cannot replace the weights (None: it can)."""
         try:
             check_load_format(load_format)
             new_config = ModelConfig.from_pretrained(
@@ -471,16 +527,19 @@ class ModelRunner:
             self._check_same_shapes(new_config)
             if load_format != "dummy":
                 dry_run_load(new_config, model_path)
-        except (ValueError, OSError) as exc:
-            return False, f"cannot update weights from {model_path}: {exc}"
+        # Any error, not only the expected ones: with several ranks, one that raised here
+        # would leave the others waiting for its outcome.
+        except Exception as exc:
+            return str(exc)
+        return None
+
+    def _load_update(self, model_path: str, load_format: str) -> str | None:
+        """Load this rank's share of the new weights; why it failed (None: it did not)."""
         try:
             load_weights(self.model, model_path, load_format, seed=self.server_args.random_seed)
         except Exception as exc:  # I/O or data errors after the old weights were partly overwritten
-            return False, self._restore_after_failed_update(model_path, exc)
-        self._pack_linear_weights()
-        self.model_path = model_path
-        self.load_format = load_format
-        return True, f"weights updated from {model_path}"
+            return str(exc)
+        return None
 
     def _check_same_shapes(self, new_config: ModelConfig) -> None:
         old, new = self.model_config.shape_signature(), new_config.shape_signature()
@@ -489,14 +548,27 @@ class ModelRunner:
             raise ValueError("the new model differs from the running one (" + "; ".join(
                 differences) + ")")
 
-    def _restore_after_failed_update(self, model_path: str, error: Exception) -> str:
-        message = f"loading weights from {model_path} failed: {error}"
+    def _restore_after_failed_update(self, model_path: str, failed: dict[int, str]) -> str:
+        """Load the previous weights again on every rank; the answer, saying what each holds.
+
+        Every rank does, those whose load succeeded too: no rank may serve new weights
+        while another serves the old ones.
+        """
+        message = f"loading weights from {model_path} failed: {self._describe(failed)}"
         try:
             load_weights(
                 self.model, self.model_path, self.load_format, seed=self.server_args.random_seed
             )
-        except Exception as restore_error:  # report both; nothing better can be done here
-            logger.error("restoring weights from %s failed: %s", self.model_path, restore_error)
-            return f"{message}; restoring the previous weights also failed: {restore_error}"
-        self._pack_linear_weights()
-        return f"{message}; the previous weights from {Path(self.model_path)} were restored"
+            error = None
+        except Exception as exc:  # reported below; nothing better can be done here
+            logger.error("restoring weights from %s failed: %s", self.model_path, exc)
+            error = str(exc)
+        else:
+            self._pack_linear_weights()
+        unrestored = self._failures_on_ranks(error)
+        if unrestored:
+            return (f"{message}; restoring the previous weights also failed: "
+                    f"{self._describe(unrestored)}")
+        if self._ranks == 1:
+            return f"{message}; the previous weights from {Path(self.model_path)} were restored"
+        return f"{message}; every rank keeps the previous weights from {Path(self.model_path)}"

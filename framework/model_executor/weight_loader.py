@@ -3,7 +3,11 @@
 Checkpoints are read shard by shard (``model.safetensors``, or the shards
 named by ``model.safetensors.index.json``, or every ``*.safetensors`` file),
 tensor by tensor, so host memory holds one tensor at a time; each model's
-``load_weights`` maps the Hugging Face names onto its own parameters. The
+``load_weights`` maps the Hugging Face names onto its own parameters. A model
+that declares ``loads_checkpoint_slices`` gets each tensor unread, as a
+``SafetensorsSlice``: its weight loaders read only their rank's rows or
+columns of it, and nothing of a tensor another pipeline stage holds, so that
+with N ranks the checkpoint is read about once in all, not N times. The
 ``dummy`` format fills the parameters at random instead, to run a model of a
 given shape without its files.
 """
@@ -65,14 +69,46 @@ def _files_from_index(index_path: Path) -> list[Path]:
     return files
 
 
+class SafetensorsSlice:
+    """One tensor of an open safetensors file, read only as far as it is indexed.
+
+    ``narrow`` and indexing (``[...]`` for all of it) read just the entries they
+    return, on CPU; ``shape`` is known without reading. Valid while its file
+    is open, that is until the next tensor of ``iterate_safetensors``'s file
+    loop moves on to the next file.
+    """
+
+    def __init__(self, stored: Any) -> None:
+        self._stored = stored  # safetensors' own slice object (``safe_open(...).get_slice``)
+        self.shape = torch.Size(stored.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """``length`` entries from ``start`` along ``dim``, read from the file."""
+        return self._stored[(slice(None),) * dim + (slice(start, start + length),)]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        """The entries at ``index`` (``[...]``: the whole tensor), read from the file."""
+        return self._stored[index]
+
+
 def iterate_safetensors(
     files: list[Path], *, progress: bool = True
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for every tensor of every file, on CPU, with a progress bar."""
+) -> Iterator[tuple[str, SafetensorsSlice]]:
+    """``(name, unread slice)`` for every tensor of every file, with a progress bar."""
     for file in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=not progress):
         with _open_safetensors(file) as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, handle.get_tensor(name)
+                yield name, SafetensorsSlice(handle.get_slice(name))
+
+
+def checkpoint_weights(model: nn.Module, files: list[Path]
+                       ) -> Iterator[tuple[str, SafetensorsSlice | torch.Tensor]]:
+    """What ``model.load_weights`` takes: unread slices if the model says it loads them
+    (``loads_checkpoint_slices``), else every tensor read whole."""
+    weights = iterate_safetensors(files)
+    if getattr(model, "loads_checkpoint_slices", False):
+        return weights
+    return ((name, tensor[...]) for name, tensor in weights)
 
 
 def iterate_safetensors_shapes(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -142,7 +178,7 @@ def load_weights(
     if load_format == "dummy":
         fill_dummy_weights(model, seed)
         return
-    model.load_weights(iterate_safetensors(find_safetensors_files(model_path)))
+    model.load_weights(checkpoint_weights(model, find_safetensors_files(model_path)))
 
 
 def dry_run_load(model_config: ModelConfig, model_path: str | Path) -> None:

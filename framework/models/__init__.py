@@ -5,7 +5,11 @@ Third-party packages add architectures through the ``framework.models`` entry
 point group. Every class follows one contract: ``cls(config, dtype, device,
 **options)`` (``options`` among ``tp_rank``, ``tp_size``, ``model_dir``, as the
 class accepts), ``forward(input_ids, positions, forward_batch)`` and
-``load_weights(iterable of (name, tensor))``.
+``load_weights(iterable of (name, tensor))``. A class whose ``load_weights``
+reads its rank's part itself sets ``loads_checkpoint_slices = True``: it then
+gets each tensor unread (``shape``, ``narrow``, ``[...]``; see
+``framework.layers.linear.CheckpointWeight``), so that no rank reads a whole
+tensor it holds a slice of.
 """
 
 from __future__ import annotations

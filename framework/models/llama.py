@@ -32,6 +32,7 @@ from framework.layers.activation import GatedActivation
 from framework.layers.attention.radix_attention import RadixAttention
 from framework.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from framework.layers.linear import (
+    CheckpointWeight,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -295,6 +296,10 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """A Llama decoder with its language-model head."""
 
+    #: ``load_weights`` takes unread checkpoint slices: each layer's loader reads only this
+    #: rank's part, and tensors of other pipeline stages are skipped unread.
+    loads_checkpoint_slices = True
+
     @classmethod
     def attention_options(cls, config: Any) -> AttentionOptions:
         """Llama: bias on all four projections when ``attention_bias``, no q/k norm."""
@@ -320,12 +325,15 @@ class LlamaForCausalLM(nn.Module):
                 config, self.attention_options(config), tp_rank=tp_rank, tp_size=tp_size,
                 pp_rank=pp_rank, pp_size=pp_size,
             )
+            # Only the last stage projects onto the vocabulary: a first stage that is not
+            # also the last holds no head (tied or not), so none is packed or counted there.
             self.lm_head: VocabParallelEmbedding | None = None
-            if self.tie_word_embeddings and self.model.embed_tokens is not None:
+            if self.model.is_last_stage and self.tie_word_embeddings \
+                    and self.model.embed_tokens is not None:
                 self.lm_head = self.model.embed_tokens
             elif self.model.is_last_stage:
-                # Tied on a last stage without the embedding: a head of its own, loaded
-                # from the embedding table.
+                # Untied, or tied on a last stage without the embedding: a head of its own
+                # (then loaded from the embedding table).
                 self.lm_head = ParallelLMHead(
                     config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
                 )
@@ -358,8 +366,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden_states).float()
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointWeight]]) -> None:
         """Copy Hugging Face-named weights into the model, stacking q/k/v and gate/up.
+
+        Each weight is read by its parameter's loader, which reads only this
+        rank's part of it; weights of other pipeline stages are not read at all.
 
         Raises:
             ValueError: a weight matches no parameter or has the wrong shape, or a

@@ -12,6 +12,12 @@ extra hop: ``DataParallelRouter`` picks the replica of each new request with a
 each request id so that its abort goes there, and sends everything else
 (``abort_all``, RPCs such as a cache flush or a weight update) to every
 replica. With one replica it routes everything to that one.
+
+A weight update is all or nothing over the replicas
+(``DataParallelRouter.update_weights``): when some replicas load the new
+weights and others cannot, those that did are sent back to their previous
+weights, so that every replica serves the same ones, and the answer names
+each replica's outcome.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from framework.messages import (
     SchedulerMetrics,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
+    UpdateWeightsFromDiskReqInput,
     UpdateWeightsFromDiskReqOutput,
 )
 from framework.registry import create_codec
@@ -252,6 +259,39 @@ class DataParallelRouter:
         """``msg`` to every replica's Scheduler at once; the replies in replica order."""
         return list(await asyncio.gather(*(r.rpc.call(msg, timeout) for r in self.replicas)))
 
+    async def call_each(self, messages: dict[int, Message], timeout: float
+                        ) -> dict[int, Message]:
+        """Each replica named in ``messages`` its own message, at once; replies by replica."""
+        replies = await asyncio.gather(*(self.replicas[index].rpc.call(msg, timeout)
+                                         for index, msg in messages.items()))
+        return dict(zip(messages, replies, strict=True))
+
+    async def update_weights(self, msg: UpdateWeightsFromDiskReqInput, timeout: float
+                             ) -> Message:
+        """``msg`` to every replica, all or nothing; one reply naming each replica's outcome.
+
+        When some replicas loaded the new weights and others could not, each one
+        that did is sent back to the weights it served before (its reply's
+        ``previous_model_path``), so that no replica serves other weights than the
+        rest. (Between the two, it ran with the new ones, as the requests in flight
+        of any update do.) A replica that answers with an error has failed.
+
+        Raises:
+            RuntimeError: the one replica there is answered with an error.
+        """
+        replies = await self.call_all(msg, timeout)
+        if len(replies) == 1:
+            check_replies(replies)
+            return replies[0]
+        outcomes = [_weight_update_outcome(reply) for reply in replies]
+        made = [i for i, r in enumerate(outcomes) if r.success]
+        undo: dict[int, Message] = {}
+        if len(made) < len(outcomes):
+            undo = {i: UpdateWeightsFromDiskReqInput(
+                model_path=outcomes[i].previous_model_path,
+                load_format=outcomes[i].previous_load_format) for i in made}
+        return merge_weight_updates(outcomes, await self.call_each(undo, timeout))
+
     def record_metrics(self, index: int, metrics: SchedulerMetrics) -> SchedulerMetrics:
         """Keep replica ``index``'s report; return the whole server's (the sum over replicas)."""
         self.loads[index].metrics = metrics
@@ -307,16 +347,53 @@ def merge_replies(replies: Sequence[Message]) -> Message:
     if len(replies) == 1:
         return replies[0]
     first = replies[0]
-    if isinstance(first, (FlushCacheReqOutput, UpdateWeightsFromDiskReqOutput)):
+    if isinstance(first, FlushCacheReqOutput):
         success = all(getattr(r, "success", False) for r in replies)
         message = "; ".join(f"{replica_name(i)}: {getattr(r, 'message', '') or 'ok'}"
                             for i, r in enumerate(replies))
-        if isinstance(first, FlushCacheReqOutput):
-            return FlushCacheReqOutput(success=success, message=message)
-        paused = sum(getattr(r, "num_paused_requests", 0) for r in replies)
-        return UpdateWeightsFromDiskReqOutput(success=success, message=message,
-                                              num_paused_requests=paused)
+        return FlushCacheReqOutput(success=success, message=message)
     return first
+
+
+def _weight_update_outcome(reply: Message) -> UpdateWeightsFromDiskReqOutput:
+    """A replica's answer to a weight update; an error it answered with is a failure."""
+    if isinstance(reply, UpdateWeightsFromDiskReqOutput):
+        return reply
+    return UpdateWeightsFromDiskReqOutput(
+        success=False, message=getattr(reply, "message", "") or type(reply).__name__)
+
+
+def merge_weight_updates(replies: Sequence[UpdateWeightsFromDiskReqOutput],
+                         undone: dict[int, Message]) -> UpdateWeightsFromDiskReqOutput:
+    """One answer for a weight update of every replica, ``undone`` the rollbacks' replies.
+
+    It names each replica's outcome, and, when the update failed somewhere,
+    which replicas (if any) still serve the new weights: those whose rollback
+    failed too.
+    """
+    parts = []
+    stuck = []
+    for index, reply in enumerate(replies):
+        part = f"{replica_name(index)}: {reply.message or 'ok'}"
+        if index in undone:
+            back = undone[index]
+            if isinstance(back, UpdateWeightsFromDiskReqOutput) and back.success:
+                part += (f"; another replica failed, so it went back to the weights from "
+                         f"{reply.previous_model_path}")
+            else:
+                part += ("; another replica failed, and going back to the previous weights "
+                         f"failed too ({getattr(back, 'message', '')})")
+                stuck.append(replica_name(index))
+        parts.append(part)
+    success = all(reply.success for reply in replies)
+    if not success:
+        parts.append("no replica serves the new weights" if not stuck else
+                     f"the new weights are still served by {', '.join(stuck)}")
+    return UpdateWeightsFromDiskReqOutput(
+        success=success, message="; ".join(parts),
+        num_paused_requests=sum(reply.num_paused_requests for reply in replies),
+        previous_model_path=replies[0].previous_model_path,
+        previous_load_format=replies[0].previous_load_format)
 
 
 def check_replies(replies: Sequence[Message]) -> None:

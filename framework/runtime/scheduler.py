@@ -133,10 +133,13 @@ class Scheduler:
         model_runner: Any | None = None,
     ) -> None:
         self.server_args = server_args
+        #: Where the weights being served came from: ``(model_path, load_format)``.
+        self.weights_source = (server_args.model_path or "", server_args.load_format)
         if model_runner is None:
             from framework.model_executor.model_runner import ModelRunner
 
-            model_runner = ModelRunner(server_args, server_args.resolved_model_path())
+            self.weights_source = (server_args.resolved_model_path(), server_args.load_format)
+            model_runner = ModelRunner(server_args, self.weights_source[0])
         self.model_runner = model_runner
         self.model_config = model_runner.model_config
         self.req_to_token_pool = model_runner.pools.req_to_token_pool
@@ -360,19 +363,22 @@ class Scheduler:
         # tokenizer's load (which imports it too) may still be going on, on its thread.
         wait([self.tokenizer_future])
         ok, message = self.model_runner.update_weights_from_disk(msg.model_path, msg.load_format)
+        previous = self.weights_source
         if ok:
+            self.weights_source = (msg.model_path, msg.load_format)
             for req in [*self.running, *([self.chunked_req] if self.chunked_req else [])]:
                 self.retract(req)
             self.tree_cache.flush()
-        return UpdateWeightsFromDiskReqOutput(success=ok, message=message,
-                                              num_paused_requests=paused)
+        return UpdateWeightsFromDiskReqOutput(
+            success=ok, message=message, num_paused_requests=paused,
+            previous_model_path=previous[0], previous_load_format=previous[1])
 
     def get_info(self) -> dict[str, str | int | float | bool | None]:
         """State for ``/get_server_info`` and for KV-leak checks.
 
         With a runner that reports them (``ranks_info``), each rank's pid and bytes of
-        parameters and of KV cache too: ``pid_rank_K``, ``param_bytes_rank_K``,
-        ``kv_cache_bytes_rank_K``.
+        parameters, of all its weights and of KV cache too: ``pid_rank_K``,
+        ``param_bytes_rank_K``, ``weight_bytes_rank_K``, ``kv_cache_bytes_rank_K``.
         """
         ranks_info = getattr(self.model_runner, "ranks_info", dict)
         return {

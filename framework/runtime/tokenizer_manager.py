@@ -826,12 +826,18 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ RPC
 
-    async def _call_all(self, msg: Message, timeout: float = 600.0) -> list[Message]:
-        """``msg`` to every replica's Scheduler; their replies, in replica order."""
+    @contextlib.asynccontextmanager
+    async def _rpc_turn(self) -> AsyncIterator[None]:
+        """One exchange of RPCs with the Schedulers at a time."""
         self._check_alive()
         if self._rpc_lock is None:
             self._rpc_lock = asyncio.Lock()
         async with self._rpc_lock:
+            yield
+
+    async def _call_all(self, msg: Message, timeout: float = 600.0) -> list[Message]:
+        """``msg`` to every replica's Scheduler; their replies, in replica order."""
+        async with self._rpc_turn():
             replies = await self.router.call_all(msg, timeout)
         check_replies(replies)  # an ErrorReply becomes a RuntimeError naming its replica
         return replies
@@ -847,10 +853,15 @@ class TokenizerManager:
     async def update_weights_from_disk(self, model_path: str, load_format: str = "auto",
                                        abort_all_requests: bool = False) -> Any:
         """Ask the Scheduler to load new weights; in-flight requests keep running (they
-        continue on the new weights), or end with ``abort`` with ``abort_all_requests``."""
-        return await self._call(UpdateWeightsFromDiskReqInput(
-            model_path=model_path, load_format=load_format,
-            abort_all_requests=abort_all_requests))
+        continue on the new weights), or end with ``abort`` with ``abort_all_requests``.
+
+        With several replicas, all or nothing (``DataParallelRouter.update_weights``):
+        the update and any rollback form one turn, so that no other RPC comes between.
+        """
+        msg = UpdateWeightsFromDiskReqInput(model_path=model_path, load_format=load_format,
+                                            abort_all_requests=abort_all_requests)
+        async with self._rpc_turn():
+            return await self.router.update_weights(msg, timeout=600.0)
 
     async def get_scheduler_info(self) -> dict[str, Any]:
         """The Scheduler's state (memory, queues, configuration).

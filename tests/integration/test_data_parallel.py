@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from framework import Engine
+from framework.model_executor import model_runner
 from framework.runtime.launch import torch_threads_per_rank, usable_cores
 from tests.model_fixtures import make_tiny_checkpoint
 from tests.server_harness import own_children
@@ -85,7 +88,20 @@ def test_shm_gives_each_replica_its_own_rings(model_dir: Path,
     assert len(set(run["addresses"])) == 2  # a ring has one producer: never shared
 
 
-def test_flush_and_weight_updates_reach_every_replica(model_dir: Path, tmp_path: Path) -> None:
+def _fails_in_thread(thread_name: str, path: Path,
+                     load: Callable[..., None]) -> Callable[..., None]:
+    """``load`` (``load_weights(model, model_path, ...)``), except that the thread
+    ``thread_name`` fails to read the weights at ``path``."""
+    def maybe_load(model: Any, model_path: str, *args: Any, **kwargs: Any) -> None:
+        if threading.current_thread().name == thread_name and model_path == str(path):
+            raise OSError("this replica's disk failed on purpose")
+        load(model, model_path, *args, **kwargs)
+
+    return maybe_load
+
+
+def test_flush_and_weight_updates_reach_every_replica(model_dir: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     other = make_tiny_checkpoint(tmp_path, "llama", seed=12)  # same shapes, other weights
     with Engine(model_path=str(other), launch_mode="thread", **QUIET) as engine:
         other_reference = [o["output_ids"] for o in engine.generate(PROMPTS[:4], GREEDY)]
@@ -103,6 +119,17 @@ def test_flush_and_weight_updates_reach_every_replica(model_dir: Path, tmp_path:
         # Round robin: two prompts each; both replicas now answer with the new weights.
         outputs = engine.generate(PROMPTS[:4], GREEDY)
         assert [o["output_ids"] for o in outputs] == other_reference
+        # All or nothing: replica 1 cannot load the first weights back, so replica 0, which
+        # did, goes back to the second ones; both keep answering with them.
+        monkeypatch.setattr(model_runner, "load_weights", _fails_in_thread(
+            "scheduler replica 1", model_dir, model_runner.load_weights))
+        mixed = engine.update_weights_from_disk(str(model_dir))
+        outputs = engine.generate(PROMPTS[:4], GREEDY)
+        assert not mixed.success
+        assert [o["output_ids"] for o in outputs] == other_reference
+        assert "replica 1: loading weights from" in mixed.message, mixed.message
+        assert "replica 0: weights updated from" in mixed.message
+        assert mixed.message.endswith("no replica serves the new weights"), mixed.message
 
 
 def test_embeddings_are_routed_and_answered_by_both_replicas(tmp_path: Path) -> None:

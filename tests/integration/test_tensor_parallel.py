@@ -12,13 +12,17 @@ rank ending the server is tested through ``framework serve``, in
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import struct
+from collections.abc import Iterator
 from pathlib import Path
 from queue import Empty
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from framework import Engine
 from framework.comm.zmq import free_tcp_port
@@ -29,6 +33,7 @@ from tests.model_fixtures import make_tiny_checkpoint, make_tiny_tokenizer, tiny
 
 PROMPTS = ["the quick brown fox", "hello world, this is a test", "def add(a, b):", "x"]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+ONE_PARITY = [{**GREEDY, "max_new_tokens": n} for n in (40, 1, 40, 1)]
 ENGINE_ARGS = {"log_level": "warning", "dtype": "float32"}
 HARNESS_STEPS = 6
 HARNESS_TIMEOUT_S = 120.0  # a liveness bound for the two-rank harness
@@ -93,8 +98,9 @@ def test_two_ranks_give_one_rank_s_tokens_each_holding_half(
     whole = one_rank["info"]
     for rank in (0, 1):
         # Every weight matrix is split, the norms are replicated: a little over half.
-        params = info[f"param_bytes_rank_{rank}"]
-        assert 0.45 * whole["param_bytes_rank_0"] <= params <= 0.55 * whole["param_bytes_rank_0"]
+        for kind in ("param_bytes", "weight_bytes"):  # weights: packed copies included
+            held = info[f"{kind}_rank_{rank}"]
+            assert 0.45 * whole[f"{kind}_rank_0"] <= held <= 0.55 * whole[f"{kind}_rank_0"]
         # Two key/value heads, one per rank.
         assert info[f"kv_cache_bytes_rank_{rank}"] * 2 == whole["kv_cache_bytes_rank_0"]
     assert "param_bytes_rank_2" not in info
@@ -102,18 +108,28 @@ def test_two_ranks_give_one_rank_s_tokens_each_holding_half(
     assert not torch.distributed.is_initialized()
 
 
+@pytest.fixture(scope="module")
+def pp_engine(model_dir: Path) -> Iterator[tuple[Engine, dict[str, Any]]]:
+    """A two-stage Engine, and its server info after its first requests: two of them
+    decoding on rows of one parity (a fresh pool gives rows 0-3, and the requests on rows 1
+    and 3 end at their prefill)."""
+    with Engine(model_path=str(model_dir), pp_size=2, **ENGINE_ARGS) as engine:
+        engine.generate([PROMPTS[0]] * 4, ONE_PARITY)
+        yield engine, engine.get_server_info()
+
+
 @pytest.mark.timeout(240)
 def test_two_pipeline_stages_give_one_rank_s_tokens_each_holding_its_layers(
-    model_dir: Path, one_rank: dict[str, Any]
+    pp_engine: tuple[Engine, dict[str, Any]], one_rank: dict[str, Any]
 ) -> None:
-    with Engine(model_path=str(model_dir), pp_size=2, **ENGINE_ARGS) as engine:
-        outputs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
-        # Prompt logprobs travel back from the last stage with the next-token logits, each
-        # micro-batch's rows put back in place.
-        scored = _scored(engine)
-        # The last stage samples: seeded draws, penalties, grammars and logprobs as one rank.
-        sampled = _sampled(engine)
-        info = engine.get_server_info()
+    engine, parity = pp_engine
+    outputs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
+    # Prompt logprobs travel back from the last stage with the next-token logits, each
+    # micro-batch's rows put back in place.
+    scored = _scored(engine)
+    # The last stage samples: seeded draws, penalties, grammars and logprobs as one rank.
+    sampled = _sampled(engine)
+    info = engine.get_server_info()
     assert outputs == one_rank["outputs"]
     for (ids, logprobs), (ref_ids, ref_logprobs) in zip(sampled, one_rank["sampled"],
                                                         strict=True):
@@ -122,8 +138,12 @@ def test_two_pipeline_stages_give_one_rank_s_tokens_each_holding_its_layers(
     for got, expected in zip(scored, one_rank["scored"], strict=True):
         assert got == pytest.approx(expected, abs=1e-4)
     assert info["pp_size"] == 2 and info["kv_cache_idle_and_free"] is True, info
+    # Two requests on rows of one parity still run as two micro-batches. They are sent
+    # together; at most a step or two at either end may see one of them alone.
+    assert 2 * parity["pp_micro_batches"] >= 3 * parity["decode_steps"] > 0, parity
     # The four requests' steps ran as two micro-batches each, overlapping the stages.
-    assert info["pp_micro_batches"] >= 2 * info["decode_steps"] > 0, info
+    micro_batches = info["pp_micro_batches"] - parity["pp_micro_batches"]
+    assert micro_batches >= 2 * (info["decode_steps"] - parity["decode_steps"]) > 0, info
     whole = one_rank["info"]
     config = tiny_config("llama")
     embedding = config.vocab_size * config.hidden_size * 4  # float32 bytes
@@ -133,6 +153,46 @@ def test_two_pipeline_stages_give_one_rank_s_tokens_each_holding_its_layers(
         layers_only = whole["param_bytes_rank_0"] - 2 * embedding
         assert abs(params - embedding - layers_only / 2) <= config.hidden_size * 4, stage
         assert info[f"kv_cache_bytes_rank_{stage}"] * 2 == whole["kv_cache_bytes_rank_0"]
+
+
+def _make_unreadable(checkpoint: Path, name: str) -> None:
+    """Store the float32 tensor ``name`` of ``checkpoint`` as 4-bit floats: its name, shape
+    and offsets check out (the update's dry run passes), reading it fails."""
+    tensors = load_file(checkpoint / "model.safetensors")
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    chunks: list[bytes] = []
+    offset = 0
+    for key, tensor in tensors.items():
+        assert tensor.dtype == torch.float32
+        dtype, data = ("F4", bytes(tensor.numel() // 2)) if key == name else \
+            ("F32", tensor.contiguous().view(torch.uint8).numpy().tobytes())
+        header[key] = {"dtype": dtype, "shape": list(tensor.shape),
+                       "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    (checkpoint / "model.safetensors").write_bytes(
+        struct.pack("<Q", len(encoded)) + encoded + b"".join(chunks))
+
+
+@pytest.mark.timeout(240)
+def test_a_weight_update_one_stage_cannot_load_leaves_every_stage_on_the_old_weights(
+    pp_engine: tuple[Engine, dict[str, Any]], one_rank: dict[str, Any], model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """All or nothing: stage 1 cannot read the final norm (stage 0 never reads it), so
+    stage 0, which loaded its new layers, goes back to its old ones too."""
+    engine, _ = pp_engine
+    broken = make_tiny_checkpoint(tmp_path, "llama", seed=12)  # same shapes, other weights
+    _make_unreadable(broken, "model.norm.weight")
+    reply = engine.update_weights_from_disk(str(broken))
+    outputs = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
+    assert not reply.success
+    assert outputs == one_rank["outputs"]  # both stages serve the old weights, and serve on
+    assert f"loading weights from {broken} failed: rank 1: " in reply.message, reply.message
+    assert reply.message.endswith(f"every rank keeps the previous weights from {model_dir}")
+    assert "rank 0:" not in reply.message
 
 
 # --------------------------------------------------------------------------- the harness

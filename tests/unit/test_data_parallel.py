@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -13,9 +15,11 @@ from framework.messages import (
     ErrorReply,
     FlushCacheReqInput,
     FlushCacheReqOutput,
+    Message,
     SchedulerMetrics,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
+    UpdateWeightsFromDiskReqInput,
     UpdateWeightsFromDiskReqOutput,
 )
 from framework.runtime.data_parallel import (
@@ -132,10 +136,6 @@ def test_replies_of_every_replica_are_merged_naming_each() -> None:
     assert isinstance(flushed, FlushCacheReqOutput)
     assert not flushed.success
     assert flushed.message == "replica 0: freed 3; replica 1: busy"
-    updated = merge_replies([UpdateWeightsFromDiskReqOutput(True, "", 2),
-                             UpdateWeightsFromDiskReqOutput(True, "", 1)])
-    assert isinstance(updated, UpdateWeightsFromDiskReqOutput)
-    assert updated.success and updated.num_paused_requests == 3
     one = FlushCacheReqOutput(True, "freed 3")
     assert merge_replies([one]) is one
     with pytest.raises(RuntimeError, match="replica 1: boom"):
@@ -178,3 +178,69 @@ def test_bad_data_parallel_settings_are_value_errors_naming_the_field() -> None:
         ComponentTree(ServerArgs(dp_size=0))
     with pytest.raises(ValueError, match="load_balance_method"):
         ComponentTree(ServerArgs(load_balance_method="random"))
+
+
+class _WeightsReplica:
+    """A replica's RPC end that serves weights from a path, and fails to load ``broken``."""
+
+    def __init__(self, broken: frozenset[str] = frozenset()) -> None:
+        self.path, self.broken = "old", broken
+        self.calls: list[str] = []
+
+    async def call(self, msg: Message, timeout: float) -> Message:
+        assert isinstance(msg, UpdateWeightsFromDiskReqInput)
+        self.calls.append(msg.model_path)
+        previous, ok = self.path, msg.model_path not in self.broken
+        if ok:
+            self.path = msg.model_path
+        return UpdateWeightsFromDiskReqOutput(ok, "loaded" if ok else "cannot read it", 1,
+                                              previous_model_path=previous)
+
+
+def _update(replicas: list[_WeightsReplica], path: str) -> Any:
+    channels = [ReplicaChannels(i, None, rpc, None, None, None)  # type: ignore[arg-type]
+                for i, rpc in enumerate(replicas)]
+    router = DataParallelRouter(channels, RoundRobin())
+    return asyncio.run(router.update_weights(UpdateWeightsFromDiskReqInput(model_path=path),
+                                             timeout=5.0))
+
+
+def test_a_weight_update_reaches_every_replica() -> None:
+    replicas = [_WeightsReplica(), _WeightsReplica()]
+    reply = _update(replicas, "new")
+    assert reply.success and reply.num_paused_requests == 2
+    assert reply.message == "replica 0: loaded; replica 1: loaded"
+    assert [r.path for r in replicas] == ["new", "new"]
+
+
+def test_replicas_that_loaded_go_back_when_another_could_not() -> None:
+    """All or nothing: replica 1 cannot read the new weights, so replica 0 (which loaded
+    them) loads its previous ones again, and the answer says so."""
+    replicas = [_WeightsReplica(), _WeightsReplica(broken=frozenset({"new"})), _WeightsReplica()]
+    reply = _update(replicas, "new")
+    assert not reply.success
+    assert [r.path for r in replicas] == ["old", "old", "old"]
+    assert [r.calls for r in replicas] == [["new", "old"], ["new"], ["new", "old"]]
+    assert "replica 1: cannot read it" in reply.message
+    assert "replica 0: loaded; another replica failed, so it went back to the weights " \
+           "from old" in reply.message
+    assert reply.message.endswith("no replica serves the new weights")
+
+
+def test_a_replica_that_cannot_go_back_is_named() -> None:
+    replicas = [_WeightsReplica(broken=frozenset({"old"})),
+                _WeightsReplica(broken=frozenset({"new"}))]
+    reply = _update(replicas, "new")
+    assert not reply.success and [r.path for r in replicas] == ["new", "old"]
+    assert reply.message.endswith("the new weights are still served by replica 0")
+
+
+def test_a_replica_answering_with_an_error_has_failed_the_update() -> None:
+    class Raising(_WeightsReplica):
+        async def call(self, msg: Message, timeout: float) -> Message:
+            return ErrorReply("RuntimeError: boom")
+
+    replicas = [_WeightsReplica(), Raising()]
+    reply = _update(replicas, "new")
+    assert not reply.success and replicas[0].path == "old"
+    assert "replica 1: RuntimeError: boom" in reply.message

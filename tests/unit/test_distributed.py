@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -155,3 +158,145 @@ def test_a_sample_the_last_stage_could_not_make_raises_on_rank_0() -> None:
     failed = StepSample([], [], [], [], [], [], [], error="ValueError('bad row')")
     with pytest.raises(RuntimeError, match=r"last pipeline stage failed to sample.*bad row"):
         failed.checked()
+
+
+# ------------------------------------------------------------------ what each rank reads
+
+
+class _CountingSlice:
+    """A safetensors slice that counts the bytes its reads return."""
+
+    def __init__(self, stored: Any, name: str, counts: Counter[str]) -> None:
+        self._stored, self._name, self._counts = stored, name, counts
+
+    def get_shape(self) -> list[int]:
+        return self._stored.get_shape()
+
+    def get_dtype(self) -> str:
+        return self._stored.get_dtype()
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        tensor = self._stored[index]
+        self._counts[self._name] += tensor.numel() * tensor.element_size()
+        return tensor
+
+
+class _CountingFile:
+    """A ``safe_open`` handle whose tensor reads are counted, by tensor name, in bytes."""
+
+    def __init__(self, handle: Any, counts: Counter[str]) -> None:
+        self._handle, self._counts = handle, counts
+
+    def __enter__(self) -> _CountingFile:
+        self._handle.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handle.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return list(self._handle.keys())
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        tensor = self._handle.get_tensor(name)
+        self._counts[name] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def get_slice(self, name: str) -> _CountingSlice:
+        return _CountingSlice(self._handle.get_slice(name), name, self._counts)
+
+
+def _bytes_read(monkeypatch: pytest.MonkeyPatch, path: Path, **ranks: int) -> Counter[str]:
+    """Bytes of each checkpoint tensor that loading the model as ``ranks`` say reads."""
+    from framework.model_executor import weight_loader
+    from framework.model_executor.model_config import ModelConfig
+
+    counts: Counter[str] = Counter()
+    real = weight_loader.safe_open
+    monkeypatch.setattr(weight_loader, "safe_open",
+                        lambda *args, **kwargs: _CountingFile(real(*args, **kwargs), counts))
+    config = ModelConfig.from_pretrained(path, dtype="float32", device=torch.device("cpu"))
+    weight_loader.load_model(config, torch.device("cpu"), **ranks)
+    return counts
+
+
+def _stored_bytes(path: Path) -> dict[str, int]:
+    return {name: t.numel() * t.element_size()
+            for name, t in load_file(str(path / "model.safetensors")).items()}
+
+
+def test_each_tensor_parallel_rank_reads_only_its_slice(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP=2: every split tensor is read half by each rank, never whole; only the norms
+    (replicated) are read whole, so each rank reads a little over half the checkpoint."""
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    stored = _stored_bytes(path)
+    for rank in (0, 1):
+        read = _bytes_read(monkeypatch, path, tp_rank=rank, tp_size=2)
+        for name, size in stored.items():
+            expected = size if name.endswith("norm.weight") else size // 2
+            assert read[name] == expected, (rank, name, read[name], size)
+        norms = sum(size for name, size in stored.items() if name.endswith("norm.weight"))
+        assert sum(read.values()) == (sum(stored.values()) - norms) // 2 + norms
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_each_pipeline_stage_reads_only_its_tensors(tmp_path: Path, tied: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """PP=2: stage 0 reads the embedding and layer 0, stage 1 layer 1, the final norm and
+    the head (a tied head: the embedding table); nothing of the other stage's layers."""
+    path = make_tiny_checkpoint(tmp_path, "llama", tie_word_embeddings=tied)
+    stored = _stored_bytes(path)
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    own = [
+        {n for n in stored if n.startswith(("model.embed_tokens.", "model.layers.0."))},
+        {n for n in stored if n.startswith(("model.layers.1.", "model.norm."))} | {head},
+    ]
+    for stage in (0, 1):
+        read = _bytes_read(monkeypatch, path, pp_rank=stage, pp_size=2)
+        assert dict(read) == {name: stored[name] for name in own[stage]}, stage
+
+
+def test_a_first_stage_holds_no_head_and_packs_none() -> None:
+    """Tied embeddings: the first of two stages looks tokens up and never projects onto the
+    vocabulary, so its table is not packed as a head (a copy as large as the table)."""
+    from framework.model_executor.model_runner import matmul_modules
+
+    config = tiny_config("llama", tie_word_embeddings=True)
+    first, last = (LlamaForCausalLM(config, torch.float32, torch.device("cpu"), pp_rank=rank,
+                                    pp_size=2) for rank in (0, 1))
+    assert first.lm_head is None
+    assert not any(isinstance(m, VocabParallelEmbedding) for m in matmul_modules(first))
+    assert any(isinstance(m, VocabParallelEmbedding) for m in matmul_modules(last))
+
+
+def test_reported_weight_bytes_count_the_packed_copies(tmp_path: Path) -> None:
+    """With the onednn linear backend every matrix that multiplies has a packed copy beside
+    it: ``weight_bytes`` counts them, ``param_bytes`` the parameters alone."""
+    from framework.layers.linear_kernel import onednn_available
+    from framework.model_executor.model_runner import ModelRunner, matmul_modules
+
+    if not onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    args = ServerArgs(model_path=str(path), device="cpu", dtype="float32",
+                      linear_backend="onednn", max_running_requests=2, max_total_tokens=256)
+    runner = ModelRunner(args, str(path))
+    (info,) = runner.rank_info
+    params = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    matrices = sum(m.weight.numel() * m.weight.element_size()
+                   for m in matmul_modules(runner.model))
+    assert info["param_bytes"] == params
+    assert info["weight_bytes"] == params + matrices
+    plain = ModelRunner(dataclasses.replace(args, linear_backend="torch"), str(path))
+    assert plain.rank_info[0]["weight_bytes"] == params
+
+
+def test_weight_update_failures_are_described_by_rank() -> None:
+    from framework.distributed.step_sync import describe_failures, gather_failures
+
+    assert gather_failures(None, None) == {}
+    assert gather_failures(None, "no file") == {0: "no file"}
+    assert describe_failures({0: "no file"}, 1) == "no file"
+    assert describe_failures({0: "no file", 1: "no file"}, 2) == "on every rank: no file"
+    assert describe_failures({3: "bad", 1: "worse"}, 4) == "rank 1: worse; rank 3: bad"
