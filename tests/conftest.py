@@ -19,10 +19,22 @@ from tests.server_harness import ServerProcess, SharedPool
 
 # Each run gets a $XDG_CACHE_HOME of its own (built kernels, remembered tokenizer classes),
 # set before anything reads it, so that no test depends on what an earlier run left there.
-# The servers and Engines the tests start inherit it.
-_RUN_CACHE = tempfile.mkdtemp(prefix="framework-tests-cache-")
-os.environ["XDG_CACHE_HOME"] = _RUN_CACHE
-atexit.register(shutil.rmtree, _RUN_CACHE, True)
+# pytest-xdist's workers, and the servers and Engines the tests start, inherit it from the
+# process that made it, which removes it at exit.
+_RUN_CACHE_ENV = "FRAMEWORK_TESTS_RUN_CACHE"
+if _RUN_CACHE_ENV not in os.environ:
+    os.environ[_RUN_CACHE_ENV] = tempfile.mkdtemp(prefix="framework-tests-cache-")
+    atexit.register(shutil.rmtree, os.environ[_RUN_CACHE_ENV], True)
+os.environ["XDG_CACHE_HOME"] = os.environ[_RUN_CACHE_ENV]
+# At most this many shared servers and Engines alive at once in the whole run.
+SHARED_CAPACITY = 3
+
+
+def _worker_share(total: int) -> int:
+    """This process's share of ``total`` among pytest-xdist's workers (all of it alone)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    return max(1, total // workers + (index < total % workers))
 
 
 @pytest.fixture(scope="session")
@@ -44,8 +56,9 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
 @pytest.fixture(scope="session")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedPool]:
     """Servers and Engines shared across modules (``shared.server(...)``, ``shared.engine(...)``),
-    at most three alive at once."""
-    pool = SharedPool(tmp_path_factory.mktemp("shared-servers"))
+    at most ``SHARED_CAPACITY`` alive at once in the run."""
+    pool = SharedPool(tmp_path_factory.mktemp("shared-servers"),
+                      capacity=_worker_share(SHARED_CAPACITY))
     yield pool
     pool.close()
     assert not pool.failures, "\n".join(pool.failures)
