@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from pathlib import Path
 
 import httpx
@@ -46,7 +47,11 @@ async def first_chunk_order(base_url: str) -> list[str]:
 
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
         blocker = asyncio.create_task(stream(client, "blocker", "x", BLOCKER_TOKENS))
+        deadline = time.monotonic() + 60  # a liveness bound: its first chunk comes at once
         while "blocker" not in order:
+            if blocker.done():
+                blocker.result()  # its error, if it failed before streaming
+            assert time.monotonic() < deadline, "the blocker never streamed"
             await asyncio.sleep(0.01)
         queued = []
         for count, (name, prompt) in enumerate(

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import random
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -146,10 +147,12 @@ def test_requests_past_max_queued_requests_get_503_with_retry_after(
                         lines.append(response.aiter_lines())
                     for running in lines[:2]:
                         assert (await anext(running)).startswith("data: ")
+                    deadline = time.monotonic() + LIVENESS_S
                     while True:  # until the two queued ones reached the Scheduler
                         info = (await client.get("/get_server_info")).json()["scheduler"]
                         if info["num_waiting_reqs"] == 2:
                             break
+                        assert time.monotonic() < deadline, info
                         await asyncio.sleep(0.05)
                     assert info["num_running_reqs"] == 2
                     refused = await client.post("/generate", json=body)

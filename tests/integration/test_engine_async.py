@@ -134,7 +134,9 @@ def test_cancelling_async_generate_aborts(engine: Engine) -> None:
     async def main() -> None:
         task = asyncio.ensure_future(engine.async_generate(PROMPTS[0], LONG))
         # Cancel once the request is in flight (the manager tracks it from its send on).
+        deadline = time.monotonic() + 60  # a liveness bound: it is sent at once
         while not engine.tokenizer_manager.rid_to_state:
+            assert time.monotonic() < deadline and not task.done(), "never in flight"
             await asyncio.sleep(0.001)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

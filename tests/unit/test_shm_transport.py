@@ -411,7 +411,9 @@ def test_a_sleeping_receiver_is_woken_by_the_sender(
                            items=[("msg", AbortReq(rid="late"))])
 
     async def trigger_once_asleep() -> None:
+        deadline = time.monotonic() + DEADLINE_S
         while not is_asleep(receiver):
+            assert time.monotonic() < deadline, "the receiver never went to sleep"
             await asyncio.sleep(0.001)
         trigger("loop")
 
