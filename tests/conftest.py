@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import ServerProcess, SharedPool
+from tests.server_harness import ServerProcess, SharedPool, private_tmp
 
 # Each run gets a $XDG_CACHE_HOME of its own (built kernels, remembered tokenizer classes),
 # set before anything reads it, so that no test depends on what an earlier run left there.
@@ -89,3 +89,10 @@ def small_context_server(shared: SharedPool, tiny_checkpoint: Callable[..., Path
     with shared.server(tiny_checkpoint("llama", seed=4), "--context-length", "64",
                        "--max-total-tokens", "512") as server:
         yield server
+
+
+@pytest.fixture
+def tmp_env() -> Iterator[dict[str, str]]:
+    """An environment with a TMPDIR of the test's own (``private_tmp``)."""
+    with private_tmp() as env:
+        yield env

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,11 +166,18 @@ def still_running(pids: list[int], wait: float = 10.0) -> list[int]:
         time.sleep(0.1)
 
 
-def private_tmp(tmp_path: Path) -> dict[str, str]:
-    """An environment whose TMPDIR is a fresh directory, to see what a server leaves there."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    return {"TMPDIR": str(tmp)}
+@contextlib.contextmanager
+def private_tmp() -> Iterator[dict[str, str]]:
+    """An environment whose TMPDIR is a fresh directory, to see what a server leaves there.
+
+    Made in the system's temporary directory, not under pytest's (whose paths, with a
+    worker's folder, make ipc:// socket paths longer than a socket address holds).
+    """
+    tmp = tempfile.mkdtemp(prefix="fw-")
+    try:
+        yield {"TMPDIR": tmp}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def own_children() -> set[int]:

@@ -797,7 +797,9 @@ class ComponentTree:
         """Whether ``handle`` reported ready; raises if it failed or ended instead."""
         message: tuple[str, Any] | None = None
         if handle.ready.poll():
-            with contextlib.suppress(EOFError):
+            # EOF, or a reset where the child died with something it was sent unread (a
+            # Detokenizer's tokenizer class): either way it ended without a word.
+            with contextlib.suppress(EOFError, ConnectionResetError):
                 message = handle.ready.recv()
         elif handle.is_alive():
             return False

@@ -27,7 +27,7 @@ import pytest
 
 from framework.bench.soak import process_tree
 from tests.model_fixtures import make_tiny_checkpoint
-from tests.server_harness import ServerProcess, private_tmp, start_server, still_running
+from tests.server_harness import ServerProcess, start_server, still_running
 
 LONG = 6000  # more tokens than a test ever waits for
 
@@ -108,8 +108,9 @@ def component_pid(server: ServerProcess, component: str) -> int:
 
 @pytest.mark.parametrize("component", ["scheduler", "detokenizer"])
 def test_killing_a_component_mid_stream_ends_streams_with_an_error(
-        checkpoint: Path, tmp_path: Path, component: str, started: list[ServerProcess]) -> None:
-    env = private_tmp(tmp_path)
+        checkpoint: Path, tmp_path: Path, component: str, started: list[ServerProcess],
+        tmp_env: dict[str, str]) -> None:
+    env = tmp_env
     server = start_server(checkpoint, tmp_path, env=env)
     started.append(server)
     children = server.children()
@@ -134,8 +135,9 @@ def test_killing_a_component_mid_stream_ends_streams_with_an_error(
 
 
 def test_sigterm_lets_streams_in_flight_finish(checkpoint: Path, tmp_path: Path,
-                                               started: list[ServerProcess]) -> None:
-    env = private_tmp(tmp_path)
+                                               started: list[ServerProcess],
+                                               tmp_env: dict[str, str]) -> None:
+    env = tmp_env
     server = start_server(checkpoint, tmp_path, "--graceful-shutdown-timeout", "120", env=env)
     started.append(server)
     children = server.children()
@@ -172,8 +174,9 @@ def test_a_second_signal_ends_the_drain_at_once(checkpoint: Path, tmp_path: Path
 
 
 def test_sigterm_aborts_what_outlives_the_timeout(checkpoint: Path, tmp_path: Path,
-                                                  started: list[ServerProcess]) -> None:
-    env = private_tmp(tmp_path)
+                                                  started: list[ServerProcess],
+                                                  tmp_env: dict[str, str]) -> None:
+    env = tmp_env
     server = start_server(checkpoint, tmp_path, "--graceful-shutdown-timeout", "1", env=env)
     started.append(server)
     children = server.children()
@@ -191,10 +194,11 @@ def test_sigterm_aborts_what_outlives_the_timeout(checkpoint: Path, tmp_path: Pa
 
 
 
-def test_sigterm_during_start_up_removes_everything(checkpoint: Path, tmp_path: Path) -> None:
+def test_sigterm_during_start_up_removes_everything(checkpoint: Path, tmp_path: Path,
+                                                    tmp_env: dict[str, str]) -> None:
     """Stopped while its components start, the server ends with 143 (SIGTERM) and leaves
     no process, socket file or channel directory behind."""
-    env = private_tmp(tmp_path)
+    env = tmp_env
     command = [sys.executable, "-m", "framework.cli", "serve", "--model-path", str(checkpoint),
                "--port", "0", "--log-level", "warning"]
     with (tmp_path / "server.log").open("w") as log:

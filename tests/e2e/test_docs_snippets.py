@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from framework.default_model import default_model_path
+from framework.runtime.hf_tokenizer import load_tokenizer
 from framework.runtime.launch import UNGUARDED_MAIN_MESSAGE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,11 +40,11 @@ def engine_snippets() -> list[tuple[str, str]]:
 SNIPPETS = engine_snippets()
 
 
-def run_file(code: str, directory: Path) -> subprocess.CompletedProcess[str]:
+def run_file(code: str, directory: Path, **env_vars: str) -> subprocess.CompletedProcess[str]:
     script = directory / "snippet.py"
     script.write_text(code)
     env = {**os.environ, "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "examples"), str(ROOT)])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "examples"), str(ROOT)]), **env_vars}
     return subprocess.run([sys.executable, str(script)], cwd=directory, capture_output=True,
                           text=True, timeout=300, env=env)
 
@@ -64,15 +66,26 @@ def test_an_engine_snippet_runs_as_a_file(name: str, code: str, tmp_path: Path,
     assert result.stdout.strip(), result.stderr
 
 
-def test_an_engine_started_without_the_guard_says_what_to_add(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tokenizer_known", [False, True],
+                         ids=["first-start", "tokenizer-class-remembered"])
+def test_an_engine_started_without_the_guard_says_what_to_add(
+        tmp_path: Path, tokenizer_known: bool) -> None:
+    """Whether the Detokenizer was handed its tokenizer class before it died (a class
+    remembered from an earlier start) or not, the one error names the guard."""
+    cache = tmp_path / "cache"
+    if tokenizer_known:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("XDG_CACHE_HOME", str(cache))
+            load_tokenizer(default_model_path())  # remembers the class AutoTokenizer picks
     quickstart = next(code for name, code in SNIPPETS if name.startswith("quickstart.md:"))
     head, _, body = quickstart.partition(GUARD)
     unguarded = head + textwrap.dedent(body.split("\n", 1)[1])
     assert GUARD not in unguarded and "Engine()" in unguarded
-    result = run_file(unguarded, tmp_path)
+    result = run_file(unguarded, tmp_path, XDG_CACHE_HOME=str(cache))
     assert result.returncode == 1
     # One error, the script's own, whose last line says what to add; nothing from the
     # processes that imported the script again.
     assert result.stderr.count("Traceback") == 1, result.stderr
-    assert result.stderr.strip().splitlines()[-1].endswith(UNGUARDED_MAIN_MESSAGE)
+    assert result.stderr.strip().splitlines()[-1].endswith(UNGUARDED_MAIN_MESSAGE), (
+        result.stderr)
     assert "detokenizer" not in result.stderr.lower()

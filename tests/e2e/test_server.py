@@ -22,7 +22,6 @@ from tests.server_harness import (
     SharedPool,
     child_pids,
     http_client,
-    private_tmp,
     start_server,
     still_running,
     stream_events,
@@ -358,8 +357,9 @@ def test_update_weights_can_abort_the_requests_in_flight(
     assert info["aborted_requests"] == before + 1 and info["kv_cache_idle_and_free"] is True
 
 
-def test_sigterm_leaves_no_child_and_no_socket_file(checkpoints: tuple, tmp_path: Path) -> None:
-    env = private_tmp(tmp_path)
+def test_sigterm_leaves_no_child_and_no_socket_file(checkpoints: tuple, tmp_path: Path,
+                                                    tmp_env: dict[str, str]) -> None:
+    env = tmp_env
     server = start_server(checkpoints[0], tmp_path, env=env)
     children = server.children()
     assert len(children) >= 2
@@ -371,8 +371,9 @@ def test_sigterm_leaves_no_child_and_no_socket_file(checkpoints: tuple, tmp_path
     assert "leaked" not in server.log()
 
 
-def test_killing_the_scheduler_takes_the_server_down(checkpoints: tuple, tmp_path: Path) -> None:
-    env = private_tmp(tmp_path)
+def test_killing_the_scheduler_takes_the_server_down(checkpoints: tuple, tmp_path: Path,
+                                                     tmp_env: dict[str, str]) -> None:
+    env = tmp_env
     server = start_server(checkpoints[0], tmp_path, env=env)
     pid = httpx.get(f"{server.base_url}/get_server_info").json()["scheduler"]["pid"]
     children = child_pids(server.proc.pid)

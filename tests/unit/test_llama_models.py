@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from framework import registry as registry_module
 from framework.config import ServerArgs
 from framework.forward_batch import ForwardBatch, ForwardMode
 from framework.layers.attention import AttentionBackendArgs, RadixAttention
@@ -518,6 +519,7 @@ def test_attention_backend_is_built_once_with_the_pools_and_bounds(
     registry: Registry[Any] = Registry("attention backend", "framework.attention_backends")
     registry.register("test-recording", RecordingBackend, source="tests")
     monkeypatch.setattr(model_runner_module, "ATTENTION_BACKENDS", registry)
+    monkeypatch.setattr(registry_module, "ATTENTION_BACKENDS", registry)  # the flag's check
     monkeypatch.setattr(RecordingBackend, "built", [])
 
     runner = make_runner(path, attention_backend="test-recording", max_running_requests=5)
