@@ -42,11 +42,14 @@ class Constraint:
 
 
 class InvalidConstraintError(ValueError):
-    """A schema, regex or grammar that does not compile; the API answers 400 naming it."""
+    """A schema, regex or grammar that cannot be served; the API answers 400 naming it.
 
-    def __init__(self, param: str, problem: str) -> None:
+    ``code`` is the OpenAI error code where one is more precise than the status.
+    """
+
+    def __init__(self, param: str, problem: str, code: str | None = None) -> None:
         super().__init__(f"invalid {param}: {problem}")
-        self.param = param
+        self.param, self.code = param, code
 
 
 # Native errors start with a timestamp and a source location that mean nothing to a client.

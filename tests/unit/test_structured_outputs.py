@@ -9,13 +9,23 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from framework.constrained import Constraint, InvalidConstraintError, check_constraint
+from framework.constrained.json_schema import (
+    ANNOTATIONS,
+    FORMATS,
+    SUPPORTED,
+    TYPES,
+    SchemaKeywordError,
+    check_schema,
+)
 from framework.constrained.xgrammar_backend import XGrammarBackend
 from framework.layers.sampler import apply_token_bitmask
 from framework.messages import AbortReq
@@ -28,6 +38,7 @@ from tests.structured_cases import (
     EBNF,
     REGEXES,
     SCHEMAS,
+    UNSUPPORTED_KEYWORDS,
     check_json,
     check_regex,
     constraint_cases,
@@ -94,7 +105,8 @@ def test_response_format_maps_onto_json_schema() -> None:
 
 
 @pytest.mark.parametrize(("field", "value", "problem"), [
-    ("json_schema", '{"type": "foo"}', 'Unsupported type "foo"'),
+    ("json_schema", '{"type": "foo"}', "'type' at /type must be one of null"),
+    ("json_schema", '{"type": "integer", "minimum": 5, "maximum": 3}', "minimum greater"),
     ("json_schema", "not json", "Failed to parse JSON"),
     ("regex", "a(b", "parenthesis is not closed"),
     ("ebnf", "root ::= foo", 'Rule "foo" is not defined'),
@@ -108,6 +120,63 @@ def test_invalid_constraints_are_refused_naming_the_problem(field: str, value: s
     with pytest.raises(InvalidConstraintError, match="--grammar-backend none"):
         check_constraint(SamplingParams(regex="a"), "none")
     check_constraint(SamplingParams(), "none")  # unconstrained requests always pass
+
+
+@pytest.mark.parametrize(("schema", "keyword", "pointer"), UNSUPPORTED_KEYWORDS,
+                         ids=[f"{k}@{p}" for _, k, p in UNSUPPORTED_KEYWORDS])
+def test_keywords_that_are_not_enforced_are_refused_naming_keyword_and_pointer(
+        schema: dict[str, Any], keyword: str, pointer: str) -> None:
+    with pytest.raises(SchemaKeywordError) as info:
+        check_constraint(SamplingParams(json_schema=json.dumps(schema)), "xgrammar")
+    assert (info.value.keyword, info.value.pointer) == (keyword, pointer)
+    assert info.value.param == "json_schema"
+    assert info.value.code == "unsupported_schema_keyword"
+    assert str(info.value).startswith(f"invalid json_schema: '{keyword}' at {pointer} ")
+
+
+def test_a_regex_constraint_the_grammar_cannot_follow_is_refused() -> None:
+    for pattern, problem in [("(?=x)hej", "lookahead '(?=' at position 0"),
+                             ("(a)b\\1", "backreference '\\1' at position 4"),
+                             ("\\bword", "word boundary '\\b' at position 0"),
+                             ("(?i)yes", "inline flag")]:
+        with pytest.raises(InvalidConstraintError, match=re.escape(problem)) as info:
+            check_constraint(SamplingParams(regex=pattern), "xgrammar")
+        assert info.value.param == "regex"
+    # Inside a class these are plain characters; a non-capturing group is fine.
+    check_constraint(SamplingParams(regex="[(?=\\b]x(?:y|z)"), "xgrammar")
+
+
+def test_annotations_are_accepted_anywhere() -> None:
+    notes = {"title": "T", "description": "d", "default": 1, "examples": [1],
+             "$comment": "c", "deprecated": False, "readOnly": True, "writeOnly": False}
+    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", **notes,
+              "type": "object", "properties": {"a": {"type": "integer", **notes},
+                                               "b": {"anyOf": [{"type": "null"}], **notes}}}
+    check_constraint(SamplingParams(json_schema=json.dumps(schema)), "xgrammar")
+
+
+@pytest.mark.parametrize(("schema", "normalized"), [
+    ({"type": "object", "minProperties": 2},  # JSON Schema's objects are open
+     {"type": "object", "minProperties": 2, "additionalProperties": True}),
+    ({"type": "object", "properties": {"a": {"type": "null"}}, "required": ["b"]},
+     {"type": "object", "properties": {"a": {"type": "null"}, "b": True}, "required": ["b"]}),
+    ({"type": "object", "required": ["b"], "additionalProperties": {"type": "integer"}},
+     {"type": "object", "required": ["b"], "additionalProperties": {"type": "integer"},
+      "properties": {"b": {"type": "integer"}}}),
+    ({"type": "array", "minItems": 2}, {"type": "array", "minItems": 2, "items": True}),
+    ({"type": "integer", "minimum": 1}, {"type": "integer", "minimum": 1}),
+])
+def test_valid_schemas_that_can_be_enforced_compile(schema: dict[str, Any],
+                                                    normalized: dict[str, Any]) -> None:
+    assert json.loads(check_schema(json.dumps(schema))) == normalized
+    XGrammarBackend.validate(Constraint("json_schema", json.dumps(schema)))
+
+
+def test_the_documented_keyword_list_is_the_enforced_one() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "structured_outputs.md").read_text()
+    section = doc.split("## JSON schema keywords", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"`([$A-Za-z]+)`", section))
+    assert set(SUPPORTED) | ANNOTATIONS | set(FORMATS) | set(TYPES) <= documented
 
 
 def test_json_strings_exclude_control_characters() -> None:
