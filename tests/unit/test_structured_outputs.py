@@ -415,3 +415,30 @@ def test_a_backend_is_imported_only_once_a_tokenizer_still_loading_is_there(
         assert seen == [True]
     finally:
         manager.close()
+
+
+@pytest.mark.parametrize(("field", "value", "limit"), [
+    ("json_schema", json.dumps({"enum": [f"v{i}" for i in range(50_000)]}),
+     "50000 entries in all; the limit is 1000 (enum entries)"),
+    ("json_schema", json.dumps({"type": "object", "properties": {
+        "a": {"enum": list(range(600))}, "b": {"type": "array", "items": {
+            "enum": list(range(401))}}}}), "1001 entries in all; the limit is 1000"),
+    ("regex", "(" + "|".join(f"w{i}" for i in range(1000)) + ")",
+     "characters; the limit is 2048 (pattern length)"),
+    ("json_schema", json.dumps({"type": "object", "properties": {"p": {
+        "type": "string", "pattern": "a" * 3000}}}),
+     "a pattern (at /properties/p/pattern) has 3000 characters; the limit is 2048"),
+    ("json_schema", "[" * 65 + "]" * 65, "nested deeper than the limit of 64"),
+    ("json_schema", "[" * 100_000 + "]" * 100_000, "nested deeper than the limit of 64"),
+], ids=["enum", "enums-together", "regex", "pattern", "depth", "depth-past-the-parser"])
+def test_constraints_past_a_size_limit_are_refused_at_the_edge(field: str, value: str,
+                                                               limit: str) -> None:
+    with pytest.raises(InvalidConstraintError, match=re.escape(limit)) as info:
+        check_constraint(SamplingParams(**{field: value}), "xgrammar")
+    assert (info.value.param, info.value.code) == (field, "constraint_too_large")
+
+
+def test_constraints_at_the_size_limits_pass() -> None:
+    enum = {"type": "string", "enum": [f"v{i}" for i in range(1000)]}
+    check_constraint(SamplingParams(json_schema=json.dumps(enum)), "xgrammar")
+    check_constraint(SamplingParams(regex="a" * 2048), "xgrammar")
