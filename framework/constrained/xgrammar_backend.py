@@ -83,7 +83,9 @@ class XGrammarBackend(GrammarBackend):
         # The model's vocabulary may be padded past the tokenizer's: those ids stay masked.
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # The GrammarManager caches compiled grammars, bounded by bytes; xgrammar's own
+        # cache would keep every one ever compiled besides.
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.batch_matcher = xgr.BatchGrammarMatcher(max_threads=_FILL_THREADS)
 
     @classmethod
@@ -104,6 +106,10 @@ class XGrammarBackend(GrammarBackend):
             raise
         except Exception as exc:
             raise InvalidConstraintError(constraint.kind, clean_error(exc)) from None
+
+    def size_bytes(self, compiled: xgr.CompiledGrammar) -> int:
+        """The memory ``compiled`` holds (its token masks, mostly)."""
+        return int(compiled.memory_size_bytes)
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
         """A matcher at the start of ``compiled``."""
