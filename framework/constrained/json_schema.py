@@ -10,7 +10,8 @@ normalized where xgrammar would refuse a valid schema it can enforce (its object
 closed unless they say otherwise: ``minProperties`` beyond the named properties, or a
 required name missing from ``properties``, opens or names what they need).
 
-``SUPPORTED`` is the list docs/structured_outputs.md gives; a test keeps them equal.
+``SUPPORTED`` is the list docs/structured_outputs.md gives; a test checks that the page
+names each keyword.
 """
 
 from __future__ import annotations
