@@ -84,12 +84,17 @@ def check_schema(text: str) -> str:
     Not JSON at all passes through: the backend's parser says what is wrong with it.
     """
     try:
-        schema = json.loads(text)
+        schema = json.loads(text, parse_constant=_not_json)
     except ValueError:
         return text
     schema = copy.deepcopy(schema)  # normalized in place: never the caller's objects
     _Walk(schema).schema(schema, "")
     return json.dumps(schema)
+
+
+def _not_json(constant: str) -> Any:
+    """Refuse Python's extensions to JSON (``NaN``, ``Infinity``): xgrammar's parser does."""
+    raise ValueError(f"{constant} is not JSON")
 
 
 def json_type_of(value: Any) -> set[str]:

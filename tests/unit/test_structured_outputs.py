@@ -7,6 +7,7 @@ the allowed tokens, so every output exercises the grammar. Outputs are checked w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -17,6 +18,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from framework.config import ServerArgs
 from framework.constrained import Constraint, InvalidConstraintError, check_constraint
@@ -26,6 +29,7 @@ from framework.constrained.json_schema import (
     ANNOTATIONS,
     FORMATS,
     SUPPORTED,
+    TYPE_KEYWORDS,
     TYPES,
     SchemaKeywordError,
     check_schema,
@@ -174,6 +178,25 @@ def test_valid_schemas_that_can_be_enforced_compile(schema: dict[str, Any],
                                                     normalized: dict[str, Any]) -> None:
     assert json.loads(check_schema(json.dumps(schema))) == normalized
     XGrammarBackend.validate(Constraint("json_schema", json.dumps(schema)))
+
+
+_SCHEMA_WORDS = st.sampled_from([*TYPE_KEYWORDS, "type", "enum", "const", "anyOf", "oneOf",
+                                  "allOf", "$ref", "$defs", "not", "title", "a"])
+_SCHEMA_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=True),
+    st.sampled_from(["object", "array", "string", "integer", "number", "#", "#/$defs/a"]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(_SCHEMA_WORDS, st.recursive(_SCHEMA_SCALARS, lambda c: st.one_of(
+    st.lists(c, max_size=3), st.dictionaries(_SCHEMA_WORDS, c, max_size=3)), max_leaves=10),
+    max_size=4))
+def test_any_schema_is_accepted_or_refused_with_a_400(schema: dict[str, Any]) -> None:
+    # The keyword check on its own: the backend would wrap its crash in a vague 400.
+    with contextlib.suppress(InvalidConstraintError):
+        check_schema(json.dumps(schema))
+    with contextlib.suppress(InvalidConstraintError):
+        check_constraint(SamplingParams(json_schema=json.dumps(schema)), "xgrammar")
 
 
 def test_the_documented_keyword_list_is_the_enforced_one() -> None:
