@@ -98,6 +98,11 @@ class ServerArgs:
     grammar_backend: str = _opt("xgrammar", "backend of structured outputs (json_schema, regex, "
                                 "ebnf, response_format), or none to refuse them (see "
                                 "`framework plugins`)", "runtime")
+    grammar_compile_timeout: float = _opt(10.0, "seconds one constraint's grammar may take to "
+                                          "compile; past it, the requests waiting for it end "
+                                          "with an error (finish_reason abort)", "runtime")
+    grammar_cache_mb: int = _opt(256, "MiB of compiled grammars kept for reuse, the least "
+                                 "recently used dropped first (0 keeps none)", "runtime")
     tp_size: int = _opt(1, "tensor-parallel size: ranks splitting each layer (heads, MLP "
                         "columns, vocabulary), over torch.distributed", "runtime")
     pp_size: int = _opt(1, "pipeline-parallel size: stages splitting the layers", "runtime")
@@ -150,6 +155,11 @@ class ServerArgs:
              f"--max-running-requests must be at least 1, got {self.max_running_requests}"),
             (self.chunked_prefill_size >= 1,
              f"--chunked-prefill-size must be at least 1, got {self.chunked_prefill_size}"),
+            (math.isfinite(self.grammar_compile_timeout) and self.grammar_compile_timeout > 0,
+             f"--grammar-compile-timeout must be a number of seconds above 0, got "
+             f"{self.grammar_compile_timeout}"),
+            (self.grammar_cache_mb >= 0,
+             f"--grammar-cache-mb must be at least 0, got {self.grammar_cache_mb}"),
             (self.torch_threads is None or 1 <= self.torch_threads <= MAX_TORCH_THREADS,
              f"--torch-threads must be in [1, {MAX_TORCH_THREADS}], got {self.torch_threads}"),
         ])

@@ -42,11 +42,14 @@ class Constraint:
 
 
 class InvalidConstraintError(ValueError):
-    """A schema, regex or grammar that does not compile; the API answers 400 naming it."""
+    """A schema, regex or grammar that cannot be served; the API answers 400 naming it.
 
-    def __init__(self, param: str, problem: str) -> None:
+    ``code`` is the OpenAI error code where one is more precise than the status.
+    """
+
+    def __init__(self, param: str, problem: str, code: str | None = None) -> None:
         super().__init__(f"invalid {param}: {problem}")
-        self.param = param
+        self.param, self.code = param, code
 
 
 # Native errors start with a timestamp and a source location that mean nothing to a client.
@@ -81,8 +84,9 @@ class GrammarBackend(ABC):
 
     Built once per Scheduler with the tokenizer, the model's vocabulary size (the
     logits' width, which may exceed the tokenizer's) and the ids that end a request.
-    ``compile`` runs on worker threads and must be thread-safe; the other methods
-    run on the Scheduler's loop.
+    ``compile`` runs on worker threads, several at once, and must be thread-safe (it
+    cannot be interrupted: one that outlives its budget runs to its end and its result
+    is dropped); the other methods run on the Scheduler's loop.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
@@ -100,6 +104,10 @@ class GrammarBackend(ABC):
     @abstractmethod
     def compile(self, constraint: Constraint) -> Any:
         """The compiled grammar of ``constraint`` (``InvalidConstraintError`` if invalid)."""
+
+    @abstractmethod
+    def size_bytes(self, compiled: Any) -> int:
+        """The memory a compiled grammar holds, which the cache of compiled grammars counts."""
 
     @abstractmethod
     def new_matcher(self, compiled: Any) -> GrammarMatcher:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 from framework.constrained.base import Constraint, InvalidConstraintError
+from framework.constrained.limits import check_size
 from framework.sampling_params import SamplingParams
 
 _VALIDATED_CACHE_SIZE = 256
@@ -19,8 +20,9 @@ NO_GRAMMAR_BACKEND = "none"
 def check_constraint(params: SamplingParams, backend_name: str) -> None:
     """Raise ``InvalidConstraintError`` if the request's constraint cannot be served.
 
-    A request without a constraint passes at once.
-    The backend is imported here, on first use, never for unconstrained requests.
+    A request without a constraint passes at once. Size limits come first (they need no
+    backend, and a constraint past them may take long to parse); the backend is
+    imported here, on first use, never for unconstrained requests.
     """
     found = params.constraint()
     if found is None:
@@ -36,6 +38,7 @@ def _validate(backend_name: str, kind: str, value: str) -> None:
     """Validate once per distinct constraint (failures raise, so they are not cached)."""
     from framework.registry import GRAMMAR_BACKENDS, UnknownPluginError
 
+    check_size(kind, value)
     try:
         backend = GRAMMAR_BACKENDS.get(backend_name)
     except UnknownPluginError as exc:  # e.g. xgrammar not installed

@@ -20,6 +20,8 @@ from framework.constrained.base import (
     InvalidConstraintError,
     clean_error,
 )
+from framework.constrained.json_schema import check_schema
+from framework.constrained.patterns import unsupported_feature
 
 # Threads xgrammar may use to fill one step's bitmasks; a few are plenty for one batch.
 _FILL_THREADS = min(4, os.cpu_count() or 1)
@@ -57,10 +59,18 @@ def json_schema_ebnf(schema: str) -> str:
 
 
 def _grammar(constraint: Constraint) -> xgr.Grammar:
-    """The tokenizer-free grammar of ``constraint`` (raises on invalid input)."""
+    """The tokenizer-free grammar of ``constraint`` (raises on invalid input).
+
+    What xgrammar would not enforce is refused first (``InvalidConstraintError``), so
+    that every output that completes the grammar satisfies the constraint.
+    """
     if constraint.kind == "json_schema":
-        return xgr.Grammar.from_ebnf(json_schema_ebnf(constraint.value))
+        return xgr.Grammar.from_ebnf(json_schema_ebnf(check_schema(constraint.value)))
     if constraint.kind == "regex":
+        problem = unsupported_feature(constraint.value)
+        if problem is not None:
+            raise InvalidConstraintError("regex", f"uses {problem}, which a grammar cannot "
+                                         "enforce")
         return xgr.Grammar.from_regex(constraint.value)
     return xgr.Grammar.from_ebnf(constraint.value)
 
@@ -73,7 +83,9 @@ class XGrammarBackend(GrammarBackend):
         # The model's vocabulary may be padded past the tokenizer's: those ids stay masked.
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # The GrammarManager caches compiled grammars, bounded by bytes; xgrammar's own
+        # cache would keep every one ever compiled besides.
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.batch_matcher = xgr.BatchGrammarMatcher(max_threads=_FILL_THREADS)
 
     @classmethod
@@ -81,6 +93,8 @@ class XGrammarBackend(GrammarBackend):
         """Parse ``constraint`` without a tokenizer; ``InvalidConstraintError`` if it fails."""
         try:
             _grammar(constraint)
+        except InvalidConstraintError:
+            raise
         except Exception as exc:  # xgrammar raises RuntimeError and its own kinds
             raise InvalidConstraintError(constraint.kind, clean_error(exc)) from None
 
@@ -88,8 +102,14 @@ class XGrammarBackend(GrammarBackend):
         """The compiled grammar, masks for this tokenizer included."""
         try:
             return self.compiler.compile_grammar(_grammar(constraint))
+        except InvalidConstraintError:
+            raise
         except Exception as exc:
             raise InvalidConstraintError(constraint.kind, clean_error(exc)) from None
+
+    def size_bytes(self, compiled: xgr.CompiledGrammar) -> int:
+        """The memory ``compiled`` holds (its token masks, mostly)."""
+        return int(compiled.memory_size_bytes)
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
         """A matcher at the start of ``compiled``."""

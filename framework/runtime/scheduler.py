@@ -150,8 +150,10 @@ class Scheduler:
         self.tokenizer_future, self.tokenizer_class = self._start_loading_tokenizer()
         self.context_len = self.model_config.context_len
         self.eos_token_ids: set[int] = set(self.model_config.eos_token_ids)
-        self.grammars = GrammarManager(server_args.grammar_backend, self.tokenizer_future,
-                                       self.model_config.vocab_size, sorted(self.eos_token_ids))
+        self.grammars = GrammarManager(
+            server_args.grammar_backend, self.tokenizer_future, self.model_config.vocab_size,
+            sorted(self.eos_token_ids), compile_timeout=server_args.grammar_compile_timeout,
+            cache_bytes=server_args.grammar_cache_mb * 2**20)
 
         codec = server_args.codec
         self.recv_from_tokenizer: Receiver = transport.receiver(
@@ -256,7 +258,7 @@ class Scheduler:
             # KV cache can hold for a request alone).
             params.max_new_tokens = room
             params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
-        self.grammars.prefetch(params)  # compiles while the request waits
+        self.grammars.prefetch(req)  # compiles while the request waits
 
     @property
     def capacity(self) -> int:
@@ -768,6 +770,7 @@ class Scheduler:
     def _finish(self, req: Req, reason: FinishReason) -> None:
         """Set the finish reason, free the slots and take ``req`` out of every queue."""
         req.finished_reason = reason
+        self.grammars.release(req)  # a compile it alone waited for is abandoned
         req.grammar = None
         self._release(req)
         if req is self.chunked_req:

@@ -78,7 +78,7 @@ BAD_JSON: list[tuple[str, dict[str, Any], str, str]] = [
     # Structured outputs: a constraint that does not compile, or two at once.
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
-     "response_format", 'invalid json_schema: Unsupported type "foo"'),
+     "response_format", "invalid json_schema: 'type' at /type must be one of null"),
     ("/v1/chat/completions", {"messages": CHAT, "stream": True, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format",

@@ -15,7 +15,15 @@ import openai
 import pytest
 
 from tests.server_harness import ServerProcess, serving, wait_until_idle
-from tests.structured_cases import EBNF, REGEXES, SCHEMAS, check_json, check_regex, lark_parser
+from tests.structured_cases import (
+    EBNF,
+    REGEXES,
+    SCHEMAS,
+    UNSUPPORTED_KEYWORDS,
+    check_json,
+    check_regex,
+    lark_parser,
+)
 
 pytest.importorskip("xgrammar")
 
@@ -92,6 +100,42 @@ def test_bad_constraint_is_an_openai_bad_request(client: openai.OpenAI) -> None:
             response_format=json_schema_format({"type": "object", "required": 5}))
     assert info.value.status_code == 400
     assert "invalid json_schema" in info.value.message
+
+
+def test_each_keyword_that_is_not_enforced_is_a_400_naming_it(server: ServerProcess) -> None:
+    """Before, these were 200s whose outputs broke the schema and finished with stop."""
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        for schema, keyword, pointer in UNSUPPORTED_KEYWORDS:
+            reply = http.post("/v1/chat/completions", json={
+                "messages": MESSAGES, "max_tokens": 8,
+                "response_format": json_schema_format(schema)})
+            assert reply.status_code == 400, (keyword, reply.text)
+            error = reply.json()["error"]
+            assert error["message"].startswith(f"invalid json_schema: '{keyword}' at {pointer} ")
+            # The pointer is into the schema; param names the field as the request did.
+            assert (error["type"], error["param"], error["code"]) == (
+                "invalid_request_error", "response_format", "unsupported_schema_keyword")
+        # SGLang's field on the native route, and a regex with a lookahead, alike.
+        reply = http.post("/generate", json={"text": "x", "sampling_params": {
+            "json_schema": {"type": "array", "uniqueItems": True}}})
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == "json_schema"
+        assert "'uniqueItems' at /uniqueItems" in reply.json()["error"]["message"]
+        reply = http.post("/v1/completions", json={"prompt": "x", "regex": "^(?=x)[a-z]{3}$"})
+        assert reply.status_code == 400 and "lookahead" in reply.json()["error"]["message"]
+
+
+def test_a_constraint_past_a_size_limit_is_a_400_naming_the_limit(server: ServerProcess) -> None:
+    """Before, a 50,000-entry enum passed the edge, then compiled for minutes."""
+    enum = {"type": "string", "enum": [f"value-{i}" for i in range(50_000)]}
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        reply = http.post("/v1/completions", json={"prompt": "x", "json_schema": enum})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"] == {
+        "message": "invalid json_schema: the schema's enums have 50000 entries in all; the "
+                   "limit is 1000 (enum entries)",
+        "type": "invalid_request_error", "param": "json_schema",
+        "code": "constraint_too_large"}
 
 
 def test_idle_and_free_afterwards(server: ServerProcess) -> None:

@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from framework import Engine
 from tests.model_fixtures import make_tiny_checkpoint
-from tests.structured_cases import SCHEMAS, check_json, constraint_cases
+from tests.structured_cases import SCHEMAS, check_json, constraint_cases, supported_schemas
 
 pytest.importorskip("xgrammar")
 
@@ -84,6 +86,42 @@ def test_logprobs_and_leaving_a_stream_early(engine: Engine) -> None:
     stream.close()  # aborts the request; its matcher and KV are dropped
     info = engine.get_server_info()
     assert info["kv_cache_idle_and_free"] is True
+
+
+def test_outputs_of_generated_schemas_that_stop_satisfy_them(engine: Engine) -> None:
+    """Schemas drawn from the supported set, batched: each output that finishes with
+    ``stop`` must validate under ``jsonschema``. Random weights could run every request to
+    ``length`` and check nothing, so at least 30 must have stopped."""
+    stopped: list[int] = []
+
+    @settings(max_examples=8, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(st.lists(supported_schemas(), min_size=8, max_size=8))
+    def outputs_satisfy(schemas: list[dict[str, Any]]) -> None:
+        sampling = [params("json_schema", json.dumps(s), seed, max_new_tokens=200)
+                    for seed, s in enumerate(schemas)]
+        outputs = engine.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(schemas))],
+                                  sampling)
+        for schema, out in zip(schemas, outputs):
+            if out["meta_info"]["finish_reason"]["type"] == "stop":
+                check_json(out["text"], schema)
+                stopped.append(1)
+
+    outputs_satisfy()
+    assert len(stopped) >= 30, f"only {len(stopped)} outputs finished with stop"
+
+
+def test_min_properties_with_open_additional_properties_is_accepted(engine: Engine) -> None:
+    schema = {"type": "object", "minProperties": 2, "maxProperties": 2,
+              "additionalProperties": {"type": "boolean"}}
+    outputs = engine.generate(PROMPTS, [params("json_schema", json.dumps(schema), seed,
+                                               max_new_tokens=200) for seed in range(4)])
+    for out in outputs:
+        if out["meta_info"]["finish_reason"]["type"] == "stop":
+            check_json(out["text"], schema)
+    # The issue's own example compiles too.
+    engine.generate("x", {"json_schema": {"type": "object", "minProperties": 2},
+                          "max_new_tokens": 1})
 
 
 @pytest.mark.parametrize(("field", "value", "problem"), [
