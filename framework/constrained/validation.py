@@ -41,8 +41,7 @@ def _validate(backend_name: str, kind: str, value: str) -> None:
     check_size(kind, value)
     try:
         backend = GRAMMAR_BACKENDS.get(backend_name)
-    except UnknownPluginError as exc:  # e.g. xgrammar not installed
+    except UnknownPluginError as exc:  # a broken install: xgrammar is a dependency
         raise InvalidConstraintError(
-            kind, f"the grammar backend cannot be loaded on this server ({exc}); "
-            "install framework[structured] for xgrammar") from None
+            kind, f"the grammar backend cannot be loaded on this server ({exc})") from None
     backend.validate(Constraint(kind, value))

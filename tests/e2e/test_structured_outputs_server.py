@@ -8,13 +8,12 @@ and free afterwards.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
-from tests.server_harness import ServerProcess, serving, wait_until_idle
+from tests.server_harness import ServerProcess, wait_until_idle
 from tests.structured_cases import (
     EBNF,
     REGEXES,
@@ -25,14 +24,12 @@ from tests.structured_cases import (
     lark_parser,
 )
 
-pytest.importorskip("xgrammar")
-
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from serving(None, tmp_path_factory.mktemp("structured"))
+def server(default_server: ServerProcess) -> ServerProcess:
+    return default_server
 
 
 @pytest.fixture(scope="module")

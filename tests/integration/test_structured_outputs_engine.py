@@ -20,8 +20,6 @@ from framework import Engine
 from tests.model_fixtures import make_tiny_checkpoint
 from tests.structured_cases import SCHEMAS, check_json, constraint_cases, supported_schemas
 
-pytest.importorskip("xgrammar")
-
 PROMPTS = ["Give me JSON:", "hello", "the quick brown fox", "numbers 1 2 3"]
 TEMPERATURES = [0.0, 0.7, 1.0, 1.5]
 

@@ -53,8 +53,6 @@ from tests.structured_cases import (
     lark_parser,
 )
 
-pytest.importorskip("xgrammar")
-
 TOKENIZER = make_tiny_tokenizer()
 PROMPTS = [[1, 40 + i, 50 + 2 * i, 60] for i in range(8)]
 
