@@ -7,6 +7,8 @@ import atexit
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,10 +24,45 @@ from tests.server_harness import ServerProcess, SharedPool, private_tmp
 # pytest-xdist's workers, and the servers and Engines the tests start, inherit it from the
 # process that made it, which removes it at exit.
 _RUN_CACHE_ENV = "FRAMEWORK_TESTS_RUN_CACHE"
+_INHERITED = frozenset(os.environ)
 if _RUN_CACHE_ENV not in os.environ:
     os.environ[_RUN_CACHE_ENV] = tempfile.mkdtemp(prefix="framework-tests-cache-")
     atexit.register(shutil.rmtree, os.environ[_RUN_CACHE_ENV], True)
 os.environ["XDG_CACHE_HOME"] = os.environ[_RUN_CACHE_ENV]
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start building the native CPU kernels for the run, beside the first tests (once, in
+    the process that made the run's cache; a server or test that needs them sooner waits
+    for this build, on its lock, rather than compiling its own)."""
+    if "PYTEST_XDIST_WORKER" in os.environ or _RUN_CACHE_ENV in _INHERITED:
+        return
+    command = "from framework.layers.attention.native_build import load_cpu_kernels as load; load()"
+    session.config.stash[_KERNEL_BUILD] = subprocess.Popen(
+        [sys.executable, "-c", command], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    build = session.config.stash.get(_KERNEL_BUILD, None)
+    if build is not None:
+        build.kill()
+        build.wait()
+
+
+_KERNEL_BUILD = pytest.StashKey[subprocess.Popen]()
+# The shared servers several modules use: such modules go to one worker, which starts the
+# server once (pytest-xdist's loadgroup; every other module is a group of its own).
+SHARED_SERVER_FIXTURES = ("default_server", "tiny_server", "small_context_server")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    groups: dict[str, str] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        shared = next((f for f in SHARED_SERVER_FIXTURES
+                       if f in getattr(item, "fixturenames", ())), None)
+        if shared is not None or module not in groups:
+            groups[module] = shared or groups.get(module) or module
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid.split("::")[0]]))
 # At most this many shared servers and Engines alive at once in the whole run.
 SHARED_CAPACITY = 3
 

@@ -103,3 +103,14 @@ def test_default_model_completes_code_like_code(readme_server: ServerProcess) ->
     # A code model's continuation: an indented body with Python keywords or calls.
     assert "\n    " in text or "\n        " in text, text
     assert re.search(r"\b(return|if|for|while|def|self|None|in|=)\b|=", text), text
+
+
+def test_server_info_names_the_embedded_model(readme_server: ServerProcess) -> None:
+    from framework.default_model import default_model_path
+
+    info = httpx.get(f"{readme_server.base_url}/get_server_info", timeout=30).json()
+    path = default_model_path()
+    assert (info["model_path"], info["tokenizer_path"]) == (path, path)
+    assert info["served_model_name"] == path
+    models = httpx.get(f"{readme_server.base_url}/v1/models", timeout=30).json()["data"]
+    assert [m["id"] for m in models] == [info["served_model_name"]]

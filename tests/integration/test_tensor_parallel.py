@@ -255,9 +255,20 @@ def _harness_rank(rank: int, port: int, model_dir: str, no_op_all_reduce: bool,
         destroy_parallel()
 
 
+def rank_processes() -> Any:
+    """Where the harness's rank processes come from: a fork server that imported torch and the
+    runtime once (a fresh interpreter for each rank spends seconds importing them; a fork of
+    this process would copy its threads)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "framework.model_executor.model_runner",
+                                "framework.distributed.parallel_state",
+                                "framework.distributed.step_sync", __name__])
+    return ctx
+
+
 def _start_two_ranks(model_dir: Path, *, no_op_all_reduce: bool = False,
                      failing_rank: int | None = None) -> tuple[list[Any], Any]:
-    ctx = mp.get_context("spawn")
+    ctx = rank_processes()
     results = ctx.Queue()
     port = free_tcp_port()
     ranks = [ctx.Process(target=_harness_rank, daemon=True,
@@ -350,7 +361,7 @@ def test_ranks_that_find_different_free_memory_size_their_pools_alike(model_dir:
         .pools.token_to_kv_pool.bytes_per_token() // 2  # each rank holds half the heads
     # Two ranks share the host; half of each one's share may go to the KV cache.
     host_bytes = [per_token * 4 * 900, per_token * 4 * 700]
-    ctx = mp.get_context("spawn")
+    ctx = rank_processes()
     results = ctx.Queue()
     port = free_tcp_port()
     ranks = [ctx.Process(target=_sizing_rank, daemon=True,

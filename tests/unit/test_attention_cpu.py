@@ -12,9 +12,12 @@ both backends.
 
 from __future__ import annotations
 
+import concurrent.futures
+import fcntl
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -201,7 +204,36 @@ def test_a_failed_build_says_why_and_leaves_nothing_behind(
     monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path))
     with pytest.raises(RuntimeError, match="failed"):
         native_build.build("false")  # a "compiler" that always fails
-    assert list(tmp_path.iterdir()) == []
+    # No library, no object file: only the (empty) file builds take turns on.
+    assert [p.suffix for p in tmp_path.iterdir()] == [".lock"]
+
+
+def test_builds_at_the_same_time_compile_once(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path))
+    compiles: list[Path] = []
+    locks: list[int] = []
+    second_waits = threading.Event()
+    real_flock = fcntl.flock
+
+    def flock(file: Any, operation: int) -> None:
+        locks.append(operation)
+        if len(locks) == 2:
+            second_waits.set()  # the second build is about to wait for the first's lock
+        real_flock(file, operation)
+
+    def slow_build(compiler: str, target: Path) -> None:
+        compiles.append(target)
+        second_waits.wait(10)  # the other build asks while this one compiles
+        target.write_bytes(b"library")
+
+    monkeypatch.setattr(native_build, "_build_into", slow_build)
+    monkeypatch.setattr(native_build.fcntl, "flock", flock)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # each open file locks apart
+        builds = [pool.submit(native_build.build, "c++") for _ in range(2)]
+        paths = {build.result(30) for build in builds}
+    assert paths == {native_build.library_path("c++")}
+    assert len(compiles) == 1
 
 
 def test_a_build_is_kept_per_machine_and_reused(tmp_path: Path,

@@ -4,16 +4,18 @@ The library holds the attention kernel and the fused norm, activation and
 rotary layers. Its C++ sources are compiled once per machine with the C++ compiler found
 (``$CXX``, else ``c++``), for this CPU (``-march=native``) and against the
 installed torch, into a cache directory keyed by everything that changes the
-binary: the sources, the flags, torch's version and the CPU. A build goes to a
-temporary file that is renamed into place, so processes building at the same
-time (tensor-parallel ranks, parallel tests) never see half a library and
-never wait on a lock a killed process left behind. Without a compiler, or if
+binary: the sources, the flags, torch's version and the CPU. Processes that need
+the same build at once (tensor-parallel ranks, parallel tests) take turns on an
+``flock`` (released when its holder ends, killed or not), so one compiles and
+the others find its library; a build goes to a temporary file renamed into
+place, so no process ever sees half a library. Without a compiler, or if
 the build fails, ``load_cpu_kernels`` says why and returns ``None``; the
 caller falls back to the torch kernels.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -113,6 +115,18 @@ def build(compiler: str) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    # One build at a time for a target: processes starting together (tensor-parallel ranks,
+    # servers side by side) wait for the first build instead of each compiling its own.
+    # An flock ends with its holder, so a killed build leaves no lock behind.
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.exists():
+            _build_into(compiler, target)
+    return target
+
+
+def _build_into(compiler: str, target: Path) -> None:
+    """Compile and link the kernels into ``target``, through a file renamed into place."""
     fd, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so.partial", dir=target.parent)
     os.close(fd)
     stem = partial.removesuffix(".so.partial")
@@ -126,7 +140,6 @@ def build(compiler: str) -> Path:
         for leftover in (partial, *objs):
             if os.path.exists(leftover):
                 os.unlink(leftover)
-    return target
 
 
 def _run_together(commands: list[list[str]], compiler: str) -> None:
