@@ -63,6 +63,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             groups[module] = shared or groups.get(module) or module
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups[item.nodeid.split("::")[0]]))
+# The tests' own computations (transformers references, Triton's interpreter) run on one
+# thread: they are small, and with every core busy with the other worker and the servers,
+# a second OpenMP or BLAS thread of theirs mostly waits for a core, each operation
+# stalling on it (several times slower). Servers and Engines set their own counts.
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 # At most this many shared servers and Engines alive at once in the whole run.
 SHARED_CAPACITY = 3
 
