@@ -53,6 +53,7 @@ _KERNEL_BUILD = pytest.StashKey[subprocess.Popen]()
 SHARED_SERVER_FIXTURES = ("default_server", "tiny_server", "small_context_server")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     groups: dict[str, str] = {}
     for item in items:
