@@ -118,6 +118,7 @@ def test_killing_a_component_mid_stream_ends_streams_with_an_error(
     for stream in streams:
         assert stream.first.wait(60) and stream.events, stream.error
     victim = component_pid(server, component)
+    assert victim in children
     os.kill(victim, signal.SIGKILL)
     code = server.proc.wait(timeout=60)
     assert code != 0
@@ -141,6 +142,8 @@ def test_sigterm_lets_streams_in_flight_finish(checkpoint: Path, tmp_path: Path,
     server = start_server(checkpoint, tmp_path, "--graceful-shutdown-timeout", "120", env=env)
     started.append(server)
     children = server.children()
+    assert len(children) >= 2
+    assert os.listdir(env["TMPDIR"]), "the server keeps its sockets under TMPDIR"
     stream = Stream(server.base_url, 300)
     assert stream.first.wait(60), stream.error
     server.proc.send_signal(signal.SIGTERM)
@@ -153,6 +156,8 @@ def test_sigterm_lets_streams_in_flight_finish(checkpoint: Path, tmp_path: Path,
     assert text  # the whole output arrived after the signal
     assert still_running(children) == []
     assert os.listdir(env["TMPDIR"]) == []
+    # No named semaphore left for Python's resource tracker to find and warn about.
+    assert "leaked" not in server.log()
 
 
 def test_a_second_signal_ends_the_drain_at_once(checkpoint: Path, tmp_path: Path,

@@ -5,9 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
-import signal
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,10 +17,7 @@ from framework import Engine
 from tests.server_harness import (
     ServerProcess,
     SharedPool,
-    child_pids,
     http_client,
-    start_server,
-    still_running,
     stream_events,
     wait_until_idle,
 )
@@ -355,37 +349,6 @@ def test_update_weights_can_abort_the_requests_in_flight(
     assert last["choices"][0]["finish_reason"] == "abort", lines[-3:]
     info = wait_until_idle(client)
     assert info["aborted_requests"] == before + 1 and info["kv_cache_idle_and_free"] is True
-
-
-def test_sigterm_leaves_no_child_and_no_socket_file(checkpoints: tuple, tmp_path: Path,
-                                                    tmp_env: dict[str, str]) -> None:
-    env = tmp_env
-    server = start_server(checkpoints[0], tmp_path, env=env)
-    children = server.children()
-    assert len(children) >= 2
-    assert os.listdir(env["TMPDIR"]), "the server keeps its sockets under TMPDIR"
-    assert server.stop(signal.SIGTERM) == 0, server.log()
-    assert still_running(children) == []
-    assert os.listdir(env["TMPDIR"]) == []
-    # No named semaphore left for Python's resource tracker to find and warn about.
-    assert "leaked" not in server.log()
-
-
-def test_killing_the_scheduler_takes_the_server_down(checkpoints: tuple, tmp_path: Path,
-                                                     tmp_env: dict[str, str]) -> None:
-    env = tmp_env
-    server = start_server(checkpoints[0], tmp_path, env=env)
-    pid = httpx.get(f"{server.base_url}/get_server_info").json()["scheduler"]["pid"]
-    children = child_pids(server.proc.pid)
-    assert pid in children
-    started = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
-    code = server.proc.wait(timeout=10)
-    assert time.monotonic() - started < 10
-    assert code != 0
-    assert "scheduler process exited unexpectedly" in server.log()
-    assert still_running(children) == []
-    assert os.listdir(env["TMPDIR"]) == []
 
 
 def test_chat_completions_json_and_sse(client: httpx.Client) -> None:
