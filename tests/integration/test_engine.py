@@ -304,7 +304,7 @@ def test_minilm_embeddings_match_transformers() -> None:
     model_dir = minilm_checkpoint()
     texts = ["A man is eating food.", "hello", "The quick brown fox jumps over the lazy dog.",
              "Embeddings map sentences to vectors of the same length for any input size."]
-    with Engine(model_path=str(model_dir)) as engine:
+    with Engine(model_path=str(model_dir), **IN_THREADS) as engine:
         got = engine.encode(texts)
         single = engine.encode(texts[1])
         assert engine.get_server_info()["kv_cache_idle_and_free"] is True
