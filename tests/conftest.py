@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,22 +49,38 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 _KERNEL_BUILD = pytest.StashKey[subprocess.Popen]()
-# The shared servers several modules use: such modules go to one worker, which starts the
-# server once (pytest-xdist's loadgroup; every other module is a group of its own).
+# The shared servers several modules use: the modules that name one go to one worker, which
+# starts it once; every other module is a unit of its own (as pytest-xdist's loadfile).
 SHARED_SERVER_FIXTURES = ("default_server", "tiny_server", "small_context_server")
+_ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the marks
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    groups: dict[str, str] = {}
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        shared = next((f for f in SHARED_SERVER_FIXTURES
-                       if f in getattr(item, "fixturenames", ())), None)
-        if shared is not None or module not in groups:
-            groups[module] = shared or groups.get(module) or module
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid.split("::")[0]]))
+def _module_units() -> dict[str, str]:
+    """Module path (as in node ids) -> the shared server fixture it names, read from its text."""
+    units = {}
+    for path in sorted((_ROOT / "tests").rglob("test_*.py")):
+        text = path.read_text(encoding="utf-8")
+        for fixture in SHARED_SERVER_FIXTURES:
+            if re.search(rf"\b{fixture}\b", text):
+                units[path.relative_to(_ROOT).as_posix()] = fixture
+    return units
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    units = _module_units()
+
+    class SharedServerScheduling(LoadScopeScheduling):
+        """Whole modules to a worker, and the modules of one shared server together."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return units.get(module, module)
+
+    return SharedServerScheduling(config, log)
+
+
 # The tests' own computations (transformers references, Triton's interpreter) run on one
 # thread: they are small, and with every core busy with the other worker and the servers,
 # a second OpenMP or BLAS thread of theirs mostly waits for a core, each operation
