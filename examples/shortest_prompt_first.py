@@ -11,8 +11,8 @@ average time to first token when prompts differ a lot in length.
 
 from __future__ import annotations
 
-from framework.runtime.schedule_batch import ScheduledBatch
 from framework.runtime.scheduler import Scheduler
+from framework.runtime.scheduler.batch import ScheduledBatch
 
 
 class ShortestPromptFirstScheduler(Scheduler):

@@ -90,6 +90,13 @@ class ServerArgs:
     enable_mixed_chunk: bool = _opt(False, "run the running requests' decode tokens in the "
                                     "same step as a prefill chunk (one forward for both)",
                                     "runtime")
+    overlap_schedule: str = _opt("auto", "run the Scheduler's work for the next step while "
+                                 "the model computes this one: on, off, or auto (on for "
+                                 "CUDA devices, off on CPUs, where the Scheduler and the "
+                                 "model share the cores: docs/scheduler.md)", "runtime",
+                                 choices=("auto", "on", "off"))
+    disable_overlap_schedule: bool = _opt(False, "the same as --overlap-schedule off",
+                                          "runtime")
     schedule_policy: str = _opt("fcfs", "order of admission: first come first served, or "
                                 "longest cached prefix first", "runtime",
                                 choices=("fcfs", "lpm"))
@@ -160,12 +167,24 @@ class ServerArgs:
              f"{self.grammar_compile_timeout}"),
             (self.grammar_cache_mb >= 0,
              f"--grammar-cache-mb must be at least 0, got {self.grammar_cache_mb}"),
+            (not (self.disable_overlap_schedule and self.overlap_schedule == "on"),
+             "--disable-overlap-schedule contradicts --overlap-schedule on"),
             (self.torch_threads is None or 1 <= self.torch_threads <= MAX_TORCH_THREADS,
              f"--torch-threads must be in [1, {MAX_TORCH_THREADS}], got {self.torch_threads}"),
         ])
         if problem is not None:
             raise ValueError(problem)
+        self._check_choices()
         self._check_registered_names()
+
+    def _check_choices(self) -> None:
+        """Refuse a value outside a field's choices (the CLI does; the Engine comes here)."""
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                flag = "--" + f.name.replace("_", "-")
+                raise ValueError(f"{flag} must be one of {', '.join(choices)}; got "
+                                 f"{getattr(self, f.name)!r}")
 
     def _check_registered_names(self) -> None:
         """Refuse a name no registry holds now, before any model loads (nothing is imported:

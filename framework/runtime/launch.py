@@ -364,7 +364,7 @@ def _scheduler_component(scheduler: Any, spec: ComponentSpec) -> RunningComponen
         "is_embedding": scheduler.model_config.is_embedding,
         "vocab_size": scheduler.model_config.vocab_size,
         "hidden_size": scheduler.model_config.hidden_size,
-        "attention_backend": scheduler.model_runner.attention_backend,
+        "attention_backend": scheduler.worker.info()["attention_backend"],
         "rank": spec.rank,
         "pid": os.getpid(),
         "torch_threads": torch.get_num_threads(),
@@ -397,7 +397,10 @@ def _build_parallel_rank(cls: type, spec: ComponentSpec, parallel: ParallelConfi
     if context.heartbeat is not None:
         start_heartbeat(context.heartbeat, _exit_on_lost_rank)
     if context.is_driver:
-        scheduler = cls(server_args, port_args, transport, model_runner=runner)
+        from framework.runtime.scheduler.worker import ModelRunnerWorker
+
+        scheduler = cls(server_args, port_args, transport,
+                        model_worker=ModelRunnerWorker(runner))
         component = _scheduler_component(scheduler, spec)
         close = component.close
 

@@ -9,6 +9,11 @@ from typing import Any
 from framework.messages import FinishReason
 from framework.sampling_params import SamplingParams
 
+#: Prompt ids sent as decoding context with a request's first output, so that its first
+#: token decodes with the spacing it has after the prompt. The Scheduler's stop-string
+#: matcher decodes with the same context, so both see the same text.
+CONTEXT_IDS = 5
+
 
 @dataclass
 class Req:
@@ -22,6 +27,12 @@ class Req:
     Of the KV slots in ``req_to_token[req_pool_idx, :kv_len]``, the first
     ``cache_protected_len`` belong to the prefix cache (locked through
     ``last_node`` while the request holds them); the rest belong to the request.
+
+    ``kv_len`` counts a step's tokens as soon as the step is handed to the model
+    worker. With overlap scheduling a request may be in a step whose result is not
+    applied yet (``in_flight``), and the tokens such steps sample for it
+    (``unapplied``) count in ``seq_len`` before they are known: the next step names
+    the last of them by ``future_token``.
     """
 
     rid: str
@@ -58,6 +69,12 @@ class Req:
     #: compiled; kept through retraction, dropped when the request ends.
     grammar: Any = None
     finished_reason: FinishReason | None = None
+    #: Steps holding the request that were handed to the worker and not applied yet;
+    #: a request that ends meanwhile keeps its slots until the last of them is applied.
+    in_flight: int = 0
+    #: Tokens those steps sample for it, and the placeholder id of the last one.
+    unapplied: int = 0
+    future_token: int = 0
     #: ``output_ids[:sent_len]`` have been sent to the Detokenizer already.
     sent_len: int = 0
     output_logprobs: list[float] = field(default_factory=list)
@@ -75,8 +92,20 @@ class Req:
 
     @property
     def seq_len(self) -> int:
-        """Length of ``fill_ids`` without building the list."""
-        return len(self.origin_input_ids) + len(self.output_ids)
+        """Length of ``fill_ids`` without building the list, with the tokens sampled for
+        the request by steps not applied yet."""
+        return len(self.origin_input_ids) + len(self.output_ids) + self.unapplied
+
+    def last_token(self) -> int:
+        """The token the next decode step feeds: the last output token, or the placeholder
+        of one a step in flight samples."""
+        return self.future_token if self.unapplied else self.output_ids[-1]
+
+    def ends_by_length(self, context_len: int) -> bool:
+        """Whether the tokens counted so far end the request by length (so no step should
+        make it another one)."""
+        return (len(self.output_ids) + self.unapplied >= self.sampling_params.max_new_tokens
+                or self.seq_len >= context_len)
 
     @functools.cached_property
     def steady_sampling(self) -> bool:
@@ -91,6 +120,10 @@ class Req:
         params = self.sampling_params
         return (not params.has_penalties and params.min_new_tokens == 0
                 and params.constraint() is None and (params.is_greedy or params.seed is None))
+
+    def context_ids(self) -> list[int]:
+        """The prompt ids the output is decoded after (``CONTEXT_IDS`` of them)."""
+        return self.origin_input_ids[-CONTEXT_IDS:]
 
     @property
     def extend_remaining(self) -> int:

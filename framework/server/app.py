@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from framework.config import ServerArgs
 from framework.messages import AbortReq
 from framework.runtime.incremental_decoder import DecodeFn
-from framework.runtime.scheduler_output import CONTEXT_IDS
+from framework.runtime.request import CONTEXT_IDS
 from framework.runtime.tokenizer_manager import (
     GenerateRequest,
     OverloadedError,

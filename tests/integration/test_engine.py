@@ -55,10 +55,12 @@ def transformers_greedy(model: Any, prompt_ids: list[int],
     return out_ids, logprobs
 
 
+@pytest.mark.parametrize("overlap", ["off", "on"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_batched_greedy_matches_transformers(arch: str, tmp_path: Path) -> None:
+def test_batched_greedy_matches_transformers(arch: str, overlap: str, tmp_path: Path) -> None:
     model_dir = make_tiny_checkpoint(tmp_path, arch, seed=3)
-    with Engine(model_path=str(model_dir), chunked_prefill_size=64, **IN_THREADS) as engine:
+    with Engine(model_path=str(model_dir), chunked_prefill_size=64, overlap_schedule=overlap,
+                **IN_THREADS) as engine:
         outputs = engine.generate(PROMPTS, GREEDY, return_logprob=True,
                                   return_text_in_logprobs=True)
         assert engine.get_server_info()["kv_cache_idle_and_free"] is True

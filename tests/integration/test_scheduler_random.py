@@ -20,7 +20,8 @@ import pytest
 from framework.config import ServerArgs
 from framework.messages import AbortReq
 from framework.model_executor.model_runner import ModelRunner
-from tests.fake_model_runner import SchedulerHarness
+from framework.runtime.scheduler import ModelRunnerWorker
+from tests.fake_worker import SchedulerHarness
 from tests.model_fixtures import make_tiny_checkpoint, single_threaded_torch
 
 NEAR_TIE = 1e-3
@@ -42,7 +43,7 @@ def real_harness(model_dir: Path, **args: Any) -> SchedulerHarness:
     """A harness around a real ModelRunner on ``model_dir`` (CPU, float32)."""
     args = {"transport": "inproc", "device": "cpu", "dtype": "float32", **args}
     runner = ModelRunner(ServerArgs(model_path=str(model_dir), **args), str(model_dir))
-    return SchedulerHarness(runner, model_path=str(model_dir), **args)
+    return SchedulerHarness(ModelRunnerWorker(runner), model_path=str(model_dir), **args)
 
 
 def make_traffic(rng: random.Random, count: int) -> list[dict[str, Any]]:
@@ -108,7 +109,9 @@ def test_random_traffic_on_a_real_model(model_dir: Path, seed: int) -> None:
                 "max_running_requests": rng.randint(1, 6),
                 "disable_radix_cache": rng.random() < 0.3,
                 "schedule_policy": rng.choice(["fcfs", "lpm"]),
-                "enable_mixed_chunk": seed % 2 == 1}
+                "enable_mixed_chunk": seed % 2 == 1,
+                # Overlap scheduling with and without mixed steps.
+                "overlap_schedule": "on" if seed % 4 in (0, 3) else "off"}
 
     reference = real_harness(model_dir, max_total_tokens=4096, chunked_prefill_size=4096,
                              disable_radix_cache=True)

@@ -14,7 +14,7 @@ from transformers import LlamaTokenizer
 from transformers.tokenization_utils_sentencepiece import SentencePieceExtractor
 
 from framework.runtime.hf_tokenizer import load_tokenizer
-from tests.fake_model_runner import SchedulerHarness
+from tests.fake_worker import SchedulerHarness
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +46,7 @@ def llama() -> Any:
 
 @pytest.fixture
 def harness_factory() -> Iterator[type[SchedulerHarness]]:
-    """Makes ``SchedulerHarness``es (a real Scheduler on the fake runner); closes them after."""
+    """Makes ``SchedulerHarness``es (a real Scheduler on the fake worker); closes them after."""
     made: list[SchedulerHarness] = []
 
     def make(*args: object, **kwargs: object) -> SchedulerHarness:

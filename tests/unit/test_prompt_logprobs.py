@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fake_model_runner import FakeModelRunner, Outcome, next_token, prompt
+from tests.fake_worker import FakeModelWorker, Outcome, next_token, prompt
 
 GREEDY = {"temperature": 0.0}
 # The fake's logits: +30 at its choice, -30 elsewhere; log_softmax gives ~0 and ~-60.
@@ -41,7 +41,7 @@ def test_chunked_prefill_gives_every_position_once(harness_factory) -> None:
     h.submit("r", ids, max_new_tokens=3, ignore_eos=True, return_logprob=True,
              top_logprobs_num=1, logprob_start_len=0, **GREEDY)
     outcome = h.run()["r"]
-    extends = [c for c in h.runner.calls if c.mode == "extend"]
+    extends = [c for c in h.worker.calls if c.mode == "extend"]
     assert [c.extend_lens for c in extends] == [[4], [4], [2]]
     assert_prompt_logprobs(outcome, ids, 0)
     assert outcome.prompt_logprobs.values[5] == pytest.approx(CHOSEN, abs=1e-3)
@@ -93,8 +93,8 @@ def test_without_prompt_logprobs_nothing_is_sent_or_recomputed(harness_factory) 
 
 
 def test_retraction_keeps_the_positions_already_computed(harness_factory) -> None:
-    runner = FakeModelRunner(max_total_tokens=64)
-    h = harness_factory(runner, chunked_prefill_size=8)
+    worker = FakeModelWorker(max_total_tokens=64)
+    h = harness_factory(worker, chunked_prefill_size=8)
     prompts = {f"r{i}": prompt(i, 14 + 5 * i) for i in range(4)}
     for rid, ids in prompts.items():
         h.submit(rid, ids, max_new_tokens=16, ignore_eos=True, return_logprob=True,

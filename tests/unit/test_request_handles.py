@@ -26,7 +26,7 @@ from framework.registry import create_codec, create_transport
 from framework.runtime.detokenizer import Detokenizer
 from framework.runtime.tokenizer_manager import GenerateRequest, TokenizerManager
 from framework.sampling_params import SamplingParams
-from tests.fake_model_runner import SchedulerHarness
+from tests.fake_worker import SchedulerHarness
 from tests.model_fixtures import TINY_VOCAB_SIZE, make_tiny_tokenizer
 
 DEADLINE_S = 20.0

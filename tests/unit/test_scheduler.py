@@ -24,10 +24,10 @@ from framework.messages import (
 )
 from framework.runtime.request import Req
 from framework.runtime.scheduler import Scheduler
-from framework.runtime.scheduler_output import token_id_output
+from framework.runtime.scheduler.output import token_id_output
 from framework.sampling_params import SamplingParams
-from tests.fake_model_runner import (
-    FakeModelRunner,
+from tests.fake_worker import (
+    FakeModelWorker,
     SchedulerHarness,
     prompt,
     reference_output,
@@ -55,7 +55,7 @@ def test_mixed_steps_decode_the_running_requests_with_a_prefill(harness_factory)
     h.step()  # a decode step
     h.submit("late", prompt(2, 20), max_new_tokens=6, ignore_eos=True, **GREEDY)
     outcomes = h.run()
-    extends = [c for c in h.runner.calls if c.mode == "extend"]
+    extends = [c for c in h.worker.calls if c.mode == "extend"]
     # The late prompt in two chunks (16 tokens, one of them the early request's decode
     # token), each with the early request decoding one token after it.
     assert [c.extend_lens for c in extends[1:]] == [[15, 1], [5, 1]]
@@ -88,7 +88,7 @@ def test_chunked_prefill_splits_a_long_prompt_and_resumes_it(harness_factory) ->
     ids = prompt(1, 10)
     h.submit("long", ids, max_new_tokens=3, ignore_eos=True, **GREEDY)
     h.run()
-    extends = [c for c in h.runner.calls if c.mode == "extend"]
+    extends = [c for c in h.worker.calls if c.mode == "extend"]
     assert [c.extend_lens for c in extends] == [[4], [4], [2]]
     assert [c.prefix_lens for c in extends] == [[0], [4], [8]]
     assert h.outcomes["long"].output_ids == reference_output(ids, 3, True)
@@ -97,8 +97,8 @@ def test_chunked_prefill_splits_a_long_prompt_and_resumes_it(harness_factory) ->
 
 def test_kv_pressure_that_used_to_crash_finishes_every_request(harness_factory) -> None:
     # The report: a 64-token pool, 8-token chunks, prompts of 2 and 41 tokens.
-    runner = FakeModelRunner(max_total_tokens=64)
-    h = harness_factory(runner, chunked_prefill_size=8)
+    worker = FakeModelWorker(max_total_tokens=64)
+    h = harness_factory(worker, chunked_prefill_size=8)
     h.submit("short", prompt(1, 2), max_new_tokens=40, ignore_eos=True, **GREEDY)
     h.submit("long", prompt(2, 41), max_new_tokens=20, ignore_eos=True, **GREEDY)
     outcomes = h.run()
@@ -108,8 +108,8 @@ def test_kv_pressure_that_used_to_crash_finishes_every_request(harness_factory) 
 
 
 def test_decode_short_of_kv_retracts_and_the_retracted_request_continues(harness_factory) -> None:
-    runner = FakeModelRunner(max_total_tokens=48)
-    h = harness_factory(runner)
+    worker = FakeModelWorker(max_total_tokens=48)
+    h = harness_factory(worker)
     prompts = {f"r{i}": prompt(i, 8) for i in range(3)}
     for rid, ids in prompts.items():
         h.submit(rid, ids, max_new_tokens=14, ignore_eos=True, **GREEDY)
@@ -121,7 +121,7 @@ def test_decode_short_of_kv_retracts_and_the_retracted_request_continues(harness
 
 
 def test_a_prompt_that_can_never_fit_is_refused_with_a_reason(harness_factory) -> None:
-    h = harness_factory(FakeModelRunner(max_total_tokens=16))
+    h = harness_factory(FakeModelWorker(max_total_tokens=16))
     h.submit("huge", prompt(1, 16), max_new_tokens=4, **GREEDY)
     h.submit("fits", prompt(2, 5), max_new_tokens=4, ignore_eos=True, **GREEDY)
     h.run()
@@ -134,7 +134,7 @@ def test_a_prompt_that_can_never_fit_is_refused_with_a_reason(harness_factory) -
 def test_a_prompt_may_fill_the_context_only_to_be_scored(harness_factory) -> None:
     """A prompt of the whole context runs with max_new_tokens 0 (scored, its logprobs
     back) and is refused when a token must follow it: there is no room for one."""
-    h = harness_factory(FakeModelRunner(context_len=32, max_total_tokens=64))
+    h = harness_factory(FakeModelWorker(context_len=32, max_total_tokens=64))
     h.submit("scored", prompt(1, 32), max_new_tokens=0, return_logprob=True,
              logprob_start_len=0)
     h.submit("generates", prompt(2, 32), max_new_tokens=1, **GREEDY)
@@ -239,7 +239,7 @@ def test_a_failing_request_ends_alone_and_the_others_are_unchanged(harness_facto
 
     prompts = {f"r{i}": prompt(i, 6) for i in range(4)}
     bad = [marker, 4, 5, 6, 7]
-    h = harness_factory(FakeModelRunner(fail_if=fails))
+    h = harness_factory(FakeModelWorker(fail_if=fails))
     for rid, ids in prompts.items():
         h.submit(rid, ids, max_new_tokens=10, ignore_eos=True, **GREEDY)
     h.submit("bad", bad, max_new_tokens=10, ignore_eos=True, **GREEDY)
@@ -273,7 +273,7 @@ def test_a_shared_prefix_is_reused_and_reported(harness_factory) -> None:
     shared = prompt(7, 40)
     h.submit("first", [*shared, 11, 12], max_new_tokens=4, ignore_eos=True, **GREEDY)
     h.run()
-    calls_before = len(h.runner.calls)
+    calls_before = len(h.worker.calls)
     h.scheduler.stats.last_report = -1e9  # a report now starts a new window...
     h.scheduler.maybe_send_metrics()
     h.scheduler.stats.last_report = float("inf")  # ...and no other report is due until asked
@@ -282,7 +282,7 @@ def test_a_shared_prefix_is_reused_and_reported(harness_factory) -> None:
     h.run()
     cached = h.outcomes["second"].cached_tokens
     assert cached >= len(second) // 2
-    extend = next(c for c in h.runner.calls[calls_before:] if c.mode == "extend")
+    extend = next(c for c in h.worker.calls[calls_before:] if c.mode == "extend")
     assert extend.prefix_lens == [cached]
     assert extend.extend_lens == [len(second) - cached]
     assert h.outcomes["second"].output_ids == reference_output(second, 4, True)
@@ -348,7 +348,7 @@ def test_radix_cache_on_and_off_give_the_same_outputs(harness_factory) -> None:
     prompts = {f"r{i}": [*prompt(0, 20), *prompt(i + 1, 3 + i)] for i in range(6)}
     results = []
     for disable in (False, True):
-        h = harness_factory(FakeModelRunner(max_total_tokens=96), disable_radix_cache=disable,
+        h = harness_factory(FakeModelWorker(max_total_tokens=96), disable_radix_cache=disable,
                             chunked_prefill_size=16)
         for rid, ids in prompts.items():
             h.submit(rid, ids, max_new_tokens=10, ignore_eos=True, **GREEDY)
@@ -447,14 +447,17 @@ request_strategy = st.fixed_dictionaries({
     max_running=st.integers(1, 6),
     radix=st.booleans(),
     policy=st.sampled_from(["fcfs", "lpm"]),
+    overlap=st.sampled_from(["on", "off"]),
 )
 def test_random_traffic_never_crashes_leaks_or_changes_greedy_outputs(
-    requests: list[dict], pool: int, chunk: int, max_running: int, radix: bool, policy: str
+    requests: list[dict], pool: int, chunk: int, max_running: int, radix: bool, policy: str,
+    overlap: str,
 ) -> None:
     prefixes = [prompt(100, 24), prompt(101, 10), []]
-    h = SchedulerHarness(FakeModelRunner(max_total_tokens=pool, context_len=128),
+    h = SchedulerHarness(FakeModelWorker(max_total_tokens=pool, context_len=128),
                          chunked_prefill_size=chunk, max_running_requests=max_running,
-                         disable_radix_cache=not radix, schedule_policy=policy)
+                         disable_radix_cache=not radix, schedule_policy=policy,
+                         overlap_schedule=overlap)
     try:
         prompts = {}
         for i, spec in enumerate(requests):
@@ -530,7 +533,7 @@ def test_decode_steps_of_an_unchanged_batch_reuse_its_sampling_info(
     for rid, ids in prompts.items():
         h.submit(rid, ids, max_new_tokens=10, ignore_eos=True, **GREEDY)
     h.run()
-    decodes = [c for c in h.runner.calls if c.mode == "decode"]
+    decodes = [c for c in h.worker.calls if c.mode == "decode"]
     assert len(decodes) == 9
     assert builds == [3]  # the prefill's serves all nine decode steps of the same requests
     for rid, ids in prompts.items():

@@ -1,4 +1,4 @@
-"""Structured outputs in the Scheduler and sampler, on the fake model runner.
+"""Structured outputs in the Scheduler and sampler, on the fake model worker.
 
 The fake model's logits are one-hot; under a grammar's mask a sampled row draws among
 the allowed tokens, so every output exercises the grammar. Outputs are checked with
@@ -40,7 +40,7 @@ from framework.messages import AbortReq
 from framework.registry import GRAMMAR_BACKENDS
 from framework.sampling_params import SamplingParams
 from framework.server.openai import CompletionRequest, response_format_schema
-from tests.fake_model_runner import FakeModelRunner, SchedulerHarness, reference_output
+from tests.fake_worker import FakeModelWorker, SchedulerHarness, reference_output
 from tests.model_fixtures import make_tiny_tokenizer
 from tests.structured_cases import (
     EBNF,
@@ -292,7 +292,7 @@ def test_abort_in_the_middle_drops_the_matcher(harness: Any) -> None:
 
 def test_retraction_keeps_the_matcher_state(harness: Any) -> None:
     # Eight requests of ~30 tokens each in a pool of 120 slots: some must be retracted.
-    h = harness(runner=FakeModelRunner(max_total_tokens=120, max_requests=8))
+    h = harness(worker=FakeModelWorker(max_total_tokens=120, max_requests=8))
     schema = SCHEMAS[2]
     for i, prompt in enumerate(PROMPTS):
         h.submit(f"r{i}", prompt, **constrained("json_schema", json.dumps(schema), i,
@@ -376,7 +376,7 @@ def test_compiling_waits_off_the_loop_and_is_cached(harness: Any) -> None:
 def test_random_traffic_with_aborts_retraction_and_chunking(harness: Any, seed: int) -> None:
     """Random arrivals, aborts, small pools and chunks; constrained and free requests mixed."""
     rng = random.Random(seed)
-    h = harness(runner=FakeModelRunner(max_total_tokens=rng.choice([90, 150, 400]),
+    h = harness(worker=FakeModelWorker(max_total_tokens=rng.choice([90, 150, 400]),
                                        max_requests=6),
                 chunked_prefill_size=rng.choice([4, 16, 2048]))
     cases = constraint_cases()

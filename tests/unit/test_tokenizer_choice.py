@@ -104,7 +104,7 @@ def test_a_scheduler_loads_a_remembered_class_in_the_background(
         model_dir: Path, remembered: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """It serves meanwhile; a stop string, which needs the tokenizer, waits for the load."""
     from framework.runtime import hf_tokenizer
-    from tests.fake_model_runner import SchedulerHarness, reference_output
+    from tests.fake_worker import SchedulerHarness, reference_output
     from tests.model_fixtures import make_tiny_tokenizer
 
     if remembered:

@@ -1,4 +1,4 @@
-"""A deterministic stand-in for ``ModelRunner``, and a harness that drives a real Scheduler with it.
+"""A deterministic fake model worker, and a harness that drives a real Scheduler with it.
 
 The fake model reads each request's tokens back from a fake KV cache (one
 token id per KV slot, written at ``out_cache_loc`` and read through
@@ -11,6 +11,7 @@ end early. With one-hot logits, greedy and sampled choices agree.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -21,7 +22,7 @@ import torch
 from framework.comm.inproc import InprocTransport
 from framework.config import PortArgs, ServerArgs
 from framework.forward_batch import ForwardBatch
-from framework.layers.sampler import Sampler
+from framework.layers.sampler import Sampler, sample_step
 from framework.mem_cache.memory_pool import KVCachePools
 from framework.messages import (
     BatchEmbeddingOutput,
@@ -29,8 +30,7 @@ from framework.messages import (
     PromptLogprobs,
     TokenizedGenerateReqInput,
 )
-from framework.model_executor.model_runner import LogitsOutput
-from framework.runtime.scheduler import Scheduler
+from framework.runtime.scheduler import ModelWorker, Scheduler, StepResult, WorkerBatch
 from framework.sampling_params import SamplingParams
 from tests.model_fixtures import EOS_TOKEN_ID, TINY_VOCAB_SIZE, make_tiny_tokenizer
 
@@ -53,8 +53,8 @@ class ForwardCall:
     extend_lens: list[int]
 
 
-class FakeModelRunner:
-    """Implements what the Scheduler uses of ``ModelRunner`` on a fake KV cache.
+class FakeModelWorker(ModelWorker):
+    """A ``ModelWorker`` whose model reads each request's tokens back from a fake KV cache.
 
     ``fail_if(tokens)`` returning True for a request's sequence makes any step
     that holds it raise.
@@ -66,10 +66,7 @@ class FakeModelRunner:
         self.model_config = SimpleNamespace(
             context_len=context_len, vocab_size=TINY_VOCAB_SIZE, eos_token_ids=[EOS_TOKEN_ID],
             is_embedding=False)
-        self.device = CPU
-        self.dtype = torch.float32
-        self.attention_backend = "none (fake model runner)"
-        self.linear_backend = "none (fake model runner)"
+        self.device = self.sampling_device = CPU
         self.pools = KVCachePools.build(
             max_total_tokens=max_total_tokens, max_requests=max_requests,
             context_len=context_len, dtype=torch.float32, num_kv_heads=1, head_dim=1,
@@ -79,7 +76,16 @@ class FakeModelRunner:
         self.calls: list[ForwardCall] = []
         self.sampler = Sampler()
 
-    def forward(self, batch: ForwardBatch) -> LogitsOutput:
+    def forward_step(self, batch: WorkerBatch) -> StepResult:
+        assert batch.sampling is not None, "the fake model generates text"
+        started = time.perf_counter()
+        logits, prompt_logits = self.forward(batch.forward_batch)
+        forward_seconds = time.perf_counter() - started
+        sample = sample_step(self.sampler, logits, prompt_logits, batch.sampling)
+        return StepResult.one_token_each(sample, forward_seconds)
+
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next-token logits of each request, and those at its prompt-logprob rows."""
         batch.fill_cpu_lengths()
         req_to_token = self.pools.req_to_token_pool.req_to_token
         self.slot_tokens[batch.out_cache_loc] = batch.input_ids
@@ -96,7 +102,7 @@ class FakeModelRunner:
             if self.fail_if is not None and self.fail_if(tokens):
                 raise RuntimeError("the fake model failed on this request")
             logits[i, next_token(tokens)] = 30.0
-        return LogitsOutput(next_token_logits=logits, prompt_logits=self._prompt_logits(batch))
+        return logits, self._prompt_logits(batch)
 
     def _prompt_logits(self, batch: ForwardBatch) -> torch.Tensor | None:
         """One-hot logits at each of ``prompt_logprob_rows``, read from the fake KV cache."""
@@ -116,13 +122,14 @@ class FakeModelRunner:
             logits[k, next_token(tokens)] = 30.0
         return logits
 
-    def sample(self, logits: torch.Tensor, info: Any, top_logprobs_nums: Any = None,
-               return_logprob: bool = True) -> Any:
-        return self.sampler(logits, info, top_logprobs_nums, return_logprob)
-
     def update_weights_from_disk(self, model_path: str, load_format: str = "auto"
                                  ) -> tuple[bool, str]:
         return True, "fake weights updated"
+
+    def info(self) -> dict[str, Any]:
+        return {"attention_backend": "none (fake model worker)",
+                "linear_backend": "none (fake model worker)", "device": "cpu",
+                "dtype": "float32"}
 
 
 @dataclass
@@ -140,17 +147,18 @@ class Outcome:
 
 
 class SchedulerHarness:
-    """A real Scheduler on a fake runner, over the inproc transport, stepped by hand."""
+    """A real Scheduler on a model worker (the fake one by default), over the inproc
+    transport, stepped by hand."""
 
-    def __init__(self, runner: FakeModelRunner | None = None, scheduler_class: type = Scheduler,
+    def __init__(self, worker: ModelWorker | None = None, scheduler_class: type = Scheduler,
                  **server_args: Any) -> None:
-        self.runner = runner or FakeModelRunner()
+        self.worker = worker or FakeModelWorker()
         self.transport = InprocTransport()
         self.port_args = PortArgs.create(self.transport)
         server_args.setdefault("transport", "inproc")
         self.server_args = ServerArgs(**server_args)
         self.scheduler = _with_tiny_tokenizer(scheduler_class)(
-            self.server_args, self.port_args, self.transport, model_runner=self.runner)
+            self.server_args, self.port_args, self.transport, model_worker=self.worker)
         codec = self.scheduler.recv_from_tokenizer.codec
         self.to_scheduler = self.transport.sender(self.port_args.scheduler_input, codec)
         self.from_scheduler = self.transport.receiver(self.port_args.detokenizer_input, codec)
@@ -208,10 +216,12 @@ class SchedulerHarness:
             assert isinstance(msg, BatchEmbeddingOutput)
 
     def run(self, max_steps: int = 10_000) -> dict[str, Outcome]:
-        """Step until every submitted request has finished (a bounded loop, never a hang)."""
+        """Step until every submitted request has finished and no step is in flight (a
+        bounded loop, never a hang)."""
         for _ in range(max_steps):
             self.step()
-            if all(o.finished_reason is not None for o in self.outcomes.values()):
+            if (all(o.finished_reason is not None for o in self.outcomes.values())
+                    and self.scheduler.in_flight is None):
                 return self.outcomes
         unfinished = [r for r, o in self.outcomes.items() if o.finished_reason is None]
         raise AssertionError(f"requests still unfinished after {max_steps} steps: {unfinished}")

@@ -1,37 +1,47 @@
-"""What the Scheduler sends: token-id batches, embedding batches and metrics reports.
+"""What the Scheduler sends: token-id batches to the Detokenizer, embeddings to the
+TokenizerManager.
 
-Pure builders over ``Req`` state: they know nothing of the Scheduler and send
-nothing themselves.
+``OutputSender`` sends; the builders below it are pure functions of ``Req`` state.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass, field
 from itertools import pairwise
 
 import numpy as np
 
+from framework.comm.transport import Sender
 from framework.messages import (
     BatchEmbeddingOutput,
     BatchTokenIDOutput,
     FinishReason,
     PromptLogprobs,
     RequestConstants,
-    SchedulerMetrics,
 )
 from framework.runtime.request import Req
 
-#: Prompt ids sent as decoding context with a request's first output, so that its first
-#: token decodes with the spacing it has after the prompt. The Scheduler's stop-string
-#: matcher decodes with the same context, so both see the same text.
-CONTEXT_IDS = 5
 
+class OutputSender:
+    """Sends requests' new outputs: token ids onward to the Detokenizer, embeddings back to
+    the TokenizerManager."""
 
-def context_ids(req: Req) -> list[int]:
-    """The prompt ids a request's output is decoded after."""
-    return req.origin_input_ids[-CONTEXT_IDS:]
+    def __init__(self, to_detokenizer: Sender, to_tokenizer: Sender) -> None:
+        self.to_detokenizer = to_detokenizer
+        self.to_tokenizer = to_tokenizer
+
+    def send(self, reqs: list[Req]) -> None:
+        """Each request's output since the last one (an embedding request's: its end)."""
+        embeddings = [r for r in reqs if r.is_embedding]
+        if embeddings:
+            self.to_tokenizer.send_nowait(embedding_output(embeddings))
+        generated = [r for r in reqs if not r.is_embedding]
+        if generated:
+            self.to_detokenizer.send_nowait(token_id_output(generated))
+
+    def send_embeddings(self, reqs: list[Req], vectors: np.ndarray) -> None:
+        """The pooled embeddings of finished requests (row ``i`` for ``reqs[i]``)."""
+        self.to_tokenizer.send_nowait(embedding_output(reqs, vectors))
 
 
 def request_constants(req: Req) -> RequestConstants:
@@ -42,7 +52,7 @@ def request_constants(req: Req) -> RequestConstants:
         spaces_between_special_tokens=params.spaces_between_special_tokens,
         no_stop_trim=params.no_stop_trim,
         stop_strs=list(params.stop),
-        context_ids=context_ids(req),
+        context_ids=req.context_ids(),
         prompt_tokens=len(req.origin_input_ids),
         cached_tokens=req.cached_tokens,
         queue_seconds=req.queue_seconds,
@@ -152,65 +162,3 @@ def embedding_output(reqs: list[Req], vectors: np.ndarray | None = None) -> Batc
         embeddings=vectors,
         prompt_tokens=[len(r.origin_input_ids) for r in reqs],
     )
-
-
-@dataclass
-class SchedulerStats:
-    """Counters behind the periodic ``SchedulerMetrics`` and ``get_server_info``."""
-
-    started: float = field(default_factory=time.monotonic)
-    last_report: float = 0.0
-    generated_since_report: int = 0
-    prompt_tokens_since_report: int = 0
-    cached_tokens_since_report: int = 0
-    prompt_tokens_total: int = 0
-    cached_tokens_total: int = 0
-    aborted_requests: int = 0
-    failed_requests: int = 0
-    retracted_requests: int = 0
-    step_seconds: float = 0.0  # steps that ran a batch, from intake to outputs sent
-    forward_seconds: float = 0.0  # their model forwards
-
-    @property
-    def non_model_fraction(self) -> float:
-        """The share of step time spent outside the model forward."""
-        if self.step_seconds <= 0:
-            return 0.0
-        return max(0.0, 1.0 - self.forward_seconds / self.step_seconds)
-
-    def count_admission(self, prompt_tokens: int, cached_tokens: int) -> None:
-        """A request's first admission: its prompt and how much of it was cached."""
-        self.prompt_tokens_since_report += prompt_tokens
-        self.cached_tokens_since_report += cached_tokens
-        self.prompt_tokens_total += prompt_tokens
-        self.cached_tokens_total += cached_tokens
-
-    def since_last_report(self) -> float:
-        """Seconds since the last report (or since start)."""
-        return time.monotonic() - (self.last_report or self.started)
-
-    @property
-    def cache_hit_rate(self) -> float:
-        """Cached over admitted prompt tokens since start."""
-        return self.cached_tokens_total / max(self.prompt_tokens_total, 1)
-
-    def report(
-        self, *, num_running: int, num_waiting: int, used_tokens: int, max_total_tokens: int
-    ) -> SchedulerMetrics:
-        """A metrics message for the time since the last report (and restart the window)."""
-        now = time.monotonic()
-        elapsed = self.since_last_report()
-        window_hit_rate = self.cached_tokens_since_report / max(
-            self.prompt_tokens_since_report, 1)
-        metrics = SchedulerMetrics(
-            num_running_reqs=num_running, num_waiting_reqs=num_waiting,
-            num_used_tokens=used_tokens, max_total_tokens=max_total_tokens,
-            token_usage=used_tokens / max(max_total_tokens, 1),
-            gen_throughput=self.generated_since_report / max(elapsed, 1e-9),
-            cache_hit_rate=window_hit_rate, timestamp=time.time(),
-        )
-        self.last_report = now
-        self.generated_since_report = 0
-        self.prompt_tokens_since_report = 0
-        self.cached_tokens_since_report = 0
-        return metrics

@@ -22,7 +22,7 @@ from framework.forward_batch import ForwardMode
 from framework.mem_cache.memory_pool import ReqToTokenPool
 from framework.mem_cache.prefix_cache import PrefixCache
 from framework.runtime.request import Req
-from framework.runtime.schedule_batch import ScheduledBatch
+from framework.runtime.scheduler.batch import ScheduledBatch
 
 POLICIES = ("fcfs", "lpm")
 # Matching every waiting request costs time; past this queue length lpm falls back to fcfs.
@@ -86,6 +86,7 @@ class PrefillAdder:
         token_budget: int,
         num_running: int,
         max_running_requests: int,
+        uncached: list[Req] | None = None,
     ) -> None:
         self.cache = cache
         self.req_to_token_pool = req_to_token_pool
@@ -97,6 +98,9 @@ class PrefillAdder:
         self.extend_lens: list[int] = []
         #: The request admitted with only part of what it has to prefill.
         self.chunked: Req | None = None
+        #: Requests whose prefill is computing and not cached yet (overlap scheduling: a
+        #: step in flight); a request sharing their prefix waits for it as for this step's.
+        self.uncached = uncached or []
 
     def room(self) -> int:
         """KV slots still available for this step's prefills."""
@@ -152,7 +156,7 @@ class PrefillAdder:
         if len(key) < end:
             return False
         head = key[:end]  # one slice comparison per request, in C
-        return any(other.fill_ids[:end] == head for other in self.reqs)
+        return any(other.fill_ids[:end] == head for other in (*self.reqs, *self.uncached))
 
     def _take(self, req: Req, chunk: int) -> None:
         self.reqs.append(req)

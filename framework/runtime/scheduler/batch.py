@@ -26,6 +26,15 @@ class ScheduledBatch:
         return ScheduledBatch(self.mode, [self.reqs[index]], [self.extend_lens[index]],
                               decode_tail=int(self.decodes(index)))
 
+    def without_finished(self) -> ScheduledBatch:
+        """The same step without the requests that have ended since it was built."""
+        keep = [i for i, req in enumerate(self.reqs) if not req.finished]
+        if len(keep) == len(self.reqs):
+            return self
+        return ScheduledBatch(self.mode, [self.reqs[i] for i in keep],
+                              [self.extend_lens[i] for i in keep],
+                              decode_tail=sum(self.decodes(i) for i in keep))
+
     def decodes(self, index: int) -> bool:
         """Whether request ``index`` decodes in this step (rather than prefilling)."""
         return not self.mode.is_extend() or index >= len(self.reqs) - self.decode_tail
@@ -34,6 +43,11 @@ class ScheduledBatch:
         """This prefill batch with one decode token for each of ``running`` after it."""
         return ScheduledBatch(ForwardMode.EXTEND, self.reqs + running,
                               self.extend_lens + [1] * len(running), decode_tail=len(running))
+
+    @classmethod
+    def decode(cls, running: list[Req]) -> ScheduledBatch:
+        """A decode step of ``running``: one new token each."""
+        return cls(ForwardMode.DECODE, list(running), [1] * len(running))
 
     @property
     def num_tokens(self) -> int:
@@ -83,8 +97,10 @@ class ScheduledBatch:
         extend = self.mode.is_extend()
         for i, (req, n) in enumerate(zip(self.reqs, self.extend_lens)):
             start = req.kv_len
-            input_ids.extend(req.output_ids[-1:] if self.decodes(i) else
-                             req.fill_ids[start:start + n])
+            if self.decodes(i):
+                input_ids.append(req.last_token())
+            else:
+                input_ids.extend(req.fill_ids[start:start + n])
             positions.extend(range(start, start + n))
             token_rows.extend([req.req_pool_idx] * n)
             prefix_lens.append(start)
