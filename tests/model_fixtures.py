@@ -273,3 +273,21 @@ def reference_sentence_embeddings(model_dir: Path, texts: list[str]) -> Any:
     mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
     pooled = (hidden * mask).sum(1) / mask.sum(1)
     return torch.nn.functional.normalize(pooled, dim=-1).numpy()
+
+
+def transformers_greedy(model: Any, prompt_ids: list[int],
+                        new_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs from transformers (a float64 model), one prompt at a
+    time, each step over the whole sequence."""
+    ids = torch.tensor([prompt_ids])
+    out_ids: list[int] = []
+    logprobs: list[float] = []
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = model(ids).logits[0, -1]
+            lp = torch.log_softmax(logits, dim=-1)
+            token = int(torch.argmax(logits))
+            out_ids.append(token)
+            logprobs.append(float(lp[token]))
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out_ids, logprobs

@@ -16,6 +16,7 @@ from tests.model_fixtures import (
     make_tiny_checkpoint,
     minilm_checkpoint,
     reference_sentence_embeddings,
+    transformers_greedy,
 )
 
 PROMPTS = [
@@ -35,24 +36,6 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 # seconds of imports. The module's shared Engine, the launch tests and every server test
 # run them as processes.
 IN_THREADS = {"launch_mode": "thread"}
-
-
-def transformers_greedy(model: Any, prompt_ids: list[int],
-                        new_tokens: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens and their logprobs from transformers (a float64 model), one prompt at a
-    time, each step over the whole sequence."""
-    ids = torch.tensor([prompt_ids])
-    out_ids: list[int] = []
-    logprobs: list[float] = []
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            logits = model(ids).logits[0, -1]
-            lp = torch.log_softmax(logits, dim=-1)
-            token = int(torch.argmax(logits))
-            out_ids.append(token)
-            logprobs.append(float(lp[token]))
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return out_ids, logprobs
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])

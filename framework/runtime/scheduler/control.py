@@ -140,6 +140,7 @@ class SchedulerControl:
             "cache_hit_rate": stats.cache_hit_rate,
             "radix_cache": not isinstance(cache, ChunkCache),
             "schedule_policy": scheduler.policy.policy,
+            "overlap_schedule": scheduler.overlap is not None,
             "max_running_requests": server_args.max_running_requests,
             "available_req_slots": pool.available_size(),
             "req_slots": pool.size,
