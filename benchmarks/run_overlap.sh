@@ -31,6 +31,7 @@ cleanup() { stop_server; rm -rf "$WORK"; }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
+mkdir -p "$WORK/small"
 python -c '
 import sys
 from pathlib import Path

@@ -49,10 +49,13 @@ def reference(model_dir: Path) -> list[list[int]]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("split", ["--tp-size", "--pp-size"])
+@pytest.mark.parametrize(("split", "overlap"), [
+    ("--tp-size", "off"), ("--pp-size", "off"), ("--pp-size", "on")])
 def test_two_ranks_serve_one_rank_s_tokens(model_dir: Path, tmp_path: Path,
-                                           reference: list[list[int]], split: str) -> None:
-    server = start_server(model_dir, tmp_path, split, "2", "--dtype", "float32")
+                                           reference: list[list[int]], split: str,
+                                           overlap: str) -> None:
+    server = start_server(model_dir, tmp_path, split, "2", "--dtype", "float32",
+                          "--overlap-schedule", overlap)
     try:
         children = server.children()
         with httpx.Client(base_url=server.base_url, timeout=120) as client:
@@ -65,6 +68,7 @@ def test_two_ranks_serve_one_rank_s_tokens(model_dir: Path, tmp_path: Path,
             assert completion.status_code == 200, completion.text
             info = wait_until_idle(client)
         assert info["kv_cache_idle_and_free"] is True, info
+        assert info["overlap_schedule"] is (overlap == "on")
         assert info[split.removeprefix("--").replace("-", "_")] == 2
         assert info["pid_rank_0"] != info["pid_rank_1"]
         assert info["param_bytes_rank_1"] > 0 and "param_bytes_rank_2" not in info
