@@ -18,15 +18,7 @@ ROUNDS=${ROUNDS:-2}
 MODELS=${MODELS:-small default}
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
-SERVER=""
-stop_server() {
-  [ -n "$SERVER" ] || return 0
-  kill -TERM -- "-$SERVER" 2>/dev/null || true
-  for _ in $(seq 100); do kill -0 "$SERVER" 2>/dev/null || break; sleep 0.1; done
-  kill -KILL -- "-$SERVER" 2>/dev/null || true  # the group: no child outlives the run
-  wait "$SERVER" 2>/dev/null || true
-  SERVER=""
-}
+source benchmarks/server_lib.sh
 cleanup() { stop_server; rm -rf "$WORK"; }
 trap cleanup EXIT
 trap 'exit 130' INT TERM

@@ -23,15 +23,7 @@ WORKLOAD=(--num-prompts "${NUM_PROMPTS:-64}" --input-len "${INPUT_LEN:-92}"
 mkdir -p "$OUT"
 
 MODEL=$(mktemp -d)
-SERVER=""  # pid (and process group) of the running server
-stop_server() {
-  [ -n "$SERVER" ] || return 0
-  kill -TERM -- "-$SERVER" 2>/dev/null || true
-  for _ in $(seq 100); do kill -0 "$SERVER" 2>/dev/null || break; sleep 0.1; done
-  kill -KILL -- "-$SERVER" 2>/dev/null || true  # the group: no child outlives the run
-  wait "$SERVER" 2>/dev/null || true
-  SERVER=""
-}
+source benchmarks/server_lib.sh
 cleanup() { stop_server; rm -rf "$MODEL"; }
 trap cleanup EXIT
 trap 'exit 130' INT TERM

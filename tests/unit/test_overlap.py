@@ -92,18 +92,6 @@ def test_without_overlap_a_step_returns_before_the_next_is_built(harness_factory
     h.run()
 
 
-def test_batched_requests_match_the_reference_with_overlap(harness_factory) -> None:
-    h = harness_factory(**OVERLAP)
-    prompts = {f"r{i}": prompt(i, 5 + 7 * i) for i in range(6)}
-    for rid, ids in prompts.items():
-        h.submit(rid, ids, max_new_tokens=12, **GREEDY)
-    outcomes = h.run()
-    for rid, ids in prompts.items():
-        assert outcomes[rid].output_ids == reference_output(ids, 12), rid
-    assert h.scheduler.get_info()["kv_cache_idle_and_free"] is True
-    h.assert_idle_invariant()
-
-
 def test_a_request_that_stops_while_its_next_step_runs_takes_nothing_from_it(
         harness_factory) -> None:
     # EOS ends the request in the result of one step, while the step after it (built

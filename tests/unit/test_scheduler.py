@@ -37,8 +37,9 @@ from tests.model_fixtures import EOS_TOKEN_ID, make_tiny_tokenizer
 GREEDY = {"temperature": 0.0}
 
 
-def test_batched_requests_match_the_reference(harness_factory) -> None:
-    h = harness_factory()
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_batched_requests_match_the_reference(harness_factory, overlap: str) -> None:
+    h = harness_factory(overlap_schedule=overlap)
     prompts = {f"r{i}": prompt(i, 5 + 7 * i) for i in range(6)}
     for rid, ids in prompts.items():
         h.submit(rid, ids, max_new_tokens=12, **GREEDY)
