@@ -60,10 +60,13 @@ def test_the_next_step_is_built_before_this_one_returns(harness_factory) -> None
     try:
         # The first step (the prefill) is with the worker and held there; meanwhile the
         # Scheduler has built and launched the decode step that follows it.
-        wait_for(lambda: h.scheduler.steps["decode"] == 1, "the decode step is launched")
+        def decode_launched() -> bool:
+            flight = h.scheduler.in_flight
+            return flight is not None and flight.step.batch.mode.is_decode()
+
+        wait_for(decode_launched, "the decode step is launched")
         assert worker.started == 1 and worker.finished == 0
         decode = h.scheduler.in_flight
-        assert decode is not None and decode.step.batch.mode.is_decode()
         # Its input is the placeholder of the token the prefill has not sampled yet (the
         # first token the Scheduler numbered).
         assert decode.step.work.forward_batch.input_ids.tolist() == [
@@ -117,13 +120,15 @@ def test_an_abort_of_a_request_in_flight_keeps_its_slots_until_the_step_returns(
     worker.gate.release()  # the prefill may run; the decode after it waits
     h.step()  # the prefill launched
     h.step()  # a decode launched, the prefill applied
+    first_decode = h.scheduler.in_flight
     h.send(AbortReq(rid="victim", reason="client left"))
     # The next step takes the abort in, launches the next decode and waits for the one
     # in flight, which still holds the victim: its slots wait for that step.
     stepping = threading.Thread(target=h.scheduler.step)
     stepping.start()
     try:
-        wait_for(lambda: h.scheduler.queues.retiring, "the victim retires")
+        wait_for(lambda: h.scheduler.in_flight is not first_decode,
+                 "the next decode is launched (the step then waits for the first)")
         assert [req.rid for req, _ in h.scheduler.queues.retiring] == ["victim"]
         assert "victim" not in [req.rid for req in h.scheduler.all_requests()]
         h.assert_slots_accounted()
