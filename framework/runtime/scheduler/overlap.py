@@ -18,7 +18,6 @@ its prompt's logprobs, a retraction, and any RPC.
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -60,13 +59,12 @@ class OverlapWorker(ModelWorker):
         self._ring = torch.zeros(ring_size, dtype=torch.int64, device=inner.device)
         self._next = 0
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-worker")
-        self._lock = threading.Lock()  # reserve() is the Scheduler's; kept cheap and safe
 
     def reserve(self, count: int) -> list[int]:
-        """``count`` fresh token numbers (ring positions) for a step's sampling rows."""
-        with self._lock:
-            start = self._next
-            self._next = (start + count) % self._ring.numel()
+        """``count`` fresh token numbers (ring positions) for a step's sampling rows (called
+        on the Scheduler's thread only)."""
+        start = self._next
+        self._next = (start + count) % self._ring.numel()
         return [(start + k) % self._ring.numel() for k in range(count)]
 
     @staticmethod
