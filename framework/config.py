@@ -69,7 +69,8 @@ class ServerArgs:
     # runtime
     device: str = _opt("auto", "cpu, cuda, or auto (cuda when available)", "runtime")
     attention_backend: str = _opt("auto", "attention backend (see `framework plugins`); auto: "
-                                  "cpu for float32 on a CPU, else torch", "runtime")
+                                  "cpu for float32 or bfloat16 on a CPU, else torch",
+                                  "runtime")
     linear_backend: str = _opt("auto", "matrix products of the linear layers and LM head: "
                                "torch (F.linear), or onednn (weights packed once after "
                                "loading, kept beside the originals: twice their memory); "

@@ -19,7 +19,7 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 class GatedActivation(nn.Module):
     """``act(gate) * up`` for an input laid out as ``[..., gate | up]``.
 
-    With ``cpu_ops`` bound (``bind_cpu_layer_ops``: float32 on a CPU), SiLU rows
+    With ``cpu_ops`` bound (``bind_cpu_layer_ops``: float32 or bfloat16 on a CPU), SiLU rows
     run through the native kernel: one pass instead of a SiLU and a product.
     """
 
@@ -31,7 +31,8 @@ class GatedActivation(nn.Module):
             )
         self.hidden_act = hidden_act
         self._act = _ACTIVATIONS[hidden_act]
-        #: ``torch.ops.framework_cpu`` when bound, else None (the torch operators).
+        #: The native CPU kernels (``load_cpu_kernels``) when bound, else None (the torch
+        #: operators).
         self.cpu_ops: Any = None
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,6 +41,9 @@ class VocabParallelEmbedding(nn.Module):
         #: The table packed for the linear backend when this is the model's output head
         #: (``pack_linear_weights``); None: ``compute_logits`` takes ``weight`` as it is.
         self.packed_weight: torch.Tensor | None = None
+        #: The native CPU kernels when bound (``bind_cpu_layer_ops``): the logits of a few
+        #: rows come from their ``linear_rows``.
+        self.cpu_ops: Any = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: CheckpointWeight, shard_id: object = None
@@ -74,7 +79,7 @@ class VocabParallelEmbedding(nn.Module):
         This is how a model with tied embeddings projects onto the vocabulary.
         The result is in the weight dtype.
         """
-        logits = linear(hidden_states, self.weight, None, self.packed_weight)
+        logits = linear(hidden_states, self.weight, None, self.packed_weight, self.cpu_ops)
         if self.tp_size > 1:
             logits = bound_tp_group(self).all_gather(logits, dim=-1)
         return logits[:, : self.num_embeddings]

@@ -159,6 +159,9 @@ class LinearBase(nn.Module):
         #: The weight in the linear backend's packed layout (``pack_linear_weights``);
         #: None: products take ``weight`` as it is.
         self.packed_weight: torch.Tensor | None = None
+        #: The native CPU kernels when bound (``bind_cpu_layer_ops``): products of a few
+        #: rows run their ``linear_rows``.
+        self.cpu_ops: Any = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: CheckpointWeight, shard_id: object = None
@@ -168,7 +171,7 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply this rank's part of the layer to ``x`` of shape ``[..., in_local]``."""
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return linear(x, self.weight, self.bias, self.packed_weight, self.cpu_ops)
 
     def extra_repr(self) -> str:
         out_features, in_features = self.weight.shape
@@ -361,7 +364,8 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer: this rank's partial product, summed over the ranks."""
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias, self.packed_weight)
-        out = bound_tp_group(self).all_reduce(linear(x, self.weight, None, self.packed_weight))
+            return linear(x, self.weight, self.bias, self.packed_weight, self.cpu_ops)
+        out = bound_tp_group(self).all_reduce(
+            linear(x, self.weight, None, self.packed_weight, self.cpu_ops))
         # The bias is added once, after the sum, not once per rank.
         return out if self.bias is None else out + self.bias

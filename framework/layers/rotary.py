@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from framework.layers.attention.native_build import KERNEL_DTYPES
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_ROPE_THETA = 10000.0
 
@@ -96,8 +98,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Rotates queries and keys by their absolute positions.
 
-    With ``cpu_ops`` bound (``bind_cpu_layer_ops``: float32 on a CPU), the
-    rotation runs in the native kernel: one pass, with the same roundings.
+    With ``cpu_ops`` bound (``bind_cpu_layer_ops``: float32 or bfloat16 on a CPU),
+    the rotation runs in the native kernel: one pass, with the same roundings.
     """
 
     def __init__(self, head_dim: int, rope: RopeConfig) -> None:
@@ -109,7 +111,8 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq: torch.Tensor
         # float32 whatever the model dtype; derived, so not a checkpoint weight.
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
-        #: ``torch.ops.framework_cpu`` when bound, else None (the torch operators).
+        #: The native CPU kernels (``load_cpu_kernels``) when bound, else None (the torch
+        #: operators).
         self.cpu_ops: Any = None
         # The last positions tensor seen (and its version: an in-place change counts as
         # new positions), the dtype, cos and sin: the layers that share this module
@@ -131,7 +134,8 @@ class RotaryEmbedding(nn.Module):
         last = self._last
         if last is not None and last[0] is positions and last[1] == version and last[2] == dtype:
             return last[3], last[4]
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        # One product per angle, as the broadcast form's: the same values, in fewer ops.
+        angles = torch.outer(positions.float(), self.inv_freq)
         cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
         self._last = (positions, version, dtype, cos, sin)
         return cos, sin
@@ -170,5 +174,6 @@ class RotaryEmbedding(nn.Module):
 
 
 def _rows_of_features(x: torch.Tensor) -> bool:
-    """Whether the native kernel reads ``x`` as it is: float32 rows of contiguous features."""
-    return x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+    """Whether the native kernel reads ``x`` as it is: float32 or bfloat16 rows of contiguous
+    features."""
+    return x.dtype in KERNEL_DTYPES and x.dim() == 2 and x.stride(1) == 1

@@ -230,7 +230,10 @@ class SamplingBatchInfo:
         return len(self.is_greedy)
 
     def to(self, device: torch.device) -> SamplingBatchInfo:
-        """The same information with every tensor on ``device`` (for another rank)."""
+        """The same information with every tensor on ``device`` (for another rank); this
+        very object when it is there already (every step of one rank)."""
+        if device == self.device:
+            return self
         changes = {f.name: value.to(device) for f in dataclasses.fields(self)
                    if isinstance(value := getattr(self, f.name), torch.Tensor)}
         return dataclasses.replace(self, device=device, **changes)

@@ -39,7 +39,7 @@ from framework.distributed.step_sync import (
     gather_failures,
 )
 from framework.layers.attention.base import AttentionBackend, AttentionBackendArgs
-from framework.layers.attention.native_build import load_cpu_kernels
+from framework.layers.attention.native_build import KERNEL_DTYPES, load_cpu_kernels
 from framework.layers.attention.radix_attention import bind_attention_backend
 from framework.layers.embedding import VocabParallelEmbedding
 from framework.layers.linear import LinearBase, bind_attribute, bind_tp_group
@@ -89,10 +89,11 @@ class LogitsOutput:
 
 
 def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``auto`` → ``cpu`` (the native CPU attention kernel) for float32 on a CPU, else ``torch``."""
+    """``auto`` → ``cpu`` (the native CPU attention kernel) for float32 or bfloat16 on a CPU,
+    else ``torch``."""
     if name != "auto":
         return name
-    return "cpu" if device.type == "cpu" and dtype == torch.float32 else "torch"
+    return "cpu" if device.type == "cpu" and dtype in KERNEL_DTYPES else "torch"
 
 
 def matmul_modules(model: torch.nn.Module) -> list[PackableLinear]:
@@ -118,13 +119,14 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
 
 def bind_cpu_layer_ops(model: torch.nn.Module, device: torch.device,
                        dtype: torch.dtype) -> Any | None:
-    """For float32 on a CPU, give the norms, activations and rotary embeddings the native
-    kernels; returns them (``torch.ops.framework_cpu``).
+    """For float32 or bfloat16 on a CPU, give the norms, activations, rotary embeddings and
+    the products of a few rows (decode steps) the native kernels; returns them
+    (``load_cpu_kernels``).
 
     Elsewhere, or when the kernels cannot be built (no compiler), nothing is bound,
     the layers keep their torch operators, and this returns None.
     """
-    if device.type != "cpu" or dtype != torch.float32:
+    if device.type != "cpu" or dtype not in KERNEL_DTYPES:
         return None
     ops = load_cpu_kernels()
     if ops is not None:

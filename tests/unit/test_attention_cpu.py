@@ -42,7 +42,7 @@ from tests.unit.test_attention_torch import (
 REQUIRE_KERNELS_ENV = "FRAMEWORK_REQUIRE_NATIVE_KERNELS"
 
 
-def kernels() -> Any:  # the torch.ops.framework_cpu namespace
+def kernels() -> Any:  # the kernels by name (load_cpu_kernels)
     if native_build.find_compiler() is None:
         reason = "no C++ compiler ($CXX or c++) to build the kernels with"
         if os.environ.get(REQUIRE_KERNELS_ENV) == "1":
@@ -115,6 +115,21 @@ def test_kernel_matches_a_float64_reference(heads: int, kv_heads: int, dim: int,
                                rtol=1e-5)
 
 
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 32), (8, 2, 128), (2, 2, 20)])
+def test_bfloat16_pool_is_read_as_float32_and_the_output_rounded(
+        heads: int, kv_heads: int, dim: int, workload: str) -> None:
+    """A bfloat16 pool and queries: the float64 attention of those very values, rounded."""
+    q, k_buffer, v_buffer, *indices = scattered_case(heads, kv_heads, dim, LENGTHS,
+                                                     WORKLOADS[workload], seed=dim)
+    q, k_buffer, v_buffer = (t.to(torch.bfloat16) for t in (q, k_buffer, v_buffer))
+    scale = dim**-0.5
+    out = kernels().paged_attention(q, k_buffer, v_buffer, *indices, scale)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    exact = float64_attention(q, k_buffer, v_buffer, *indices, scale)
+    torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=2 ** -8)
+
+
 def test_large_scores_do_not_overflow_the_softmax() -> None:
     q, *rest = scattered_case(4, 2, 64, [40, 3], [40, 1], seed=5)
     q = q * 60  # scores past 100: exp() of them unshifted would overflow float32
@@ -130,8 +145,10 @@ def test_bad_inputs_are_refused_with_a_reason() -> None:
     q, k_buffer, v_buffer, table, rows, lens, news = scattered_case(4, 2, 16, [5, 9], [2, 1],
                                                                      seed=1)
     pool = (k_buffer, v_buffer, table)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
         ops.paged_attention(q.double(), *pool, rows, lens, news, 1.0)
+    with pytest.raises(RuntimeError, match="KV buffers alike"):
+        ops.paged_attention(q.bfloat16(), *pool, rows, lens, news, 1.0)
     with pytest.raises(RuntimeError, match="out of range"):
         ops.paged_attention(q, *pool, rows, lens, news * 0, 1.0)
     with pytest.raises(RuntimeError, match="out of range"):
@@ -144,10 +161,12 @@ def test_bad_inputs_are_refused_with_a_reason() -> None:
         ops.paged_attention(q[:, :3].contiguous(), *pool, rows, lens, news, 1.0)
 
 
-def test_the_backend_runs_the_kernel_in_float32_on_cpu_and_keeps_no_copies() -> None:
+def test_the_backend_runs_the_kernel_in_float32_and_bfloat16_on_cpu_and_keeps_no_copies(
+        ) -> None:
     kernels()
     req_pool = ReqToTokenPool(size=2, max_context_len=16, device=torch.device("cpu"))
-    for dtype, native in ((torch.float32, True), (torch.bfloat16, False)):
+    for dtype, native in ((torch.float32, True), (torch.bfloat16, True),
+                          (torch.float16, False)):
         kv_pool = MHATokenToKVPool(16, dtype, 2, 8, 1, torch.device("cpu"))
         backend = CpuNativeAttnBackend(backend_args(req_pool, kv_pool, 4, dtype=dtype))
         assert backend.native is native
@@ -266,19 +285,22 @@ def test_loading_the_kernels_leaves_the_process_s_float_mode_alone() -> None:
     assert done.stdout.split() == ["True", "True"]
 
 
-def test_auto_picks_the_cpu_backend_for_float32_on_a_cpu_and_torch_elsewhere() -> None:
+def test_auto_picks_the_cpu_backend_for_float32_and_bfloat16_on_a_cpu_and_torch_elsewhere(
+        ) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert resolve_attention_backend("auto", cpu, torch.float32) == "cpu"
-    assert resolve_attention_backend("auto", cpu, torch.bfloat16) == "torch"
+    assert resolve_attention_backend("auto", cpu, torch.bfloat16) == "cpu"
+    assert resolve_attention_backend("auto", cpu, torch.float16) == "torch"
     assert resolve_attention_backend("auto", cuda, torch.float32) == "torch"
     assert resolve_attention_backend("torch", cpu, torch.float32) == "torch"
     assert resolve_attention_backend("triton", cuda, torch.float16) == "triton"
 
 
-def test_write_kv_stores_each_new_token_s_row_at_its_slot() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_stores_each_new_token_s_row_at_its_slot(dtype: torch.dtype) -> None:
     ops = kernels()
-    k_buffer, v_buffer = torch.zeros(10, 2, 4), torch.zeros(10, 2, 4)
-    qkv = torch.randn(3, 24)  # keys and values as column slices of one projection
+    k_buffer, v_buffer = torch.zeros(10, 2, 4, dtype=dtype), torch.zeros(10, 2, 4, dtype=dtype)
+    qkv = torch.randn(3, 24).to(dtype)  # keys and values as column slices of one projection
     k, v = qkv[:, 8:16], qkv[:, 16:]
     loc = torch.tensor([7, 0, 3])
     ops.write_kv(k_buffer, v_buffer, loc, k, v)
@@ -286,6 +308,8 @@ def test_write_kv_stores_each_new_token_s_row_at_its_slot() -> None:
     assert torch.equal(v_buffer[loc], v.reshape(3, 2, 4))
     untouched = [i for i in range(10) if i not in (7, 0, 3)]
     assert not k_buffer[untouched].any() and not v_buffer[untouched].any()
+    with pytest.raises(RuntimeError, match="alike"):
+        ops.write_kv(k_buffer, v_buffer, loc, k.double(), v)
     with pytest.raises(RuntimeError, match="outside the pool"):
         ops.write_kv(k_buffer, v_buffer, torch.tensor([10, 1, 2]), k, v)
     with pytest.raises(RuntimeError, match=r"\[3, 8\]"):

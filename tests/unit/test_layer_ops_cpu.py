@@ -1,7 +1,10 @@
-"""The native CPU norm, activation and rotary kernels, and the layers that use them.
+"""The native CPU norm, activation, rotary and few-row product kernels, and the layers
+that use them.
 
-Norm and activation are checked against float64; the rotary kernel must equal the
-torch rotation bit for bit (itself bit for bit transformers', test_llama_models.py).
+Norm and activation are checked against float64, and in bfloat16 against the torch
+operators they stand for; the rotary kernel must equal the torch rotation bit for bit
+(itself bit for bit transformers', test_llama_models.py), in both dtypes; the product of
+a few rows must agree with ``F.linear`` to float rounding.
 """
 
 from __future__ import annotations
@@ -10,9 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from framework.config import ServerArgs
 from framework.layers.activation import GatedActivation
+from framework.layers.linear import RowParallelLinear
+from framework.layers.linear_kernel import NATIVE_ROWS, linear
 from framework.layers.norm import RMSNorm
 from framework.layers.rotary import RopeConfig, RotaryEmbedding
 from framework.model_executor.model_runner import ModelRunner
@@ -53,13 +59,15 @@ def test_silu_and_mul_matches_float64(count: int, width: int) -> None:
 
 def test_the_kernels_refuse_what_they_cannot_read() -> None:
     ops = kernels()
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
         ops.rms_norm(torch.ones(2, 4, dtype=torch.float64), torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match="in the input's dtype"):
+        ops.rms_norm(torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(4), 1e-5)
     with pytest.raises(RuntimeError, match="contiguous"):
         ops.rms_norm(torch.ones(4, 2).T, torch.ones(4), 1e-5)
     with pytest.raises(RuntimeError, match="weight of 4 features"):
         ops.rms_norm(torch.ones(2, 4), torch.ones(5), 1e-5)
-    with pytest.raises(RuntimeError, match="differ in shape"):
+    with pytest.raises(RuntimeError, match="differ in shape or dtype"):
         ops.add_rms_norm(torch.ones(2, 4), torch.ones(3, 4), torch.ones(4), 1e-5)
     with pytest.raises(RuntimeError, match="even number"):
         ops.silu_and_mul(torch.ones(2, 5))
@@ -94,17 +102,20 @@ def test_bound_layers_use_the_kernels_and_agree_with_their_torch_form(
     assert calls == []
 
 
-def test_the_runner_binds_the_kernels_for_float32_on_a_cpu_only(tmp_path: Path) -> None:
+def test_the_runner_binds_the_kernels_for_float32_and_bfloat16_on_a_cpu_only(
+        tmp_path: Path) -> None:
     kernels()
     path = make_tiny_checkpoint(tmp_path, "qwen3")  # with per-head q/k norms
     args = {"model_path": str(path), "device": "cpu", "max_total_tokens": 256}
-    runner = ModelRunner(ServerArgs(**args), str(path))
-    assert runner.native_layer_ops
-    kinds = (RMSNorm, GatedActivation, RotaryEmbedding)
-    bound = [m for m in runner.model.modules() if isinstance(m, kinds)]
-    assert {type(m) for m in bound} == set(kinds)
-    assert all(m.cpu_ops is not None for m in bound)
-    half = ModelRunner(ServerArgs(**args, dtype="bfloat16"), str(path))
+    kinds = (RMSNorm, GatedActivation, RotaryEmbedding, RowParallelLinear)
+    for dtype in ("float32", "bfloat16"):
+        runner = ModelRunner(ServerArgs(**args, dtype=dtype), str(path))
+        assert runner.native_layer_ops
+        bound = [m for m in runner.model.modules() if isinstance(m, kinds)]
+        assert {type(m) for m in bound} == set(kinds)
+        assert all(m.cpu_ops is not None for m in runner.model.modules()
+                   if hasattr(m, "cpu_ops"))
+    half = ModelRunner(ServerArgs(**args, dtype="float16"), str(path))
     assert not half.native_layer_ops
     assert all(m.cpu_ops is None for m in half.model.modules() if hasattr(m, "cpu_ops"))
 
@@ -168,3 +179,96 @@ def test_the_sampler_takes_the_native_argmax_for_greedy_rows() -> None:
     out = sampler(logits, info, return_logprob=False)
     assert calls == [(5, 300)]
     assert torch.equal(out.next_token_ids, logits.max(dim=-1).indices)
+
+
+# --------------------------------------------------------------------------- bfloat16
+
+
+def bf16_rows(count: int, features: int, seed: int) -> torch.Tensor:
+    return rows(count, features, seed).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(("count", "features"), [(1, 64), (17, 128), (300, 100)])
+def test_bfloat16_norm_and_activation_round_as_the_torch_operators(count: int,
+                                                                   features: int) -> None:
+    """Computed in float32 and rounded where torch's bfloat16 operators round: only the
+    mean of squares runs in another order, which may move a result by one bfloat16 step."""
+    ops = kernels()
+    norm = RMSNorm(features, eps=1e-5).to(torch.bfloat16)
+    norm.weight.copy_(bf16_rows(1, features, 2)[0])
+    x, residual = bf16_rows(count, features, 0), bf16_rows(count, features, 1)
+    step = {"atol": 0.0, "rtol": 2 ** -7}  # one bfloat16 step
+    torch.testing.assert_close(ops.rms_norm(x, norm.weight, 1e-5), norm(x), **step)
+    expected, expected_sum = norm(x, residual)
+    normed, summed = ops.add_rms_norm(x, residual, norm.weight, 1e-5)
+    assert torch.equal(summed, expected_sum)  # one rounded addition, exactly torch's
+    torch.testing.assert_close(normed, expected, **step)
+    gate_up = bf16_rows(count, 2 * features, 3)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), GatedActivation("silu")(gate_up),
+                               **step)
+
+
+def test_bfloat16_rotary_is_bit_for_bit_the_torch_rotation() -> None:
+    ops = kernels()
+    rope = RotaryEmbedding(64, RopeConfig(theta=10000.0))
+    qkv = bf16_rows(37, 8 * 64, 7)
+    q, k, _ = qkv.split([4 * 64, 2 * 64, 2 * 64], dim=-1)
+    positions = torch.randint(0, 4096, (37,), generator=torch.Generator().manual_seed(8))
+    expected_q, expected_k = rope(positions, q, k)
+    rope.cpu_ops = ops
+    rotated_q, rotated_k = rope(positions, q, k)
+    assert rotated_q.dtype == torch.bfloat16
+    assert torch.equal(rotated_q, expected_q) and torch.equal(rotated_k, expected_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("count", "features", "outputs"),
+                         [(1, 256, 768), (2, 128, 4099), (3, 64, 5), (4, 24, 130)])
+def test_linear_rows_agrees_with_f_linear(dtype: torch.dtype, count: int, features: int,
+                                          outputs: int) -> None:
+    """Float32 sums in another order; in bfloat16 the same sums rounded once, as torch's."""
+    ops = kernels()
+    x = rows(count, features, 10).to(dtype)
+    weight, bias = (rows(outputs, features, 11) / 16).to(dtype), rows(1, outputs, 12)[0].to(dtype)
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    for got in (ops.linear_rows(x, weight, bias), ops.linear_rows(x, weight, None) + bias):
+        assert got.dtype == dtype and got.shape == (count, outputs)
+    got = ops.linear_rows(x, weight, bias)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, exact.float(), atol=1e-5, rtol=1e-5)
+    else:
+        # The float32 result rounded to bfloat16: within half a bfloat16 step of the exact.
+        torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=2 ** -8)
+        torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-6, rtol=2 ** -7)
+    # Rows with room between them (a view of every other row) read the same.
+    spread = torch.zeros(2 * count, features, dtype=dtype)
+    spread[::2] = x
+    assert torch.equal(ops.linear_rows(spread[::2], weight, bias), got)
+
+
+def test_linear_rows_refuses_what_it_cannot_read() -> None:
+    ops = kernels()
+    weight = torch.ones(8, 16)
+    with pytest.raises(RuntimeError, match=r"\[1..4, K\]"):
+        ops.linear_rows(torch.ones(5, 16), weight, None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
+        ops.linear_rows(torch.ones(1, 16, dtype=torch.float64), weight.double(), None)
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        ops.linear_rows(torch.ones(1, 16), weight.bfloat16(), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.linear_rows(torch.ones(1, 16), weight, torch.ones(7))
+
+
+def test_linear_takes_the_kernel_for_a_few_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    ops = kernels()
+    calls: list[int] = []
+    kernel = ops.linear_rows
+    monkeypatch.setattr(ops, "linear_rows", lambda x, *a: (calls.append(x.shape[0]),
+                                                           kernel(x, *a))[1])
+    weight = rows(32, 64, 13)
+    for count in (1, NATIVE_ROWS, NATIVE_ROWS + 1):
+        x = rows(count, 64, 14)
+        torch.testing.assert_close(linear(x, weight, None, None, ops), F.linear(x, weight),
+                                   atol=1e-4, rtol=1e-5)
+    assert linear(rows(2, 64, 15), weight, None, None).shape == (2, 32)  # not bound
+    assert calls == [1, NATIVE_ROWS]

@@ -13,7 +13,7 @@ causally. Prefill, decode and mixed steps are the same call (a decode token
 is a request with one new token); nothing is kept between steps, so the pool
 needs no room for copies.
 
-The backend runs the kernel for float32 on a CPU when it could be built
+The backend runs the kernel for float32 or bfloat16 on a CPU when it could be built
 (``native_build``); anywhere else (another device or dtype, no C++ compiler)
 it is the torch backend, which it then delegates everything to.
 """
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from framework.layers.attention.base import AttentionBackend, AttentionBackendArgs
-from framework.layers.attention.native_build import load_cpu_kernels
+from framework.layers.attention.native_build import KERNEL_DTYPES, load_cpu_kernels
 from framework.layers.attention.torch_native import TorchNativeAttnBackend
 
 if TYPE_CHECKING:
@@ -34,18 +34,22 @@ if TYPE_CHECKING:
 
 
 class CpuNativeAttnBackend(AttentionBackend):
-    """Causal attention by the native CPU kernel (float32 on CPU), else the torch backend."""
+    """Causal attention by the native CPU kernel (float32 or bfloat16 on a CPU), else the
+    torch backend."""
 
     extra_kv_copies = 0.0
 
     def __init__(self, args: AttentionBackendArgs) -> None:
         super().__init__(args)
-        native = args.device.type == "cpu" and args.dtype == torch.float32
+        native = args.device.type == "cpu" and args.dtype in KERNEL_DTYPES
         self._ops = load_cpu_kernels() if native else None
         self._fallback = None if self._ops is not None else TorchNativeAttnBackend(args)
         # Of the planned batch: each request's row in req_to_token, its tokens and its
         # new tokens (None until init_forward_metadata has run).
         self._batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # A decode step's new tokens per request, sliced from one tensor made here rather
+        # than made anew every step.
+        self._ones = torch.ones(args.max_batch_size, dtype=torch.int64, device=args.device)
 
     @property
     def native(self) -> bool:
@@ -60,7 +64,7 @@ class CpuNativeAttnBackend(AttentionBackend):
         super().init_forward_metadata(forward_batch)
         seq_lens = forward_batch.seq_lens.contiguous()
         if forward_batch.forward_mode.is_decode():
-            new = torch.ones_like(seq_lens)
+            new = self._ones[:forward_batch.batch_size]
         else:  # the check above refused an extend batch without them
             assert forward_batch.extend_seq_lens is not None
             new = forward_batch.extend_seq_lens.contiguous()
@@ -125,7 +129,7 @@ class CpuNativeAttnBackend(AttentionBackend):
         out = self._ops.paged_attention(queries, k_buffer, v_buffer,
                                         self.req_to_token_pool.req_to_token, *self._batch,
                                         layer.scaling)
-        return out.view(q.shape[0], layer.num_heads * layer.head_dim).to(q.dtype)
+        return out.view(q.shape[0], layer.num_heads * layer.head_dim)
 
     def _kv_buffers(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                     forward_batch: ForwardBatch, save_kv_cache: bool

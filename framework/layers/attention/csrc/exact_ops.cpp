@@ -3,7 +3,9 @@
 //
 // Rotary: each head's two halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin), with the
 // products rounded before the sum, as torch's separate multiply and add kernels round
-// them. That is why this file is built without -ffast-math and with
+// them (in bfloat16, each product and the sum rounded to bfloat16, as torch's bfloat16
+// kernels round their float32 results). That is why this file is built without
+// -ffast-math and with
 // -ffp-contract=off (native_build.py): a fused multiply-add would round once and
 // change the last bit (and -ffast-math would also drop the NaN checks of the argmax). In
 // torch the same rotation is six kernels per tensor over
@@ -24,17 +26,51 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec.h"
+
 namespace {
 
 constexpr int64_t kRowGrain = 16;
 
+using framework_cpu::bf16;
+using framework_cpu::round_to;
+using framework_cpu::to_float;
+
+// Rows [begin, end) of the rotation: x [rows, width] (row stride `stride`), cos and sin
+// [rows, half], out [rows, width] contiguous. Each product and each sum is rounded to T.
+template <typename T>
+void rotate_rows(const T* xp, int64_t stride, const T* cp, const T* sp, int64_t width,
+                 int64_t head_dim, T* op, int64_t begin, int64_t end) {
+  const int64_t half = head_dim / 2;
+  for (int64_t r = begin; r < end; ++r) {
+    const T* c = cp + r * half;
+    const T* s = sp + r * half;
+    for (int64_t head = 0; head < width; head += head_dim) {
+      const T* x1 = xp + r * stride + head;
+      const T* x2 = x1 + half;
+      T* o1 = op + r * width + head;
+      T* o2 = o1 + half;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = to_float(x1[i]), b = to_float(x2[i]);
+        const float cv = to_float(c[i]), sv = to_float(s[i]);
+        const float first = to_float(round_to<T>(a * cv)), second = to_float(round_to<T>(b * sv));
+        o1[i] = round_to<T>(first - second);
+        const float third = to_float(round_to<T>(b * cv)), fourth = to_float(round_to<T>(a * sv));
+        o2[i] = round_to<T>(third + fourth);
+      }
+    }
+  }
+}
+
 // x: [rows, heads * head_dim] with unit column stride (its rows may be further apart);
-// cos, sin: [rows, head_dim / 2]. Returns the rotated rows, contiguous.
+// cos, sin: [rows, head_dim / 2], of x's dtype (float32 or bfloat16). Returns the rotated
+// rows, contiguous.
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                   int64_t head_dim) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
-                  sin.scalar_type() == at::kFloat,
-              "rotary: float32 only");
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rotary: float32 or bfloat16 only, cos and sin in x's dtype");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rotary: x must be [rows, features] with "
               "contiguous features");
   TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && x.size(1) % head_dim == 0,
@@ -44,34 +80,22 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
     TORCH_CHECK(t->dim() == 2 && t->size(0) == rows && t->size(1) == half && t->is_contiguous(),
                 "rotary: cos and sin must be contiguous [rows, head_dim / 2]");
   at::Tensor out = at::empty({rows, width}, x.options());
-  const float* xp = x.const_data_ptr<float>();
-  const float* cp = cos.const_data_ptr<float>();
-  const float* sp = sin.const_data_ptr<float>();
-  float* op = out.mutable_data_ptr<float>();
   const int64_t stride = x.stride(0);
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* c = cp + r * half;
-      const float* s = sp + r * half;
-      for (int64_t head = 0; head < width; head += head_dim) {
-        const float* x1 = xp + r * stride + head;
-        const float* x2 = x1 + half;
-        float* o1 = op + r * width + head;
-        float* o2 = o1 + half;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float first = x1[i] * c[i], second = x2[i] * s[i];
-          o1[i] = first - second;
-          const float third = x2[i] * c[i], fourth = x1[i] * s[i];
-          o2[i] = third + fourth;
-        }
-      }
+    if (x.scalar_type() == at::kFloat) {
+      rotate_rows(x.const_data_ptr<float>(), stride, cos.const_data_ptr<float>(),
+                  sin.const_data_ptr<float>(), width, head_dim, out.mutable_data_ptr<float>(),
+                  begin, end);
+    } else {
+      rotate_rows(x.const_data_ptr<bf16>(), stride, cos.const_data_ptr<bf16>(),
+                  sin.const_data_ptr<bf16>(), width, head_dim, out.mutable_data_ptr<bf16>(),
+                  begin, end);
     }
   });
   return out;
 }
 
-typedef float float8 __attribute__((vector_size(32)));
+using framework_cpu::float8;
 typedef int int8v __attribute__((vector_size(32)));
 
 // The index of row x [n]'s maximum as torch.max(dim) gives it: the first NaN if there is

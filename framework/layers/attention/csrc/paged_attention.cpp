@@ -25,6 +25,10 @@
 // items run on torch's own thread pool (at::parallel_for), so the kernel
 // shares the cores the way the model's other operators do.
 //
+// The pool may hold float32 or bfloat16 (then the queries and the output are bfloat16
+// too): bfloat16 rows are widened to float32 as they are read, and everything is
+// computed in float32; the output is rounded to bfloat16 at the end.
+//
 // Built at first use by framework/layers/attention/native_build.py; registered
 // as torch.ops.framework_cpu.paged_attention (and .write_kv, which stores a step's new
 // keys and values in the pool).
@@ -41,59 +45,67 @@
 #include <utility>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-// Eight floats: one AVX register, or two NEON ones; the compiler picks the instructions.
-typedef float float8 __attribute__((vector_size(32)));
-
-inline float8 load8(const float* p) {
-  float8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store8(float* p, float8 v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline float8 splat8(float x) { return float8{x, x, x, x, x, x, x, x}; }
-
-inline float sum8(float8 v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
+using framework_cpu::bf16;
+using framework_cpu::float8;
+using framework_cpu::load8;
+using framework_cpu::round_to;
+using framework_cpu::splat8;
+using framework_cpu::store8;
+using framework_cpu::sum8;
+using framework_cpu::to_float;
 
 // Rows this far ahead are prefetched while copying: a request's tokens sit anywhere in
 // the pool, so the hardware prefetcher cannot follow them.
 constexpr int64_t kPrefetchDistance = 4;
 
-inline void prefetch(const float* p, int64_t floats) {
-  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 1);
+// Asks for the cache lines of `count` elements from p (one request per 64-byte line).
+template <typename T>
+inline void prefetch(const T* p, int64_t count) {
+  for (int64_t i = 0; i < count; i += 64 / static_cast<int64_t>(sizeof(T)))
+    __builtin_prefetch(p + i, 0, 1);
+}
+
+// Copies `dim` elements to float32.
+inline void copy_row(const float* __restrict from, int64_t dim, float* __restrict to) {
+  std::memcpy(to, from, dim * sizeof(float));
+}
+
+inline void copy_row(const bf16* __restrict from, int64_t dim, float* __restrict to) {
+  for (int64_t d = 0; d < dim; ++d) to[d] = to_float(from[d]);
 }
 
 // Copies head `head`'s [dim] slice of each token's pool row into out [len, dim].
-void gather_head(const float* __restrict buffer, const int64_t* __restrict slots, int64_t len,
+template <typename T>
+void gather_head(const T* __restrict buffer, const int64_t* __restrict slots, int64_t len,
                  int64_t row, int64_t head, int64_t dim, float* __restrict out) {
   for (int64_t t = 0; t < len; ++t) {
     if (t + kPrefetchDistance < len)
       prefetch(buffer + slots[t + kPrefetchDistance] * row + head * dim, dim);
-    std::memcpy(out + t * dim, buffer + slots[t] * row + head * dim, dim * sizeof(float));
+    copy_row(buffer + slots[t] * row + head * dim, dim, out + t * dim);
   }
 }
 
 // s[j] = scale * (q . k_j) for keys j < n of k [n, dim]. Four keys at a time, each with
 // its own accumulator, so that their multiply-adds overlap instead of waiting on one
 // another.
-void scores(const float* __restrict q, const float* __restrict k, int64_t n, int64_t dim,
+template <typename T>
+void scores(const float* __restrict q, const T* __restrict k, int64_t n, int64_t dim,
             float scale, float* __restrict s) {
   if (dim % 8 != 0) {
     for (int64_t j = 0; j < n; ++j) {
       float acc = 0.f;
-      for (int64_t d = 0; d < dim; ++d) acc += q[d] * k[j * dim + d];
+      for (int64_t d = 0; d < dim; ++d) acc += q[d] * to_float(k[j * dim + d]);
       s[j] = acc * scale;
     }
     return;
   }
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
-    const float* k0 = k + j * dim;
+    const T* k0 = k + j * dim;
     float8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
     for (int64_t d = 0; d < dim; d += 8) {
       const float8 qd = load8(q + d);
@@ -159,7 +171,8 @@ struct Shapes {
 };
 
 // s[h * len] = scale * (q_h . k_{h / group}) for every query head h of one pool row.
-void row_scores(const Shapes& sh, const float* __restrict q, const float* __restrict k,
+template <typename T>
+void row_scores(const Shapes& sh, const float* __restrict q, const T* __restrict k,
                 float scale, int64_t len, float* __restrict s) {
   const int64_t dim = sh.dim, group = sh.heads / sh.kv_heads;
   if (dim % 8 != 0) {
@@ -170,10 +183,10 @@ void row_scores(const Shapes& sh, const float* __restrict q, const float* __rest
   int64_t h0 = 0;
   for (; h0 + 4 <= sh.heads; h0 += 4) {
     const float* q0 = q + h0 * dim;
-    const float* k0 = k + (h0 / group) * dim;
-    const float* k1 = k + ((h0 + 1) / group) * dim;
-    const float* k2 = k + ((h0 + 2) / group) * dim;
-    const float* k3 = k + ((h0 + 3) / group) * dim;
+    const T* k0 = k + (h0 / group) * dim;
+    const T* k1 = k + ((h0 + 1) / group) * dim;
+    const T* k2 = k + ((h0 + 2) / group) * dim;
+    const T* k3 = k + ((h0 + 3) / group) * dim;
     float8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
     for (int64_t d = 0; d < dim; d += 8) {
       a0 += load8(q0 + d) * load8(k0 + d);
@@ -199,8 +212,9 @@ constexpr int64_t kDecodePrefetchRows = 6;
 // out_h += sum over j < n of w[h * len + j] * v_j,(h / group) for every query head h, for
 // the n <= kValueBlock pool rows v_j: each output block is loaded and stored once per
 // n rows rather than once per row.
+template <typename T>
 void block_values(const Shapes& sh, const float* __restrict w,
-                  const float* const* __restrict v, int64_t n, int64_t len,
+                  const T* const* __restrict v, int64_t n, int64_t len,
                   float* __restrict out) {
   const int64_t dim = sh.dim, group = sh.heads / sh.kv_heads;
   for (int64_t h = 0; h < sh.heads; ++h) {
@@ -209,7 +223,7 @@ void block_values(const Shapes& sh, const float* __restrict w,
     float* oh = out + h * dim;
     if (dim % 8 != 0) {
       for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < dim; ++d) oh[d] += wh[j] * v[j][at + d];
+        for (int64_t d = 0; d < dim; ++d) oh[d] += wh[j] * to_float(v[j][at + d]);
       continue;
     }
     for (int64_t d = 0; d < dim; d += 8) {
@@ -226,8 +240,9 @@ void block_values(const Shapes& sh, const float* __restrict w,
 }
 
 // One decode token: q, out [heads, dim]; the request's len tokens at `slots`.
-void decode_one(const Shapes& sh, const float* q, const float* k_buffer,
-                const float* v_buffer, const int64_t* slots, int64_t len, float scale,
+template <typename T>
+void decode_one(const Shapes& sh, const float* q, const T* k_buffer,
+                const T* v_buffer, const int64_t* slots, int64_t len, float scale,
                 float* out, std::vector<float>& scratch) {
   const int64_t row = sh.kv_heads * sh.dim;
   scratch.resize(static_cast<size_t>(sh.heads * len));
@@ -244,7 +259,7 @@ void decode_one(const Shapes& sh, const float* q, const float* k_buffer,
   for (int64_t t = 0; t < std::min(kValueBlock, len); ++t) prefetch(v_buffer + slots[t] * row, row);
   for (int64_t h = 0; h < sh.heads; ++h) softmax(s + h * len, len);
   std::fill(out, out + sh.heads * sh.dim, 0.f);
-  const float* rows[kValueBlock];
+  const T* rows[kValueBlock];
   for (int64_t t0 = 0; t0 < len; t0 += kValueBlock) {
     const int64_t n = std::min(kValueBlock, len - t0);
     for (int64_t j = 0; j < n; ++j) {
@@ -262,14 +277,15 @@ constexpr int64_t kKeyTile = 16;
 // Copies head `head`'s [dim] slice of each token's pool row into the columns of
 // out [dim, ld] (keys transposed: a key tile's values of one feature are contiguous);
 // columns len..ld are zeroed.
-void gather_head_transposed(const float* __restrict buffer, const int64_t* __restrict slots,
+template <typename T>
+void gather_head_transposed(const T* __restrict buffer, const int64_t* __restrict slots,
                             int64_t len, int64_t row, int64_t head, int64_t dim, int64_t ld,
                             float* __restrict out) {
   for (int64_t t = 0; t < len; ++t) {
     if (t + kPrefetchDistance < len)
       prefetch(buffer + slots[t + kPrefetchDistance] * row + head * dim, dim);
-    const float* src = buffer + slots[t] * row + head * dim;
-    for (int64_t d = 0; d < dim; ++d) out[d * ld + t] = src[d];
+    const T* src = buffer + slots[t] * row + head * dim;
+    for (int64_t d = 0; d < dim; ++d) out[d * ld + t] = to_float(src[d]);
   }
   for (int64_t d = 0; d < dim; ++d) std::fill(out + d * ld + len, out + (d + 1) * ld, 0.f);
 }
@@ -328,8 +344,9 @@ void tile_values(const float* __restrict p, int64_t ld, const float* __restrict 
 // scores up to its last query's position; each query's softmax takes only what it sees,
 // and its weights past that are zero. Missing queries of a last, partial tile read zeros
 // and write to scratch.
-void extend_tiled(const Shapes& sh, const float* q, const float* k_buffer,
-                  const float* v_buffer, const int64_t* slots, int64_t seq_len, int64_t num_new,
+template <typename T>
+void extend_tiled(const Shapes& sh, const float* q, const T* k_buffer,
+                  const T* v_buffer, const int64_t* slots, int64_t seq_len, int64_t num_new,
                   int64_t g, float scale, float* out, std::vector<float>& scratch) {
   const int64_t dim = sh.dim, group = sh.heads / sh.kv_heads, row = sh.kv_heads * dim;
   const int64_t ld = (seq_len + kKeyTile - 1) / kKeyTile * kKeyTile;
@@ -368,8 +385,9 @@ void extend_tiled(const Shapes& sh, const float* q, const float* k_buffer,
 
 // Every new token of one request, for the query heads of key/value head g: any dim, one
 // query at a time.
-void extend_one(const Shapes& sh, const float* q, const float* k_buffer,
-                const float* v_buffer, const int64_t* slots, int64_t seq_len, int64_t num_new,
+template <typename T>
+void extend_one(const Shapes& sh, const float* q, const T* k_buffer,
+                const T* v_buffer, const int64_t* slots, int64_t seq_len, int64_t num_new,
                 int64_t g, float scale, float* out, std::vector<float>& scratch) {
   const int64_t dim = sh.dim, group = sh.heads / sh.kv_heads, row = sh.kv_heads * dim;
   scratch.resize(static_cast<size_t>(2 * seq_len * dim + seq_len));
@@ -395,9 +413,10 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_buffer, const at::Ten
                   const at::Tensor& seq_lens, const at::Tensor& extend_seq_lens) {
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.dim() == 3,
               "paged_attention: q and the KV buffers must be 3-dimensional");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_buffer.scalar_type() == at::kFloat &&
-                  v_buffer.scalar_type() == at::kFloat,
-              "paged_attention: float32 only");
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+                  k_buffer.scalar_type() == q.scalar_type() &&
+                  v_buffer.scalar_type() == q.scalar_type(),
+              "paged_attention: float32 or bfloat16 only, q and the KV buffers alike");
   for (const at::Tensor* t : {&req_to_token, &req_pool_indices, &seq_lens, &extend_seq_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong, "paged_attention: int64 indices only");
   for (const at::Tensor* t : {&q, &k_buffer, &v_buffer, &req_to_token, &req_pool_indices,
@@ -425,30 +444,13 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_buffer, const at::Ten
               " query rows for ", tokens, " new tokens");
 }
 
-// q: [tokens, heads, dim], the batch's new tokens packed request after request;
-// k_buffer, v_buffer: [pool_slots, kv_heads, dim], the new tokens' keys and values
-// already written; req_to_token: [requests, context]; req_pool_indices, seq_lens,
-// extend_seq_lens: [batch], int64. Returns [tokens, heads, dim].
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buffer,
-                           const at::Tensor& v_buffer, const at::Tensor& req_to_token,
-                           const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                           const at::Tensor& extend_seq_lens, double scale) {
-  check_inputs(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-               extend_seq_lens);
-  const Shapes sh{q.size(1), k_buffer.size(1), q.size(2), req_to_token.size(1)};
-  const int64_t batch = req_pool_indices.numel();
-  const int64_t* idx = req_pool_indices.const_data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
-  const int64_t* news = extend_seq_lens.const_data_ptr<int64_t>();
+// The kernel over a pool of T (q and out in float32, [tokens, heads, dim]).
+template <typename T>
+void attend(const Shapes& sh, const float* qp, const T* kp, const T* vp, const int64_t* table,
+            const int64_t* idx, const int64_t* lens, const int64_t* news, int64_t batch,
+            float s, float* op) {
   std::vector<int64_t> first(static_cast<size_t>(batch));  // each request's first q row
   for (int64_t b = 0, row = 0; b < batch; row += news[b++]) first[b] = row;
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  const float* qp = q.const_data_ptr<float>();
-  const float* kp = k_buffer.const_data_ptr<float>();
-  const float* vp = v_buffer.const_data_ptr<float>();
-  const int64_t* table = req_to_token.const_data_ptr<int64_t>();
-  float* op = out.mutable_data_ptr<float>();
-  const float s = static_cast<float>(scale);
   const int64_t row_floats = sh.heads * sh.dim;
   // Work items: (request, -1) for a decode token, (request, g) for each key/value head
   // of a request with several new tokens.
@@ -476,6 +478,42 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buffer,
       }
     }
   });
+}
+
+// q: [tokens, heads, dim], the batch's new tokens packed request after request;
+// k_buffer, v_buffer: [pool_slots, kv_heads, dim], the new tokens' keys and values
+// already written; req_to_token: [requests, context]; req_pool_indices, seq_lens,
+// extend_seq_lens: [batch], int64. Returns [tokens, heads, dim] in q's dtype.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buffer,
+                           const at::Tensor& v_buffer, const at::Tensor& req_to_token,
+                           const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                           const at::Tensor& extend_seq_lens, double scale) {
+  check_inputs(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+               extend_seq_lens);
+  const Shapes sh{q.size(1), k_buffer.size(1), q.size(2), req_to_token.size(1)};
+  const int64_t batch = req_pool_indices.numel();
+  const int64_t* idx = req_pool_indices.const_data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
+  const int64_t* news = extend_seq_lens.const_data_ptr<int64_t>();
+  const int64_t* table = req_to_token.const_data_ptr<int64_t>();
+  const float s = static_cast<float>(scale);
+  if (q.scalar_type() == at::kFloat) {
+    at::Tensor out = at::empty(q.sizes(), q.options());
+    attend(sh, q.const_data_ptr<float>(), k_buffer.const_data_ptr<float>(),
+           v_buffer.const_data_ptr<float>(), table, idx, lens, news, batch, s,
+           out.mutable_data_ptr<float>());
+    return out;
+  }
+  // bfloat16: the queries widened once, the output computed in float32 and rounded.
+  const int64_t count = q.numel();
+  std::vector<float> qf(static_cast<size_t>(count)), of(static_cast<size_t>(count));
+  const bf16* qb = q.const_data_ptr<bf16>();
+  for (int64_t i = 0; i < count; ++i) qf[i] = to_float(qb[i]);
+  attend(sh, qf.data(), k_buffer.const_data_ptr<bf16>(), v_buffer.const_data_ptr<bf16>(),
+         table, idx, lens, news, batch, s, of.data());
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  bf16* ob = out.mutable_data_ptr<bf16>();
+  for (int64_t i = 0; i < count; ++i) ob[i] = round_to<bf16>(of[i]);
   return out;
 }
 
@@ -485,9 +523,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buffer,
 // walk the rows on one thread.
 void write_kv(at::Tensor& k_buffer, at::Tensor& v_buffer, const at::Tensor& loc,
               const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(k_buffer.scalar_type() == at::kFloat && v_buffer.scalar_type() == at::kFloat &&
-                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "write_kv: float32 only");
+  const auto dtype = k_buffer.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) &&
+                  v_buffer.scalar_type() == dtype && k.scalar_type() == dtype &&
+                  v.scalar_type() == dtype,
+              "write_kv: float32 or bfloat16 only, the buffers and the new rows alike");
   TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous() &&
                   v_buffer.sizes() == k_buffer.sizes() && k_buffer.dim() == 3,
               "write_kv: the KV buffers must be contiguous [slots, kv_heads, dim] alike");
@@ -502,15 +542,17 @@ void write_kv(at::Tensor& k_buffer, at::Tensor& v_buffer, const at::Tensor& loc,
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(slots[i] >= 0 && slots[i] < pool, "write_kv: slot ", slots[i],
                 " is outside the pool of ", pool);
-  float* kb = k_buffer.mutable_data_ptr<float>();
-  float* vb = v_buffer.mutable_data_ptr<float>();
-  const float* kp = k.const_data_ptr<float>();
-  const float* vp = v.const_data_ptr<float>();
-  const int64_t k_stride = k.stride(0), v_stride = v.stride(0);
+  // Bytes: the rows are copied as they are, whatever the dtype.
+  const int64_t size = k_buffer.element_size(), row_bytes = width * size;
+  char* kb = static_cast<char*>(k_buffer.mutable_data_ptr());
+  char* vb = static_cast<char*>(v_buffer.mutable_data_ptr());
+  const char* kp = static_cast<const char*>(k.const_data_ptr());
+  const char* vp = static_cast<const char*>(v.const_data_ptr());
+  const int64_t k_stride = k.stride(0) * size, v_stride = v.stride(0) * size;
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      std::memcpy(kb + slots[i] * width, kp + i * k_stride, width * sizeof(float));
-      std::memcpy(vb + slots[i] * width, vp + i * v_stride, width * sizeof(float));
+      std::memcpy(kb + slots[i] * row_bytes, kp + i * k_stride, row_bytes);
+      std::memcpy(vb + slots[i] * row_bytes, vp + i * v_stride, row_bytes);
     }
   });
 }
