@@ -38,7 +38,11 @@ from framework.runtime.hf_tokenizer import (
     start_loading_tokenizer,
     tokenizer_class_path,
 )
-from framework.runtime.incremental_decoder import REPLACEMENT_CHAR, IncrementalDecoder
+from framework.runtime.incremental_decoder import (
+    REPLACEMENT_CHAR,
+    IncrementalDecoder,
+    make_decode_fn,
+)
 from tests.chunks import split
 from tests.message_strategies import token_id_outputs
 
@@ -367,6 +371,40 @@ def test_spaces_between_special_tokens_is_passed_where_supported() -> None:
     assert Detokenizer(spacing).handle_batch(batch).output_strs == ["ab"]
     assert spacing.spacing_flags and not any(spacing.spacing_flags)
     assert Detokenizer(_PlainTokenizer()).handle_batch(batch).output_strs == ["ab"]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_the_decode_function_gives_the_tokenizers_own_text(name: str,
+                                                           request: pytest.FixtureRequest) -> None:
+    tokenizer = request.getfixturevalue(name)
+    ids = tokenizer.encode("".join(FRAGMENTS))
+    for skip in (True, False):
+        decode = make_decode_fn(tokenizer, skip_special_tokens=skip,
+                                spaces_between_special_tokens=True)
+        for start in range(0, len(ids), 7):
+            for end in (start, start + 1, start + 5, len(ids)):
+                assert decode(ids[start:end]) == tokenizer.decode(ids[start:end],
+                                                                  skip_special_tokens=skip)
+
+
+def test_a_fast_tokenizer_decodes_in_rust_directly_unless_its_decode_is_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenizer = load_tokenizer(framework.default_model.default_model_path())
+    ids = tokenizer.encode("def f(x):\n    return x")
+    expected = tokenizer.decode(ids, skip_special_tokens=True)
+
+    def refuse(*args: Any, **kwargs: Any) -> str:
+        raise AssertionError("transformers' decode was called")
+
+    overriding = type("Overriding", (type(tokenizer),), {"_decode": refuse})
+    monkeypatch.setattr(tokenizer, "__class__", overriding)  # a decode of its own
+    with pytest.raises(AssertionError, match="was called"):
+        make_decode_fn(tokenizer, skip_special_tokens=True,
+                       spaces_between_special_tokens=True)(ids)
+    monkeypatch.undo()
+    monkeypatch.setattr(tokenizer, "decode", refuse)  # as it is: the Rust tokenizer's decode
+    assert make_decode_fn(tokenizer, skip_special_tokens=True,
+                          spaces_between_special_tokens=True)(ids) == expected
 
 
 # --------------------------------------------------------------------------- state and batches
