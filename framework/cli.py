@@ -45,6 +45,8 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
                      "time to first token and throughput, radix cache on vs off"),
     "offline": ("framework.bench.offline",
                 "output tokens/s: the Engine vs transformers generate, and a ceiling"),
+    "latency": ("framework.bench.latency",
+                "one stream: ms per output token, split into forward, Scheduler and output path"),
     "serving": ("framework.bench.serving",
                 "load an OpenAI-compatible server with streaming requests"),
     "structured": ("framework.bench.structured",

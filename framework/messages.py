@@ -17,6 +17,7 @@ step. The rid travels once, in the request; aborts still name it.
 
 from __future__ import annotations
 
+import time
 from itertools import pairwise
 from typing import Union
 
@@ -155,6 +156,10 @@ class BatchTokenIDOutput(Message):
     not ask; ``output_top_logprobs_val`` / ``_idx`` hold each new id's top
     alternatives as lists (the rare path: their width varies per request), an
     empty list for ids of requests that did not ask.
+
+    ``created_at`` is ``time.monotonic()`` when the message was made (the Scheduler
+    makes it just before sending it): the start of the output's way to the client,
+    which the Detokenizer passes on in its ``BatchStrOutput``.
     """
 
     handles: np.ndarray
@@ -169,6 +174,7 @@ class BatchTokenIDOutput(Message):
     output_top_logprobs_idx: list[list[int]] = msgspec.field(default_factory=list)
     prompt_logprob_indices: list[int] = msgspec.field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = msgspec.field(default_factory=list)
+    created_at: float = msgspec.field(default_factory=time.monotonic)
 
     def span_of(self, i: int) -> tuple[int, int]:
         """Where request ``i``'s new ids are in ``output_ids``: ``(start, end)``."""
@@ -236,6 +242,12 @@ class BatchStrOutput(Message):
     Python ints; a list also costs less than an array under pickle, and about the
     same under msgpack). ``prompt_logprob_indices`` / ``prompt_logprobs`` are passed on from
     ``BatchTokenIDOutput`` as they came.
+
+    Three ``time.monotonic()`` stamps (one clock for every process of the machine)
+    time the output's way, for the TokenizerManager's ``OutputPathStats``: the
+    ``BatchTokenIDOutput`` was made (``token_ids_created_at``, its ``created_at``),
+    the Detokenizer took it in (``detokenizer_received_at``) and sent this
+    (``detokenizer_sent_at``). All 0.0: a message the Detokenizer did not make.
     """
 
     handles: list[int]
@@ -252,6 +264,9 @@ class BatchStrOutput(Message):
     output_top_logprobs_idx: list[list[list[int]]] = msgspec.field(default_factory=list)
     prompt_logprob_indices: list[int] = msgspec.field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = msgspec.field(default_factory=list)
+    token_ids_created_at: float = 0.0
+    detokenizer_received_at: float = 0.0
+    detokenizer_sent_at: float = 0.0
 
 
 class BatchEmbeddingOutput(Message):

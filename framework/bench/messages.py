@@ -70,6 +70,8 @@ def token_ids_batch(batch_size: int, seed: int = DEFAULT_SEED) -> BatchTokenIDOu
         output_ids=np.array(output_ids, dtype=np.int32),
         # One new id each: no offsets (the Scheduler sends them only when counts differ).
         output_offsets=None,
+        # A fixed stamp in place of the clock's, so that a sample is the same every time.
+        created_at=0.0,
     )
     if batch_size >= _FINISHED_IN_BATCH_FROM:
         finished, new = rng.sample(range(batch_size), 2)

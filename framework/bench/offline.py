@@ -270,7 +270,7 @@ def make_prompts(settings: OfflineBenchSettings, model_dir: Path) -> list[list[i
 
 
 @contextmanager
-def _quiet_transformers() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
     """No transformers progress bars (saving and loading a one-file checkpoint) in the output."""
     from transformers.utils import logging as hf_logging
 
@@ -611,7 +611,7 @@ def run_benchmark(settings: OfflineBenchSettings, output_dir: str | Path,
         with tempfile.TemporaryDirectory(prefix="framework-bench-") as tmp:
             return run_benchmark(settings, output_dir, engine_args, Path(tmp))
     threads = settings.total_threads()
-    with _quiet_transformers(), _using_torch_threads(threads):
+    with quiet_transformers(), _using_torch_threads(threads):
         write_model_dir(settings, model_dir)
         prompts = make_prompts(settings, model_dir)
         print(f"{settings.num_prompts} prompts of {min(map(len, prompts))}-"

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -180,7 +181,12 @@ class Detokenizer:
         return decoder.finish(new_ids, stop_token=stop_token, stop_str=stop_str)
 
     def handle_batch(self, batch: BatchTokenIDOutput) -> BatchStrOutput:
-        """The new text of every request in ``batch``, in the same order."""
+        """The new text of every request in ``batch``, in the same order.
+
+        The reply carries the batch's ``created_at`` and when this call began and
+        ended (``BatchStrOutput``'s stamps), for the TokenizerManager's timings.
+        """
+        received = time.monotonic()
         _check_layout(batch)
         ids = batch.id_lists()
         reasons = batch.finished_reason_list()
@@ -218,9 +224,12 @@ class Detokenizer:
             queue_seconds=[c.queue_seconds for c in kept],
             prompt_logprob_indices=batch.prompt_logprob_indices,
             prompt_logprobs=batch.prompt_logprobs,
+            token_ids_created_at=batch.created_at,
+            detokenizer_received_at=received,
         )
         if batch.output_token_logprobs is not None:
             _copy_logprobs(batch, ids, out)
+        out.detokenizer_sent_at = time.monotonic()
         return out
 
     def _missing_constants(self, handle: int) -> RequestConstants:

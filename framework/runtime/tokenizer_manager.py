@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -58,6 +59,7 @@ from framework.runtime.data_parallel import (
     replica_port_args,
 )
 from framework.runtime.metrics import make_metrics
+from framework.runtime.output_path import OutputPathStats
 from framework.sampling_params import (
     FieldError,
     SamplingParams,
@@ -363,6 +365,8 @@ class TokenizerManager:
         self.last_metrics: SchedulerMetrics | None = None
         # Prometheus metrics (no-ops unless --enable-metrics), measured from our own timestamps.
         self.metrics = make_metrics(server_args.enable_metrics)
+        #: The text outputs' time between the Scheduler and here (``get_scheduler_info``).
+        self.output_path = OutputPathStats()
         # Requests and aborts leave through it in order, without ever blocking the loop.
         self.outbox = SchedulerOutbox(self._send_to_scheduler)
         self._tasks: list[asyncio.Task[None]] = []
@@ -732,7 +736,9 @@ class TokenizerManager:
     def handle_output(self, msg: Message) -> None:
         """Apply one batch from the Detokenizer or the Scheduler to the waiting states."""
         if isinstance(msg, BatchStrOutput):
+            received = time.monotonic()
             self._apply_text(msg)
+            self.output_path.add(msg, received, time.monotonic())
         elif isinstance(msg, BatchEmbeddingOutput):
             for i, rid in enumerate(msg.rids):
                 state = self.rid_to_state.get(rid)
@@ -864,7 +870,8 @@ class TokenizerManager:
             return await self.router.update_weights(msg, timeout=600.0)
 
     async def get_scheduler_info(self) -> dict[str, Any]:
-        """The Scheduler's state (memory, queues, configuration).
+        """The Scheduler's state (memory, queues, configuration), and the text outputs'
+        time on their way here (``OutputPathStats.info``).
 
         With several replicas: each one's state and load under ``replicas``, and
         the whole server's (``kv_cache_idle_and_free`` of all, summed queues) on top.
@@ -874,9 +881,9 @@ class TokenizerManager:
             if not isinstance(reply, GetInfoReqOutput):
                 raise RuntimeError(f"unexpected reply {type(reply).__name__}")
         infos = [dict(reply.info) for reply in replies]  # type: ignore[attr-defined]
-        if len(infos) == 1:
-            return infos[0]
-        return self.router.merged_info(infos, self.server_args.load_balance_method)
+        info = infos[0] if len(infos) == 1 else self.router.merged_info(
+            infos, self.server_args.load_balance_method)
+        return {**info, **self.output_path.info()}
 
 
 def _choice(req: GenerateRequest, index: int) -> GenerateRequest:
