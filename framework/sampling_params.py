@@ -2,6 +2,9 @@
 
 Every limit a request's values must respect lives here, so that each edge (the HTTP
 routes, the Engine, the TokenizerManager) refuses the same values with the same words.
+The numeric ranges are declared once, as ``Range``s in ``SAMPLING_RANGES`` and
+``REQUEST_RANGES``: ``SamplingParams.verify`` walks them, their error messages are built
+from them, and ``/openapi.json`` states them (``framework.server.openapi_schema``).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import msgspec
 
@@ -49,12 +53,106 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _show(bound: float) -> str:
+    """A range's end as messages write it: an int in full, a float at its shortest (2.0: 2)."""
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values one numeric field accepts.
+
+    The ends are ``low`` and ``high``, each included unless ``low_open`` / ``high_open``;
+    an ``integer`` field takes ints (never bools), any other field a finite number.
+    ``special`` values lie outside the range and mean something of their own (top_k's
+    -1: no top-k), each with the words that say what. ``note`` follows the range in
+    messages (temperature's greedy threshold); ``spelled`` writes the ends as expressions,
+    shown before their values (seed's ``2**64 - 1``).
+    """
+
+    low: float
+    high: float
+    integer: bool = False
+    low_open: bool = False
+    high_open: bool = False
+    special: tuple[tuple[int, str], ...] = ()
+    note: str = ""
+    spelled: tuple[str, str] | None = None
+
+    def contains(self, value: float) -> bool:
+        """Whether ``value`` (of the right type) is a special value or lies in the range."""
+        if any(value == special for special, _ in self.special):
+            return True
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def interval(self) -> str:
+        """The range as messages write it: ``[0, 1]``, ``(0, 1]``."""
+        shape = ("(" if self.low_open else "[") + "{}, {}" + (")" if self.high_open else "]")
+        shown = shape.format(_show(self.low), _show(self.high))
+        return shown if self.spelled is None else f"{shape.format(*self.spelled)} = {shown}"
+
+    def describe(self) -> str:
+        """What a value must be: ``in [0, 1]``, ``-1 (disabled) or in [1, 9...]``, and the
+        note in parentheses."""
+        text = " or ".join([*(f"{value} ({meaning})" for value, meaning in self.special),
+                            f"in {self.interval()}"])
+        return f"{text} ({self.note})" if self.note else text
+
+    def check_type(self, field: str, value: object) -> None:
+        """Raise ``FieldError`` unless ``value`` is an int (``integer``) or a finite number."""
+        if self.integer:
+            if not _is_int(value):
+                raise FieldError(field, f"{field} must be an integer, got {value!r}")
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise FieldError(field, f"{field} must be a number, got {value!r}")
+        # NaN compares false to every bound, so it is refused here, by name.
+        if not math.isfinite(value):
+            raise FieldError(field, f"{field} must be a finite number, got {value!r}")
+
+    def check(self, field: str, value: float) -> None:
+        """Raise ``FieldError`` naming ``field`` and the range unless ``value`` (whose type
+        ``check_type`` accepted) is in it."""
+        if not self.contains(value):
+            raise FieldError(field, f"{field} must be {self.describe()}, got {value}")
+
+
+#: The range of each numeric field of ``SamplingParams``, in the order ``verify`` checks them.
+SAMPLING_RANGES: dict[str, Range] = {
+    "temperature": Range(0.0, MAX_TEMPERATURE,
+                         note=f"below {GREEDY_TEMPERATURE:g} it means greedy"),
+    "top_p": Range(0.0, 1.0, low_open=True),
+    "min_p": Range(0.0, 1.0),
+    "frequency_penalty": Range(-MAX_PENALTY, MAX_PENALTY),
+    "presence_penalty": Range(-MAX_PENALTY, MAX_PENALTY),
+    "repetition_penalty": Range(0.0, MAX_REPETITION_PENALTY, low_open=True),
+    "max_new_tokens": Range(0, INT64_MAX, integer=True),
+    # Its top is also max_new_tokens (``SamplingParams.verify``).
+    "min_new_tokens": Range(0, INT64_MAX, integer=True),
+    "top_k": Range(1, INT64_MAX, integer=True, special=((_TOP_K_ALL, "disabled"),)),
+    "n": Range(1, MAX_N, integer=True),
+    "stream_interval": Range(1, INT64_MAX, integer=True),
+    "seed": Range(SEED_MIN, SEED_MAX, integer=True, spelled=("-2**63", "2**64 - 1")),
+}
+
+#: The range of each numeric field of a generation request beside its sampling parameters.
+REQUEST_RANGES: dict[str, Range] = {
+    "top_logprobs_num": Range(0, MAX_TOP_LOGPROBS, integer=True),
+    # -1: none of the prompt's logprobs. The top that matters is the prompt's length,
+    # checked once the prompt is tokenized.
+    "logprob_start_len": Range(-1, INT64_MAX, integer=True),
+}
+
+
 def check_top_logprobs_num(value: object, field: str = "top_logprobs_num") -> None:
-    """Raise ``ValueError`` naming ``field`` unless ``value`` is an int in [0, MAX_TOP_LOGPROBS]."""
-    if not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS:  # type: ignore[operator]
-        raise FieldError(
-            field, f"{field} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}"
-        )
+    """Raise ``ValueError`` naming ``field`` unless ``value`` is an int in the range of
+    ``REQUEST_RANGES["top_logprobs_num"]``."""
+    allowed = REQUEST_RANGES["top_logprobs_num"]
+    if not _is_int(value) or not allowed.contains(value):  # type: ignore[arg-type]
+        raise FieldError(field, f"{field} must be an integer {allowed.describe()}, "
+                         f"got {value!r}")
 
 
 def check_token_ids(token_ids: Sequence[object], vocab_size: int | None, field: str) -> None:
@@ -164,8 +262,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
         ``vocab_size``, when known, bounds ``stop_token_ids``.
         """
-        self._verify_floats()
-        self._verify_ints()
+        for integer in (False, True):  # the floats first, then the integers
+            self._verify_ranges(integer)
         if not isinstance(self.stop, list) or not all(
             isinstance(s, str) and s for s in self.stop
         ):
@@ -206,107 +304,30 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """``logit_bias`` with integer token ids (empty when unset)."""
         return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
 
-    def _verify_floats(self) -> None:
-        """Finite values first (NaN compares false to every bound), then each range."""
-        floats = {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "min_p": self.min_p,
-            "frequency_penalty": self.frequency_penalty,
-            "presence_penalty": self.presence_penalty,
-            "repetition_penalty": self.repetition_penalty,
-        }
-        for name, value in floats.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise FieldError(name, f"{name} must be a number, got {value!r}")
-            if not math.isfinite(value):
-                raise FieldError(name, f"{name} must be a finite number, got {value!r}")
-        checks: list[tuple[bool, str, str]] = [
-            (
-                0.0 <= self.temperature <= MAX_TEMPERATURE,
-                "temperature",
-                f"temperature must be in [0, {MAX_TEMPERATURE:g}] (below {GREEDY_TEMPERATURE:g}"
-                f" it means greedy), got {self.temperature}",
-            ),
-            (0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
-            (0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
-            (
-                -MAX_PENALTY <= self.frequency_penalty <= MAX_PENALTY,
-                "frequency_penalty",
-                f"frequency_penalty must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got "
-                f"{self.frequency_penalty}",
-            ),
-            (
-                -MAX_PENALTY <= self.presence_penalty <= MAX_PENALTY,
-                "presence_penalty",
-                f"presence_penalty must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got "
-                f"{self.presence_penalty}",
-            ),
-            (
-                0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
-                "repetition_penalty",
-                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got "
-                f"{self.repetition_penalty}",
-            ),
-        ]
-        _raise_first(checks)
+    def _verify_ranges(self, integer: bool) -> None:
+        """The fields of ``SAMPLING_RANGES`` of one kind (integers or not): every type,
+        then every range, in the table's order.
 
-    def _verify_ints(self) -> None:
-        """Integer fields: each within its range, all within what msgpack and torch carry."""
-        ints = {
-            "max_new_tokens": self.max_new_tokens,
-            "min_new_tokens": self.min_new_tokens,
-            "top_k": self.top_k,
-            "n": self.n,
-        }
-        if self.stream_interval is not None:
-            ints["stream_interval"] = self.stream_interval
-        if self.seed is not None:
-            ints["seed"] = self.seed
-        for name, value in ints.items():
-            if not _is_int(value):
-                raise FieldError(name, f"{name} must be an integer, got {value!r}")
-        checks: list[tuple[bool, str, str]] = [
-            (
-                0 <= self.max_new_tokens <= INT64_MAX,
-                "max_new_tokens",
-                f"max_new_tokens must be in [0, {INT64_MAX}], got {self.max_new_tokens}",
-            ),
-            (
-                0 <= self.min_new_tokens <= INT64_MAX,
-                "min_new_tokens",
-                f"min_new_tokens must be in [0, {INT64_MAX}], got {self.min_new_tokens}",
-            ),
-            (
-                self.min_new_tokens <= self.max_new_tokens,
-                "min_new_tokens",
-                f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
-                f"({self.max_new_tokens})",
-            ),
-            (
-                self.top_k == _TOP_K_ALL or 1 <= self.top_k <= INT64_MAX,
-                "top_k",
-                f"top_k must be -1 (disabled) or in [1, {INT64_MAX}], got {self.top_k}",
-            ),
-            (1 <= self.n <= MAX_N, "n", f"n must be in [1, {MAX_N}], got {self.n}"),
-            (
-                self.stream_interval is None or 1 <= self.stream_interval <= INT64_MAX,
-                "stream_interval",
-                f"stream_interval must be in [1, {INT64_MAX}], got {self.stream_interval}",
-            ),
-            (
-                self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
-                "seed",
-                f"seed must be in [-2**63, 2**64 - 1] = [{SEED_MIN}, {SEED_MAX}], "
-                f"got {self.seed}",
-            ),
-        ]
-        _raise_first(checks)
+        A field whose default is None is left unset by None: only a value has a range.
+        """
+        values = {name: getattr(self, name) for name, allowed in SAMPLING_RANGES.items()
+                  if allowed.integer is integer}
+        values = {name: value for name, value in values.items()
+                  if value is not None or name not in _UNSET_BY_NONE}
+        for name, value in values.items():
+            SAMPLING_RANGES[name].check_type(name, value)
+        for name, value in values.items():
+            SAMPLING_RANGES[name].check(name, value)
+            if name == "min_new_tokens":
+                # Not a range: its top is max_new_tokens, whose own range comes before.
+                self._verify_min_new_tokens()
+
+    def _verify_min_new_tokens(self) -> None:
+        if self.min_new_tokens > self.max_new_tokens:
+            raise FieldError("min_new_tokens", f"min_new_tokens ({self.min_new_tokens}) must "
+                             f"be <= max_new_tokens ({self.max_new_tokens})")
 
 
-def _raise_first(checks: list[tuple[bool, str, str]]) -> None:
-    """Raise ``FieldError`` naming the field and with the message of the first check that
-    failed."""
-    for ok, field, message in checks:
-        if not ok:
-            raise FieldError(field, message)
+# The fields that None leaves unset (None is their default).
+_UNSET_BY_NONE = frozenset(field.name for field in msgspec.structs.fields(SamplingParams)
+                           if field.default is None)

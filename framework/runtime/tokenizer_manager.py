@@ -61,6 +61,7 @@ from framework.runtime.data_parallel import (
 from framework.runtime.metrics import make_metrics
 from framework.runtime.output_path import OutputPathStats
 from framework.sampling_params import (
+    REQUEST_RANGES,
     FieldError,
     SamplingParams,
     check_token_ids,
@@ -512,34 +513,23 @@ class TokenizerManager:
                                "not text generation")
         raise RequestError("this model is a generation model; it does not serve embeddings")
 
-    def check_request(self, req: GenerateRequest) -> None:
-        """Refuse (``RequestError``) a request whose values are out of range; no tokenizing."""
-        self._verify_params(req.sampling_params)
-        try:
-            check_top_logprobs_num(req.top_logprobs_num)
-        except FieldError as exc:
-            raise RequestError(str(exc), param=exc.param) from None
-        if not isinstance(req.return_logprob, bool):
-            raise RequestError(f"return_logprob must be true or false, got {req.return_logprob!r}")
-        start = req.logprob_start_len
-        if type(start) is not int or start < -1:
-            raise RequestError(f"logprob_start_len must be -1 (no prompt logprobs) or a prompt "
-                               f"position >= 0, got {start!r}")
-        if start >= 0 and not req.return_logprob:
-            raise RequestError("logprob_start_len needs return_logprob set to true")
-        if not isinstance(req.return_text_in_logprobs, bool):
-            raise RequestError(f"return_text_in_logprobs must be true or false, "
-                               f"got {req.return_text_in_logprobs!r}")
-        if req.sampling_params.n != 1:
-            # One request is one sequence: ``prepare_choices`` fans n out into n requests.
-            raise RequestError("a request with n > 1 must be fanned out into its choices "
-                               "(prepare_choices) before it is sent")
+    def check_requests(self, reqs: Sequence[GenerateRequest]) -> None:
+        """Refuse (``RequestError``) the first value out of range in ``reqs``, the parts of
+        one API request (or a request alone); no tokenizing.
 
-    def _verify_params(self, params: SamplingParams) -> None:
-        try:
-            params.verify(self.vocab_size)
-        except FieldError as exc:
-            raise RequestError(str(exc), param=exc.param) from None
+        The whole check of the parts' values: first their sampling parameters, verified
+        once per object (the prompts of one OpenAI request share theirs), then each part's
+        logprob options. ``n`` is checked on the part itself: its choices
+        (``SamplingParams.for_choice``) differ from it only in ``n`` and ``seed`` and are
+        not checked again.
+        """
+        for params in {id(req.sampling_params): req.sampling_params for req in reqs}.values():
+            try:
+                params.verify(self.vocab_size)
+            except FieldError as exc:
+                raise RequestError(str(exc), param=exc.param) from None
+        for req in reqs:
+            _check_logprob_options(req)
 
     def check_capacity(self) -> None:
         """Refuse (``OverloadedError``) a new request when the queue allowed is full.
@@ -557,11 +547,21 @@ class TokenizerManager:
                 f"({running} running at most, {limit} queued); try again later")
 
     async def prepare(self, req: GenerateRequest) -> PreparedRequest:
-        """Check ``req`` and tokenize its prompt; every refusal happens here, before sending."""
+        """Check ``req``, one sequence (``n`` 1), and tokenize its prompt; every refusal
+        happens here, before sending."""
+        self.check_requests([req])
+        if req.sampling_params.n != 1:
+            # One request is one sequence: ``prepare_choices`` fans n out into n requests.
+            raise RequestError("a request with n > 1 must be fanned out into its choices "
+                               "(prepare_choices) before it is sent")
+        return await self._prepare_checked(req)
+
+    async def _prepare_checked(self, req: GenerateRequest) -> PreparedRequest:
+        """Tokenize the prompt of ``req``, whose values ``check_requests`` accepted; refuse
+        it if the runtime cannot take it now or its prompt does not fit."""
         self._check_alive()
         self.check_serves(embedding=False)
         self.check_capacity()
-        self.check_request(req)
         if req.rid is not None and req.rid in self.rid_to_state:
             # Checked again when it is registered; here it is refused before any part is sent.
             raise RequestError(f"request id {req.rid!r} is already in use")
@@ -586,22 +586,21 @@ class TokenizerManager:
     async def prepare_choices(self, reqs: list[GenerateRequest]) -> list[PreparedRequest]:
         """One prepared request per request of ``reqs`` and choice of its ``n``.
 
-        Choice ``c`` of a request is the request with ``SamplingParams.for_choice(c)``
-        (n=1, the seed plus ``c``). The order is prompt-major: with the same ``n`` for
-        every request, request ``p``'s choice ``c`` is at ``p * n + c``. Every part is
-        checked (and each prompt tokenized, once for all its choices) before any is sent,
-        so that one refused part refuses them all while none of them runs.
+        ``reqs`` are the parts of one API request, checked here once
+        (``check_requests``). Choice ``c`` of a request is the request with
+        ``SamplingParams.for_choice(c)`` (n=1, the seed plus ``c``). The order is
+        prompt-major: with the same ``n`` for every request, request ``p``'s choice ``c``
+        is at ``p * n + c``. Every part is checked (and each prompt tokenized, once for
+        all its choices) before any is sent, so that one refused part refuses them all
+        while none of them runs.
         """
-        for req in reqs:
-            self._verify_params(req.sampling_params)  # n too, which each choice sets to 1
-        firsts = await gather_or_cancel([self.prepare(_choice(r, 0)) for r in reqs])
+        self.check_requests(reqs)
+        firsts = await gather_or_cancel([self._prepare_checked(_choice(r, 0)) for r in reqs])
         out = []
         for req, first in zip(reqs, firsts):
             out.append(first)
-            for index in range(1, req.sampling_params.n):
-                choice = _choice(req, index)
-                self.check_request(choice)
-                out.append(PreparedRequest(choice, first.input_ids))
+            out.extend(PreparedRequest(_choice(req, index), first.input_ids)
+                       for index in range(1, req.sampling_params.n))
         return out
 
     async def generate(self, req: GenerateRequest | PreparedRequest
@@ -884,6 +883,27 @@ class TokenizerManager:
         info = infos[0] if len(infos) == 1 else self.router.merged_info(
             infos, self.server_args.load_balance_method)
         return {**info, **self.output_path.info()}
+
+
+def _check_logprob_options(req: GenerateRequest) -> None:
+    """Refuse (``RequestError``) logprob options of ``req`` that are out of range."""
+    try:
+        check_top_logprobs_num(req.top_logprobs_num)
+    except FieldError as exc:
+        raise RequestError(str(exc), param=exc.param) from None
+    if not isinstance(req.return_logprob, bool):
+        raise RequestError(f"return_logprob must be true or false, got {req.return_logprob!r}")
+    start = req.logprob_start_len
+    # Only the bottom of its range: the top that matters, the prompt's length, is checked
+    # once the prompt is tokenized.
+    if type(start) is not int or start < REQUEST_RANGES["logprob_start_len"].low:
+        raise RequestError(f"logprob_start_len must be -1 (no prompt logprobs) or a prompt "
+                           f"position >= 0, got {start!r}")
+    if start >= 0 and not req.return_logprob:
+        raise RequestError("logprob_start_len needs return_logprob set to true")
+    if not isinstance(req.return_text_in_logprobs, bool):
+        raise RequestError(f"return_text_in_logprobs must be true or false, "
+                           f"got {req.return_text_in_logprobs!r}")
 
 
 def _choice(req: GenerateRequest, index: int) -> GenerateRequest:

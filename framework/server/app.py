@@ -330,7 +330,9 @@ class Routes:
                            prompt_logprobs: bool = False) -> list[PreparedRequest]:
         """One checked request per prompt and choice (``n``) of an OpenAI route.
 
-        With ``prompt_logprobs`` (and ``logprobs``), the prompt's logprobs come back too.
+        Every value is checked here, once for the whole API request (the prompts share
+        ``params``). With ``prompt_logprobs`` (and ``logprobs``), the prompt's logprobs
+        come back too.
         """
         return await self.tm.prepare_choices([GenerateRequest(
             text=text, input_ids=ids, sampling_params=params, stream=stream,
@@ -449,7 +451,6 @@ class Routes:
         params = body.sampling_params(max_tokens, 16, field)
         prompts = oai.split_prompts(body.prompt, "prompt", self.tm.vocab_size)
         with body.naming_fields(field):
-            params.verify(self.tm.vocab_size)
             reqs = await self._prepare_all(prompts, params, body.stream,
                                            body.top_logprobs_num(), prompt_logprobs=body.echo)
         self._check_context(reqs, field, max_tokens)
@@ -539,7 +540,6 @@ class Routes:
         field, max_tokens = body.requested_max_tokens()
         params = body.sampling_params(max_tokens, self.state.context_len, field)
         with body.naming_fields(field):
-            params.verify(self.tm.vocab_size)
             reqs = await self._prepare_all([(None, prompt)], params, body.stream,
                                            body.top_logprobs_num())
         self._check_context(reqs, field, max_tokens)

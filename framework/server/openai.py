@@ -22,7 +22,7 @@ import msgspec
 from framework.constrained.base import InvalidConstraintError
 from framework.runtime.incremental_decoder import DecodeFn
 from framework.sampling_params import (
-    INT64_MAX,
+    SAMPLING_RANGES,
     FieldError,
     SamplingParams,
     check_token_ids,
@@ -196,8 +196,9 @@ class _SamplingFields(_RefusesUnsupported, kw_only=True):
         ``max_tokens`` is the value of the request's field ``field`` (None: not given, so
         ``default_max``); a value out of range is refused naming that field.
         """
-        if max_tokens is not None and not 0 <= max_tokens <= INT64_MAX:
-            raise FieldError(field, f"{field} must be in [0, {INT64_MAX}], got {max_tokens}")
+        if max_tokens is not None:
+            # Checked here to be named as the request spells it, in the message too.
+            SAMPLING_RANGES["max_new_tokens"].check(field, max_tokens)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_new_tokens=default_max if max_tokens is None else max_tokens,

@@ -6,8 +6,9 @@ so that a route or a field added to the code shows up here without a second edit
 
 The structs carry no ``msgspec.Meta`` bounds, on purpose: decoding would then refuse an
 out-of-range value with msgspec's words before ``SamplingParams.verify()`` could name
-the field and its range. The ranges are added to the generated schema instead, from
-the limits in ``framework.sampling_params``.
+the field and its range. The ranges are added to the generated schema instead, made
+from the same ``Range`` declarations that ``verify()`` checks (``SAMPLING_RANGES`` and
+``REQUEST_RANGES`` in ``framework.sampling_params``).
 
 A field that a route reads ``null`` for (as its default) admits ``null`` here too: the
 request structs type such fields ``X | None``, and ``SamplingParams``, which
@@ -24,14 +25,9 @@ from typing import Any
 import msgspec
 
 from framework.sampling_params import (
-    INT64_MAX,
-    MAX_N,
-    MAX_PENALTY,
-    MAX_REPETITION_PENALTY,
-    MAX_TEMPERATURE,
-    MAX_TOP_LOGPROBS,
-    SEED_MAX,
-    SEED_MIN,
+    REQUEST_RANGES,
+    SAMPLING_RANGES,
+    Range,
     SamplingParams,
 )
 from framework.server import openai as oai
@@ -68,50 +64,47 @@ class RouteSpec:
 
 # ------------------------------------------------------------------------ ranges
 
-# The ranges ``SamplingParams.verify()`` and the routes enforce, as JSON Schema keywords.
-# The penalty bounds are literals in ``verify()``; tests/e2e/test_openapi.py probes
-# ``verify()`` at every bound here, so that the two cannot drift apart.
-_SAMPLING_BOUNDS: dict[str, dict[str, Any]] = {
-    "temperature": {"minimum": 0, "maximum": MAX_TEMPERATURE},
-    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
-    # -1 switches top-k off; 0 is refused.
-    "top_k": {"anyOf": [{"const": -1}, {"minimum": 1, "maximum": INT64_MAX}]},
-    "min_p": {"minimum": 0, "maximum": 1},
-    "frequency_penalty": {"minimum": -MAX_PENALTY, "maximum": MAX_PENALTY},
-    "presence_penalty": {"minimum": -MAX_PENALTY, "maximum": MAX_PENALTY},
-    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY},
-    "n": {"minimum": 1, "maximum": MAX_N},
-    "seed": {"minimum": SEED_MIN, "maximum": SEED_MAX},
-}
-_TOKENS = {"minimum": 0, "maximum": INT64_MAX}
-_TOP_LOGPROBS = {"minimum": 0, "maximum": MAX_TOP_LOGPROBS}
 
-# Per component: its own fields' ranges on top of the shared sampling ones.
-BOUNDS: dict[str, dict[str, dict[str, Any]]] = {
-    "CompletionRequest": {**_SAMPLING_BOUNDS, "max_tokens": _TOKENS, "min_tokens": _TOKENS,
-                          "logprobs": _TOP_LOGPROBS},
-    "ChatCompletionRequest": {**_SAMPLING_BOUNDS, "max_tokens": _TOKENS,
-                              "max_completion_tokens": _TOKENS, "min_tokens": _TOKENS,
-                              "top_logprobs": _TOP_LOGPROBS},
-    "SamplingParams": {**_SAMPLING_BOUNDS, "max_new_tokens": _TOKENS,
-                       "min_new_tokens": _TOKENS,
-                       "stream_interval": {"minimum": 1, "maximum": INT64_MAX}},
-    "GenerateRequestBody": {"top_logprobs_num": _TOP_LOGPROBS,
-                            "logprob_start_len": {"minimum": -1, "maximum": INT64_MAX}},
-}
+def range_schema(allowed: Range) -> dict[str, Any]:
+    """``allowed`` as JSON Schema keywords: its ends, and each special value as a ``const``."""
+    bounds = {("exclusiveMinimum" if allowed.low_open else "minimum"): allowed.low,
+              ("exclusiveMaximum" if allowed.high_open else "maximum"): allowed.high}
+    if not allowed.special:
+        return bounds
+    return {"anyOf": [*({"const": value} for value, _ in allowed.special), bounds]}
+
+
+def field_ranges() -> dict[str, dict[str, Range]]:
+    """Per component schema, the ``Range`` of each of its numeric fields.
+
+    Read from the tables at each call. The OpenAI routes spell some ``SamplingParams``
+    fields their own way (``max_tokens``, ``min_tokens``, ``logprobs``, ...).
+    """
+    most, least = SAMPLING_RANGES["max_new_tokens"], SAMPLING_RANGES["min_new_tokens"]
+    top_logprobs = REQUEST_RANGES["top_logprobs_num"]
+    return {
+        "CompletionRequest": {**SAMPLING_RANGES, "max_tokens": most, "min_tokens": least,
+                              "logprobs": top_logprobs},
+        "ChatCompletionRequest": {**SAMPLING_RANGES, "max_tokens": most,
+                                  "max_completion_tokens": most, "min_tokens": least,
+                                  "top_logprobs": top_logprobs},
+        "SamplingParams": dict(SAMPLING_RANGES),
+        "GenerateRequestBody": dict(REQUEST_RANGES),
+    }
 
 
 def add_bounds(components: dict[str, Any]) -> None:
-    """Merge ``BOUNDS`` into the properties of the generated component schemas.
+    """Merge the ranges of ``field_ranges()`` into the properties of the generated
+    component schemas (a field a component does not have is skipped).
 
     Numeric keywords only constrain numbers, so a ``null`` of an optional field
     still validates.
     """
-    for name, fields in BOUNDS.items():
+    for name, fields in field_ranges().items():
         properties = components.get(name, {}).get("properties", {})
-        for field, bounds in fields.items():
+        for field, allowed in fields.items():
             if field in properties:
-                properties[field].update(bounds)
+                properties[field].update(range_schema(allowed))
 
 
 # ------------------------------------------------------------------------ document
@@ -208,4 +201,5 @@ def build_openapi(specs: Iterable[RouteSpec], *, api_key: bool, open_paths: Iter
     return doc
 
 
-__all__ = ["BOUNDS", "RouteSpec", "add_bounds", "build_openapi", "openapi_path"]
+__all__ = ["RouteSpec", "add_bounds", "build_openapi", "field_ranges", "openapi_path",
+           "range_schema"]
