@@ -19,7 +19,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     entries = [(registry, registry.entries()) for registry in registries]
     width = max(len(entry.name) for _, listed in entries for entry in listed)
     for registry, listed in entries:
-        print(f"{registry.kind}s (entry-point group {registry.group}):")
+        print(f"{registry.plural} (entry-point group {registry.group}):")
         for entry in listed:
             print(f"  {entry.name:<{width}} {entry.target:<60} [{entry.source}]")
     missing = [part for part in OPTIONAL_PARTS if not part.installed()]
@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(handler=_cmd_serve)
 
     plugins = sub.add_parser("plugins", help="list registered transports, codecs, attention "
-                             "and grammar backends and model architectures")
+                             "and grammar backends, schedule policies, load balancers and "
+                             "model architectures")
     plugins.set_defaults(handler=_cmd_plugins)
 
     reference = sub.add_parser("reference", help="print the CLI reference (docs/cli.md)")

@@ -15,6 +15,8 @@ from typing import Any, get_type_hints
 _GROUPS = ("model", "server", "transport", "runtime", "extending", "logging")
 # More torch threads than any machine has cores: a typo, which would exhaust the threads.
 MAX_TORCH_THREADS = 1024
+# How the Scheduler and the Detokenizer run (``--launch-mode``; framework/runtime/launch.py).
+LAUNCH_MODES = ("process", "thread")
 
 
 def _opt(default: Any, help: str, group: str, **extra: Any) -> Any:
@@ -98,9 +100,9 @@ class ServerArgs:
                                  choices=("auto", "on", "off"))
     disable_overlap_schedule: bool = _opt(False, "the same as --overlap-schedule off",
                                           "runtime")
-    schedule_policy: str = _opt("fcfs", "order of admission: first come first served, or "
-                                "longest cached prefix first", "runtime",
-                                choices=("fcfs", "lpm"))
+    schedule_policy: str = _opt("fcfs", "order of admission: fcfs (first come first served), "
+                                "lpm (longest cached prefix first), or a plugin's (see "
+                                "`framework plugins`)", "runtime")
     disable_radix_cache: bool = _opt(False, "do not reuse the KV of shared prefixes", "runtime")
     random_seed: int = _opt(0, "seed for sampling without a per-request seed", "runtime")
     grammar_backend: str = _opt("xgrammar", "backend of structured outputs (json_schema, regex, "
@@ -123,13 +125,14 @@ class ServerArgs:
     dp_size: int = _opt(1, "data-parallel size: scheduler replicas, each holding the whole "
                         "model, behind one HTTP front", "runtime")
     load_balance_method: str = _opt("round_robin", "how the front picks the replica of each "
-                                    "request with --dp-size above 1: in turn, or the one with "
-                                    "the fewest tokens in flight", "runtime",
-                                    choices=("round_robin", "shortest_queue"))
+                                    "request with --dp-size above 1: round_robin (in turn), "
+                                    "shortest_queue (the one with the fewest tokens in "
+                                    "flight), or a plugin's (see `framework plugins`)",
+                                    "runtime")
     launch_mode: str = _opt("process", "run the Scheduler and the Detokenizer as processes, or "
                             "as threads of the main process (for tests and debugging; the "
                             "inproc transport needs threads)", "runtime",
-                            choices=("process", "thread"))
+                            choices=LAUNCH_MODES)
     torch_threads: int | None = _opt(None, "torch threads of each Scheduler (default: the "
                                      "usable cores minus one, shared by the scheduler ranks, "
                                      "at least 1)", "runtime")
@@ -186,6 +189,8 @@ class ServerArgs:
             ATTENTION_BACKENDS,
             CODECS,
             GRAMMAR_BACKENDS,
+            LOAD_BALANCERS,
+            SCHEDULE_POLICIES,
             TRANSPORTS,
             UnknownPluginError,
         )
@@ -195,6 +200,8 @@ class ServerArgs:
             ("--codec", self.codec, CODECS, ()),
             ("--attention-backend", self.attention_backend, ATTENTION_BACKENDS, ("auto",)),
             ("--grammar-backend", self.grammar_backend, GRAMMAR_BACKENDS, ("none",)),
+            ("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES, ()),
+            ("--load-balance-method", self.load_balance_method, LOAD_BALANCERS, ()),
         ):
             try:
                 registry.check(value, also)

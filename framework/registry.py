@@ -35,12 +35,14 @@ class Registry(Generic[T]):
     """Names → lazily imported objects, for one kind of plugin.
 
     ``group`` is the entry-point group scanned (once, on first lookup) for
-    third-party plugins; ``register`` adds built-ins or test doubles.
+    third-party plugins; ``register`` adds built-ins or test doubles. ``plural``
+    names the kind in listings (default: ``kind`` + "s").
     """
 
-    def __init__(self, kind: str, group: str) -> None:
+    def __init__(self, kind: str, group: str, plural: str | None = None) -> None:
         self.kind = kind
         self.group = group
+        self.plural = plural or f"{kind}s"
         self._entries: dict[str, RegistryEntry] = {}
         self._loaded: dict[str, T] = {}
         self._scanned = False
@@ -57,6 +59,12 @@ class Registry(Generic[T]):
                 path = f"{module}:{getattr(target, '__qualname__', '?')}"
                 self._entries[name] = RegistryEntry(name, path, source)
                 self._loaded[name] = target
+
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` (a test double registered for one test); absent names are ignored."""
+        with self._lock:
+            self._entries.pop(name, None)
+            self._loaded.pop(name, None)
 
     def get(self, name: str) -> T:
         """The object registered as ``name``; unknown names list the known ones."""
@@ -136,6 +144,15 @@ ATTENTION_BACKENDS: Registry[Any] = Registry("attention backend", "framework.att
 # Grammar backends are ``GrammarBackend`` subclasses (framework/constrained/base.py), built once
 # per Scheduler on the first constrained request.
 GRAMMAR_BACKENDS: Registry[Any] = Registry("grammar backend", "framework.grammar_backends")
+# Schedule policies (``--schedule-policy``) are ``SchedulePolicy`` subclasses
+# (framework/runtime/scheduler/policy.py), built once per Scheduler as ``cls(prefix_cache)``; their
+# ``order(waiting)`` reorders the waiting queue in place before each prefill selection.
+SCHEDULE_POLICIES: Registry[Any] = Registry(
+    "schedule policy", "framework.schedule_policies", plural="schedule policies")
+# Load balancers (``--load-balance-method``) are ``LoadBalancer`` subclasses
+# (framework/runtime/data_parallel.py), built once per data-parallel front as ``cls()``; their
+# ``choose(loads, msg)`` returns the index of the replica that gets a new request.
+LOAD_BALANCERS: Registry[Any] = Registry("load balancer", "framework.load_balancers")
 
 TRANSPORTS.register("zmq", "framework.comm.zmq:ZmqTransport")
 TRANSPORTS.register("inproc", "framework.comm.inproc:InprocTransport")
@@ -148,8 +165,13 @@ ATTENTION_BACKENDS.register(
 )
 ATTENTION_BACKENDS.register("cpu", "framework.layers.attention.cpu_native:CpuNativeAttnBackend")
 GRAMMAR_BACKENDS.register("xgrammar", "framework.constrained.xgrammar_backend:XGrammarBackend")
+SCHEDULE_POLICIES.register("fcfs", "framework.runtime.scheduler.policy:FcfsPolicy")
+SCHEDULE_POLICIES.register("lpm", "framework.runtime.scheduler.policy:LpmPolicy")
+LOAD_BALANCERS.register("round_robin", "framework.runtime.data_parallel:RoundRobin")
+LOAD_BALANCERS.register("shortest_queue", "framework.runtime.data_parallel:ShortestQueue")
 
-REGISTRIES: tuple[Registry[Any], ...] = (TRANSPORTS, CODECS, ATTENTION_BACKENDS, GRAMMAR_BACKENDS)
+REGISTRIES: tuple[Registry[Any], ...] = (TRANSPORTS, CODECS, ATTENTION_BACKENDS, GRAMMAR_BACKENDS,
+                                         SCHEDULE_POLICIES, LOAD_BALANCERS)
 
 
 def create_transport(name: str, **options: Any) -> Any:

@@ -23,7 +23,7 @@ import torch
 
 from framework.model_executor.model_dir import check_model_dir
 from framework.model_executor.plain_config import plain_config
-from framework.models import EMBEDDING_ARCHITECTURES, resolve_architecture
+from framework.models import is_embedding_architecture, resolve_architecture
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +138,9 @@ class ModelConfig:
     head_dim: int
     dtype: torch.dtype
     is_embedding: bool
+    #: The model class returns pooled embeddings itself (``is_embedding_model``), rather
+    #: than a decoder whose hidden states are pooled (``--is-embedding``).
+    is_native_embedding: bool
     eos_token_ids: set[int]
 
     @classmethod
@@ -159,6 +162,7 @@ class ModelConfig:
         hf_config = read_hf_config(model_path)
         architecture = resolve_architecture(getattr(hf_config, "architectures", None))
         num_heads = int(hf_config.num_attention_heads)
+        native_embedding = is_embedding_architecture(architecture)
         return cls(
             model_path=str(model_path),
             hf_config=hf_config,
@@ -173,14 +177,10 @@ class ModelConfig:
                 getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
             ),
             dtype=resolve_dtype(dtype, hf_config, device or torch.device("cpu")),
-            is_embedding=is_embedding or architecture in EMBEDDING_ARCHITECTURES,
+            is_embedding=is_embedding or native_embedding,
+            is_native_embedding=native_embedding,
             eos_token_ids=read_eos_token_ids(model_path, hf_config),
         )
-
-    @property
-    def is_native_embedding(self) -> bool:
-        """True for encoder models whose forward returns pooled embeddings itself."""
-        return self.architecture in EMBEDDING_ARCHITECTURES
 
     def num_heads_per_rank(self, tp_size: int) -> int:
         """Attention heads held by one tensor-parallel rank."""

@@ -9,7 +9,9 @@ class accepts), ``forward(input_ids, positions, forward_batch)`` and
 reads its rank's part itself sets ``loads_checkpoint_slices = True``: it then
 gets each tensor unread (``shape``, ``narrow``, ``[...]``; see
 ``framework.layers.linear.CheckpointWeight``), so that no rank reads a whole
-tensor it holds a slice of.
+tensor it holds a slice of. A class whose ``forward`` returns one pooled
+embedding per sequence rather than logits sets ``is_embedding_model = True``:
+its checkpoints are served as embedding models.
 """
 
 from __future__ import annotations
@@ -24,9 +26,6 @@ MODEL_ARCHITECTURES: Registry[Any] = Registry("model architecture", "framework.m
 for _name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
     MODEL_ARCHITECTURES.register(_name, f"framework.models.llama:{_name}")
 MODEL_ARCHITECTURES.register("BertModel", "framework.models.bert:BertModel")
-
-# Architectures whose forward returns pooled embeddings rather than logits.
-EMBEDDING_ARCHITECTURES: frozenset[str] = frozenset({"BertModel"})
 
 
 def supported_architectures() -> list[str]:
@@ -55,10 +54,16 @@ def get_model_class(architecture: str) -> Any:
     return MODEL_ARCHITECTURES.get(resolve_architecture([architecture]))
 
 
+def is_embedding_architecture(architecture: str) -> bool:
+    """Whether the model class of ``architecture`` returns pooled embeddings (its
+    ``is_embedding_model``; a class without the attribute generates). Imports the class."""
+    return bool(getattr(get_model_class(architecture), "is_embedding_model", False))
+
+
 __all__ = [
-    "EMBEDDING_ARCHITECTURES",
     "MODEL_ARCHITECTURES",
     "get_model_class",
+    "is_embedding_architecture",
     "resolve_architecture",
     "supported_architectures",
 ]

@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -229,6 +229,9 @@ class BertModel(nn.Module):
         ValueError: the configuration is one this model does not implement, or both
             `pooling_config` and `model_dir` are given.
     """
+
+    #: An embedding model: its forward returns one pooled embedding per sequence.
+    is_embedding_model: ClassVar[bool] = True
 
     def __init__(
         self,

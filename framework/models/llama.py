@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -299,6 +299,9 @@ class LlamaForCausalLM(nn.Module):
     #: ``load_weights`` takes unread checkpoint slices: each layer's loader reads only this
     #: rank's part, and tensors of other pipeline stages are skipped unread.
     loads_checkpoint_slices = True
+    #: A generation model: its forward returns logits (``--is-embedding`` pools its hidden
+    #: states instead, with ``get_embedding=True``).
+    is_embedding_model: ClassVar[bool] = False
 
     @classmethod
     def attention_options(cls, config: Any) -> AttentionOptions:

@@ -40,7 +40,7 @@ from framework.messages import (
     UpdateWeightsFromDiskReqInput,
     UpdateWeightsFromDiskReqOutput,
 )
-from framework.registry import create_codec
+from framework.registry import LOAD_BALANCERS, UnknownPluginError, create_codec
 
 _NewRequest = TokenizedGenerateReqInput | TokenizedEmbeddingReqInput
 # Scheduler info fields that are totals over replicas in ``get_server_info``.
@@ -123,7 +123,15 @@ def request_tokens(msg: _NewRequest) -> int:
 
 
 class LoadBalancer:
-    """Picks the replica of each new request; subclass and override ``choose``."""
+    """Picks the replica of each new request; subclass and override ``choose``.
+
+    A balancer is registered by name in ``framework.registry.LOAD_BALANCERS``
+    (entry-point group ``framework.load_balancers``) and chosen with
+    ``--load-balance-method``. The front builds it once as ``cls()`` (no
+    arguments) and calls ``choose`` for each new request, in the event loop of
+    the TokenizerManager: it must answer at once, from ``loads`` and its own
+    state. With one replica it is never asked.
+    """
 
     def choose(self, loads: Sequence[ReplicaLoad], msg: _NewRequest) -> int:
         """The index (into ``loads``) of the replica that gets ``msg``."""
@@ -165,19 +173,19 @@ class ShortestQueue(LoadBalancer):
         return best
 
 
-LOAD_BALANCERS: dict[str, type[LoadBalancer]] = {
-    "round_robin": RoundRobin,
-    "shortest_queue": ShortestQueue,
-}
-
-
 def make_load_balancer(method: str) -> LoadBalancer:
-    """The balancer named by ``--load-balance-method``."""
+    """The balancer registered as ``method`` (``--load-balance-method``).
+
+    Raises:
+        ValueError: no balancer has that name (the message names the flag and lists the
+            known ones), or its plugin cannot be imported.
+    """
     try:
-        return LOAD_BALANCERS[method]()
-    except KeyError:
-        raise ValueError(f"load_balance_method must be one of {', '.join(LOAD_BALANCERS)}, "
-                         f"got {method!r}") from None
+        balancer_class = LOAD_BALANCERS.get(method)
+    except UnknownPluginError as exc:
+        raise ValueError(f"--load-balance-method: {exc}") from None
+    balancer: LoadBalancer = balancer_class()
+    return balancer
 
 
 @dataclass

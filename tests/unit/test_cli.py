@@ -68,6 +68,10 @@ def test_a_missing_model_directory_is_a_one_line_error(tmp_path: Path) -> None:
     (["--attention-backend", "nosuch"], "--attention-backend: unknown attention backend "
      "'nosuch'; known: auto, cpu, torch"),
     (["--codec", "nosuch"], "--codec: unknown codec 'nosuch'; known: json, msgpack, pickle"),
+    (["--schedule-policy", "nosuch"],
+     "--schedule-policy: unknown schedule policy 'nosuch'; known: fcfs, lpm"),
+    (["--load-balance-method", "nosuch"], "--load-balance-method: unknown load balancer "
+     "'nosuch'; known: round_robin, shortest_queue"),
 ])
 def test_a_value_no_server_could_run_with_is_a_one_line_error(flags: list[str],
                                                               words: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -22,6 +22,7 @@ from framework.messages import (
     UpdateWeightsFromDiskReqInput,
     UpdateWeightsFromDiskReqOutput,
 )
+from framework.registry import LOAD_BALANCERS
 from framework.runtime.data_parallel import (
     DataParallelRouter,
     LoadBalancer,
@@ -76,8 +77,10 @@ def test_shortest_queue_picks_the_fewest_tokens_and_takes_ties_in_turn() -> None
 def test_load_balancers_by_name() -> None:
     assert isinstance(make_load_balancer("round_robin"), RoundRobin)
     assert isinstance(make_load_balancer("shortest_queue"), ShortestQueue)
-    with pytest.raises(ValueError, match="load_balance_method must be one of"):
+    with pytest.raises(ValueError) as refused:
         make_load_balancer("random")
+    assert str(refused.value) == ("--load-balance-method: unknown load balancer 'random'; "
+                                  "known: round_robin, shortest_queue")
 
 
 def test_new_requests_are_placed_and_counted_as_load(router: DataParallelRouter) -> None:
@@ -113,6 +116,23 @@ def test_a_subclassed_balancer_is_used(router: DataParallelRouter) -> None:
 
     router.balancer = Last()
     assert router.targets(generate("x")) == [2]
+
+
+class LastReplica(LoadBalancer):
+    """A plugin balancer: always the last replica."""
+
+    def choose(self, loads: Sequence[ReplicaLoad], msg: object) -> int:  # type: ignore[override]
+        return len(loads) - 1
+
+
+def test_a_registered_balancer_is_accepted_and_routes(router: DataParallelRouter,
+                                                      request: pytest.FixtureRequest) -> None:
+    LOAD_BALANCERS.register("last-test", LastReplica, source="tests")
+    request.addfinalizer(lambda: LOAD_BALANCERS.unregister("last-test"))
+    server_args = ServerArgs(load_balance_method="last-test", dp_size=3)
+    router.balancer = make_load_balancer(server_args.load_balance_method)
+    assert isinstance(router.balancer, LastReplica)
+    assert [router.targets(generate(rid)) for rid in "ab"] == [[2], [2]]
 
 
 def test_metrics_add_up_over_replicas(router: DataParallelRouter) -> None:
@@ -176,8 +196,9 @@ def test_each_replica_gets_its_own_addresses() -> None:
 def test_bad_data_parallel_settings_are_value_errors_naming_the_field() -> None:
     with pytest.raises(ValueError, match="dp_size must be at least 1, got 0"):
         ComponentTree(ServerArgs(dp_size=0))
-    with pytest.raises(ValueError, match="load_balance_method"):
-        ComponentTree(ServerArgs(load_balance_method="random"))
+    # An unknown balancer is refused with the arguments, before any component starts.
+    with pytest.raises(ValueError, match="--load-balance-method: unknown load balancer"):
+        ServerArgs(load_balance_method="random")
 
 
 class _WeightsReplica:

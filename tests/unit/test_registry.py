@@ -6,10 +6,18 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from framework.registry import Registry, UnknownPluginError, import_dotted
+from framework.config import ServerArgs
+from framework.registry import (
+    LOAD_BALANCERS,
+    SCHEDULE_POLICIES,
+    Registry,
+    UnknownPluginError,
+    import_dotted,
+)
 
 
 def _install_fake_plugin(root: Path, group: str, name: str, module: str, body: str) -> None:
@@ -77,6 +85,27 @@ def test_register_an_object_directly() -> None:
 
     registry.register("local", Local, source="tests")
     assert registry.get("local") is Local
+    registry.unregister("local")
+    assert registry.names() == []
+    with pytest.raises(UnknownPluginError, match="unknown codec 'local'; known: none"):
+        registry.get("local")
+
+
+@pytest.mark.parametrize(("field", "registry", "message"), [
+    ("schedule_policy", SCHEDULE_POLICIES,
+     "--schedule-policy: unknown schedule policy 'nosuch'; known: fcfs, lpm"),
+    ("load_balance_method", LOAD_BALANCERS, "--load-balance-method: unknown load balancer "
+     "'nosuch'; known: round_robin, shortest_queue"),
+])
+def test_server_args_take_the_names_their_registry_holds(
+        field: str, registry: Registry[Any], message: str,
+        request: pytest.FixtureRequest) -> None:
+    with pytest.raises(ValueError) as refused:
+        ServerArgs(**{field: "nosuch"})
+    assert str(refused.value) == message
+    registry.register("nosuch", "framework.no_such_module:Thing", source="tests")
+    request.addfinalizer(lambda: registry.unregister("nosuch"))
+    assert getattr(ServerArgs(**{field: "nosuch"}), field) == "nosuch"  # nothing imported
 
 
 def test_import_dotted_accepts_both_spellings() -> None:
@@ -95,8 +124,11 @@ def test_framework_plugins_lists_every_kind_of_plugin() -> None:
     ).stdout
     lines = {line.split()[0] for line in out.splitlines() if line.startswith("  ")}
     assert {"zmq", "inproc", "shm", "pickle", "msgpack", "json", "torch", "cpu", "xgrammar",
+            "fcfs", "lpm", "round_robin", "shortest_queue",
             "LlamaForCausalLM", "BertModel"} <= lines
     assert "transports (entry-point group framework.transports):" in out
+    assert "schedule policies (entry-point group framework.schedule_policies):" in out
+    assert "load balancers (entry-point group framework.load_balancers):" in out
     assert "model architectures (entry-point group framework.models):" in out
     assert "[built-in]" in out
 

@@ -7,6 +7,8 @@ it hands the model holds the right token.
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import pytest
 import torch
@@ -22,9 +24,11 @@ from framework.messages import (
     RequestConstants,
     UpdateWeightsFromDiskReqInput,
 )
+from framework.registry import SCHEDULE_POLICIES
 from framework.runtime.request import Req
 from framework.runtime.scheduler import Scheduler
 from framework.runtime.scheduler.output import token_id_output
+from framework.runtime.scheduler.policy import SchedulePolicy
 from framework.sampling_params import SamplingParams
 from tests.fake_worker import (
     FakeModelWorker,
@@ -371,6 +375,29 @@ def test_lpm_admits_the_longest_cached_prefix_first(harness_factory, policy: str
     h.step()
     first = h.scheduler.running[0].rid
     assert first == ("warm2" if policy == "lpm" else "cold")
+    h.run()
+    h.assert_idle_invariant()
+
+
+class ShortestPromptFirst(SchedulePolicy):
+    """A plugin policy: the shortest prompt first."""
+
+    def order(self, waiting: deque[Req]) -> None:
+        ordered = sorted(waiting, key=lambda r: len(r.origin_input_ids))
+        waiting.clear()
+        waiting.extend(ordered)
+
+
+def test_a_registered_schedule_policy_orders_admission(
+        harness_factory, request: pytest.FixtureRequest) -> None:
+    SCHEDULE_POLICIES.register("shortest-prompt-test", ShortestPromptFirst, source="tests")
+    request.addfinalizer(lambda: SCHEDULE_POLICIES.unregister("shortest-prompt-test"))
+    h = harness_factory(schedule_policy="shortest-prompt-test", max_running_requests=1)
+    assert isinstance(h.scheduler.policy, ShortestPromptFirst)
+    h.submit("long", prompt(8, 20), max_new_tokens=2, ignore_eos=True, **GREEDY)
+    h.submit("short", prompt(3, 5), max_new_tokens=2, ignore_eos=True, **GREEDY)
+    h.step()
+    assert [r.rid for r in h.scheduler.running] == ["short"]  # fcfs would admit "long"
     h.run()
     h.assert_idle_invariant()
 

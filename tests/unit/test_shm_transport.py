@@ -14,17 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from framework.comm import shm
 from framework.comm.codec import CodecError
-from framework.comm.shm import (
-    _ASLEEP,
-    _READ_AT,
-    _STATE_AT,
-    _WRITE_AT,
-    ShmTransport,
-    _Ring,
-    segment_name,
-)
+from framework.comm.shm import ShmTransport, segment_name
+from framework.comm.shm import receiver as shm_receiver
+from framework.comm.shm import sender as shm_sender
+from framework.comm.shm.ring import ASLEEP, READ_AT, STATE_AT, WRITE_AT, Ring
 from framework.comm.transport import TransportError
 from framework.messages import (
     AbortReq,
@@ -144,14 +138,14 @@ def _peer_count_up(conn: Connection, segment: str) -> int:
     The test stops it by setting the segment's write position word; the deadline only
     bounds a test that never does.
     """
-    ring = _Ring.attach(segment, atomic_words=False)
+    ring = Ring.attach(segment, atomic_words=False)
     value = 0
     try:
         deadline = time.monotonic() + DEADLINE_S
-        while not ring.load(_WRITE_AT) and time.monotonic() < deadline:
+        while not ring.load(WRITE_AT) and time.monotonic() < deadline:
             for _ in range(1000):
                 value += 1
-                ring.store(_READ_AT, value)
+                ring.store(READ_AT, value)
         return value
     finally:
         ring.close(unlink=False)
@@ -289,7 +283,7 @@ def poll_all(receiver: Any, count: int) -> list[Any]:
 def is_asleep(receiver: Any) -> bool:
     """Whether ``receiver`` (a raw or typed shm receiver) sleeps on its FIFO right now."""
     raw = getattr(receiver, "raw", receiver)
-    return bool(raw._ring.load(_STATE_AT) & _ASLEEP)
+    return bool(raw._ring.load(STATE_AT) & ASLEEP)
 
 
 def leftovers(workdir: str, *addresses: str) -> list[str]:
@@ -395,8 +389,8 @@ def test_a_sleeping_receiver_is_woken_by_the_sender(
     # the receiver's own event loop, which therefore must keep running while it sleeps; a
     # watchdog thread triggers it at the deadline instead, so a blocked loop fails the test
     # rather than hanging it.
-    monkeypatch.setattr(shm, "_FIRST_WAKE_CHECK_S", NO_SAFETY_NET_S)
-    monkeypatch.setattr(shm, "_LAST_WAKE_CHECK_S", NO_SAFETY_NET_S)
+    monkeypatch.setattr(shm_receiver, "_FIRST_WAKE_CHECK_S", NO_SAFETY_NET_S)
+    monkeypatch.setattr(shm_receiver, "_LAST_WAKE_CHECK_S", NO_SAFETY_NET_S)
     transport = ShmTransport()
     address = transport.make_address(workdir, "late")
     receiver = transport.receiver(address, create_codec("msgpack"))
@@ -634,21 +628,21 @@ def test_position_words_are_never_seen_half_written(peer: Peer, workdir: str) ->
     # have seen a value being stored meanwhile (the two really overlapped), and a million
     # reads have been made.
     segment = segment_name(f"shm://{workdir}/words")
-    ring = _Ring.create(segment, 4096, atomic_words=False)
+    ring = Ring.create(segment, 4096, atomic_words=False)
     try:
         peer.start("count_up", segment=segment)
         highest = backwards = reads = fresh = 0
         deadline = time.monotonic() + DEADLINE_S
         while (fresh < 1000 or reads < 1_000_000) and time.monotonic() < deadline:
             for _ in range(1000):
-                value = ring.load(_READ_AT)
+                value = ring.load(READ_AT)
                 backwards += value < highest
                 fresh += value > highest
                 highest = max(highest, value)
             reads += 1000
-        ring.store(_WRITE_AT, 1)  # stop the counting
+        ring.store(WRITE_AT, 1)  # stop the counting
         stored = peer.result()
-        assert ring.load(_READ_AT) == stored
+        assert ring.load(READ_AT) == stored
     finally:
         ring.close(unlink=True)
     assert fresh >= 1000, f"only {fresh} reads saw a new value: the processes barely overlapped"
@@ -706,9 +700,9 @@ def test_an_async_receiver_is_woken_for_every_chunk_of_a_large_record(
     # deadline here, so such a receiver would never get the record. The sender's periodic
     # liveness pokes would hide that, so they are off too. (Sender and receiver are threads
     # of one process, so the cross-process race the safety net covers cannot occur.)
-    monkeypatch.setattr(shm, "_LIVENESS_EVERY", 1 << 30)
-    monkeypatch.setattr(shm, "_FIRST_WAKE_CHECK_S", NO_SAFETY_NET_S)
-    monkeypatch.setattr(shm, "_LAST_WAKE_CHECK_S", NO_SAFETY_NET_S)
+    monkeypatch.setattr(shm_sender, "_LIVENESS_EVERY", 1 << 30)
+    monkeypatch.setattr(shm_receiver, "_FIRST_WAKE_CHECK_S", NO_SAFETY_NET_S)
+    monkeypatch.setattr(shm_receiver, "_LAST_WAKE_CHECK_S", NO_SAFETY_NET_S)
     transport = ShmTransport(ring_bytes=4096)
     address = transport.make_address(workdir, "chunks")
     receiver = transport.pipe_receiver(address)

@@ -139,7 +139,7 @@ class SchedulerControl:
             "protected_kv_tokens": cache.protected_size(),
             "cache_hit_rate": stats.cache_hit_rate,
             "radix_cache": not isinstance(cache, ChunkCache),
-            "schedule_policy": scheduler.policy.policy,
+            "schedule_policy": server_args.schedule_policy,
             "overlap_schedule": scheduler.overlap is not None,
             "max_running_requests": server_args.max_running_requests,
             "available_req_slots": pool.available_size(),

@@ -24,7 +24,6 @@ from framework.mem_cache.prefix_cache import PrefixCache
 from framework.runtime.request import Req
 from framework.runtime.scheduler.batch import ScheduledBatch
 
-POLICIES = ("fcfs", "lpm")
 # Matching every waiting request costs time; past this queue length lpm falls back to fcfs.
 LPM_QUEUE_LIMIT = 128
 # A request sharing at least this many uncached prefix tokens with one admitted in the same
@@ -43,21 +42,37 @@ class Admission(enum.Enum):
 class SchedulePolicy:
     """Orders the waiting queue before each prefill selection.
 
-    ``fcfs``: arrival order (a retracted request goes back to the front).
-    ``lpm``: longest cached prefix first, so that requests sharing a prefix run
-    while it is still cached; ties keep arrival order.
+    A policy is registered by name in ``framework.registry.SCHEDULE_POLICIES``
+    (entry-point group ``framework.schedule_policies``) and chosen with
+    ``--schedule-policy``. The Scheduler builds it once as ``cls(cache)``, with
+    its prefix cache (to look up what each request would reuse: ``match_prefix``
+    of ``admission_key(req)``), and calls ``order`` before each prefill selection.
+    Admission then walks the queue in that order; the policy decides no more
+    than the order.
     """
 
-    def __init__(self, policy: str, cache: PrefixCache) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"schedule policy must be one of {', '.join(POLICIES)}; got "
-                             f"{policy!r}")
-        self.policy = policy
+    def __init__(self, cache: PrefixCache) -> None:
         self.cache = cache
 
     def order(self, waiting: deque[Req]) -> None:
-        """Reorder ``waiting`` in place."""
-        if self.policy == "fcfs" or len(waiting) > LPM_QUEUE_LIMIT:
+        """Reorder ``waiting`` in place (leave it as it is to admit in arrival order)."""
+        raise NotImplementedError
+
+
+class FcfsPolicy(SchedulePolicy):
+    """``fcfs``: arrival order (a retracted request goes back to the front)."""
+
+    def order(self, waiting: deque[Req]) -> None:
+        """Keep the queue as it is."""
+
+
+class LpmPolicy(SchedulePolicy):
+    """``lpm``: longest cached prefix first, so that requests sharing a prefix run while it
+    is still cached; ties keep arrival order, and long queues fall back to it."""
+
+    def order(self, waiting: deque[Req]) -> None:
+        """Sort ``waiting`` by cached prefix length, longest first."""
+        if len(waiting) > LPM_QUEUE_LIMIT:
             return
         matched = {id(r): self.cache.match_prefix(admission_key(r)).length for r in waiting}
         ordered = sorted(waiting, key=lambda r: -matched[id(r)])

@@ -35,7 +35,7 @@ from framework.config import PortArgs, ServerArgs
 from framework.constrained.manager import GrammarManager
 from framework.mem_cache.prefix_cache import ChunkCache, PrefixCache
 from framework.messages import FinishReason, Message
-from framework.registry import create_codec
+from framework.registry import SCHEDULE_POLICIES, create_codec
 from framework.runtime.heap import HeapTrimmer
 from framework.runtime.request import Req
 from framework.runtime.scheduler.admission import Admitter
@@ -96,7 +96,8 @@ class Scheduler:
         self.req_to_token_pool = model_worker.pools.req_to_token_pool
         self.allocator = model_worker.pools.allocator
         self.tree_cache = self.build_prefix_cache()
-        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache)
+        self.policy: SchedulePolicy = SCHEDULE_POLICIES.get(server_args.schedule_policy)(
+            self.tree_cache)
         #: The tokenizer, as a future; ``tokenizer_class``: its class (``"module:Name"``).
         self.tokenizer_future, self.tokenizer_class = self._start_loading_tokenizer()
         self.context_len = self.model_config.context_len
