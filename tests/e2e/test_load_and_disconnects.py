@@ -113,7 +113,9 @@ def test_100_clients_hanging_up_at_random_leave_nothing_behind(
     rng = random.Random(7)
     aborted_before = wait_until_idle(client)["aborted_requests"]
     plans = [(PROMPTS[rng.randrange(len(PROMPTS))], rng.randrange(0, 12)) for _ in range(100)]
-    jobs = [lambda c, p=p, k=k: stream_ids(c, generate_body(p, True, new_tokens=24), k)
+    # Far more tokens than the 0-11 events read before hanging up: a server that runs ahead
+    # of a slow client (its events wait in the socket's buffer) still has requests to abort.
+    jobs = [lambda c, p=p, k=k: stream_ids(c, generate_body(p, True, new_tokens=96), k)
             for p, k in plans]
     run_concurrently(server.base_url, jobs)
     info = wait_until_idle(client)
