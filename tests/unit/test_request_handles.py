@@ -124,15 +124,15 @@ def test_an_output_for_a_released_handle_is_dropped() -> None:
     tm = _manager(port_args, transport)
 
     async def scenario() -> None:
-        first = tm._register("same", 2)
-        tm._release("same", first, reached=False)
-        second = tm._register("same", 2)
+        first = tm.requests.register("same", 2)
+        tm.requests.release("same", first, reached=False)
+        second = tm.requests.register("same", 2)
         assert second.handle != first.handle
         tm.handle_output(BatchStrOutput(
             handles=[first.handle], finished_reasons=[None], output_strs=["stale"],
             output_ids=[[7]], prompt_tokens=[2], completion_tokens=[1], cached_tokens=[0]))
         assert second.text == "" and not second.chunks
-        tm._release("same", second, reached=False)
+        tm.requests.release("same", second, reached=False)
 
     try:
         asyncio.run(scenario())

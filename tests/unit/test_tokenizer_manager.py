@@ -382,7 +382,7 @@ def test_close_drops_aborts_that_cannot_go_out(
 ) -> None:
     # Nobody ever reads the full ring: close() gives the abort its flush time, then drops
     # it with a log line instead of waiting for room forever.
-    monkeypatch.setattr(tm_module, "_CLOSE_FLUSH_S", 0.05)
+    monkeypatch.setattr(tm_module, "CLOSE_FLUSH_S", 0.05)
     tm, _, filler = shm_manager
 
     async def scenario() -> None:
