@@ -22,7 +22,7 @@ from framework.runtime.launch import (
 )
 
 if TYPE_CHECKING:
-    from framework.server.app import ServerState
+    from framework.server.state import ServerState
 
 logger = logging.getLogger("framework.serve")
 # Connections the kernel queues for the server to accept (see _run_http).
@@ -62,7 +62,7 @@ async def _serve(server_args: ServerArgs) -> int:
         await asyncio.wrap_future(tokenizer)  # a tokenizer that fails to load ends start-up
         apply_scheduler_info(manager, info)
         manager.start()
-        from framework.server.app import ServerState
+        from framework.server.state import ServerState
 
         state = ServerState(
             tokenizer_manager=manager, server_args=server_args,

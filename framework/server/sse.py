@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+from starlette.responses import StreamingResponse
 
 _encoder = msgspec.json.Encoder()
 
@@ -32,6 +33,12 @@ async def sse_stream(events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
     except RuntimeError as exc:
         yield sse_event(error_body(str(exc), 503))
     yield DONE
+
+
+def sse_response(events: AsyncIterator[Any]) -> StreamingResponse:
+    """The streamed answer of a route: ``events`` as SSE (see ``sse_stream``)."""
+    return StreamingResponse(sse_stream(events), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
 
 
 def error_body(message: str, status: int, param: str | None = None,
