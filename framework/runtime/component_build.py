@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 from framework.config import PortArgs, ServerArgs
 from framework.distributed.config import ParallelConfig
+from framework.model_facts import ModelFacts
 from framework.runtime.component_plan import ComponentSpec, component_class
 from framework.runtime.hf_tokenizer import import_transformers
 
@@ -74,10 +75,10 @@ def _scheduler_component(scheduler: Any, spec: ComponentSpec) -> RunningComponen
 
     info = {
         "tokenizer_class": scheduler.tokenizer_class,
-        "context_len": scheduler.context_len,
-        "is_embedding": scheduler.model_config.is_embedding,
-        "vocab_size": scheduler.model_config.vocab_size,
-        "hidden_size": scheduler.model_config.hidden_size,
+        "model": ModelFacts(context_len=scheduler.context_len,
+                            vocab_size=scheduler.model_config.vocab_size,
+                            is_embedding=scheduler.model_config.is_embedding,
+                            hidden_size=scheduler.model_config.hidden_size),
         "attention_backend": scheduler.worker.info()["attention_backend"],
         "rank": spec.rank,
         "pid": os.getpid(),

@@ -29,7 +29,8 @@ from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from framework.config import ServerArgs
-from framework.runtime.launch import ComponentTree, apply_scheduler_info
+from framework.model_facts import ModelFacts
+from framework.runtime.launch import ComponentTree
 from framework.runtime.tokenizer_manager import (
     GenerateRequest,
     PreparedRequest,
@@ -104,15 +105,15 @@ class Engine:
         manager = components.tokenizer_manager_class(args, components.tokenizer_port_args,
                                                      components.transport, tokenizer)
         self.tokenizer_manager = manager
-        apply_scheduler_info(manager, components.start())
+        model = components.start()["model"]
         tokenizer.result()  # a tokenizer that fails to load ends start-up
-        self._run(self._start_manager(manager))
+        self._run(self._start_manager(manager, model))
         self._watcher = threading.Thread(target=self._watch, name="engine-watcher", daemon=True)
         self._watcher.start()
 
     @staticmethod
-    async def _start_manager(manager: TokenizerManager) -> None:
-        manager.start()  # its receive loops need a running event loop
+    async def _start_manager(manager: TokenizerManager, model: ModelFacts) -> None:
+        manager.start(model)  # its receive loops need a running event loop
 
     def _run_loop(self) -> None:
         """The loop thread: run the loop until shutdown, then clean up as asyncio.run does."""

@@ -43,7 +43,6 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import Mapping
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -76,7 +75,6 @@ __all__ = [
     "UNGUARDED_MAIN_MESSAGE",
     "ComponentError",
     "ComponentTree",
-    "apply_scheduler_info",
     "check_launch_args",
     "die_with_parent",
     "plan_components",
@@ -144,14 +142,6 @@ def transport_options(server_args: ServerArgs) -> dict[str, Any]:
                              f"{server_args.transport!r}")
         options["curve_key_dir"] = server_args.curve_key_dir
     return options
-
-
-def apply_scheduler_info(manager: Any, info: Mapping[str, Any]) -> None:
-    """Tell the TokenizerManager what the Scheduler found: context length, vocabulary size
-    and whether the model serves embeddings."""
-    manager.context_len = info["context_len"]
-    manager.vocab_size = info["vocab_size"]
-    manager.is_embedding = info["is_embedding"]
 
 
 class _StopRequested(Exception):
@@ -249,8 +239,8 @@ class ComponentTree:
 
     @property
     def scheduler_info(self) -> dict[str, Any]:
-        """Scheduler rank 0's ready message: ``context_len``, ``is_embedding``, ``vocab_size``,
-        ``hidden_size``, ..."""
+        """Scheduler rank 0's ready message: ``model`` (its ``ModelFacts``),
+        ``attention_backend``, ``torch_threads``, ..."""
         return self.scheduler_infos.get((0, 0), {})
 
     @property

@@ -3,7 +3,9 @@
 Each raises ``RequestError`` (or ``OverloadedError``) with the message the API
 user sees; the TokenizerManager runs them in order while preparing a request:
 the values of its parts, what the model serves, room in the queue, then its
-prompt once tokenized.
+prompt once tokenized. The checks that need the served model take its
+``ModelFacts``; None (not known yet) lets those values through to the Scheduler's
+own checks.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from framework.config import ServerArgs
+from framework.model_facts import ModelFacts
 from framework.runtime.request_input import GenerateRequest, OverloadedError, RequestError
 from framework.sampling_params import (
     REQUEST_RANGES,
@@ -20,7 +23,7 @@ from framework.sampling_params import (
 )
 
 
-def check_values(reqs: Sequence[GenerateRequest], vocab_size: int | None) -> None:
+def check_values(reqs: Sequence[GenerateRequest], model: ModelFacts | None) -> None:
     """Refuse the first value out of range in ``reqs``: first their sampling parameters,
     verified once per object (the prompts of one OpenAI request share theirs), then each
     part's logprob options.
@@ -28,6 +31,7 @@ def check_values(reqs: Sequence[GenerateRequest], vocab_size: int | None) -> Non
     ``n`` is checked on the part itself: its choices (``SamplingParams.for_choice``)
     differ from it only in ``n`` and ``seed`` and are not checked again.
     """
+    vocab_size = None if model is None else model.vocab_size
     for params in {id(req.sampling_params): req.sampling_params for req in reqs}.values():
         try:
             params.verify(vocab_size)
@@ -58,12 +62,11 @@ def check_logprob_options(req: GenerateRequest) -> None:
                            f"got {req.return_text_in_logprobs!r}")
 
 
-def check_model_kind(is_embedding: bool | None, embedding: bool) -> None:
-    """Refuse an embedding request to a generation model, or the reverse (``is_embedding``
-    None: the model's kind is unknown, and neither is refused)."""
-    if is_embedding is None or is_embedding == embedding:
+def check_model_kind(model: ModelFacts | None, embedding: bool) -> None:
+    """Refuse an embedding request to a generation model, or the reverse."""
+    if model is None or model.is_embedding == embedding:
         return
-    if is_embedding:
+    if model.is_embedding:
         raise RequestError("this model is an embedding model; it serves embeddings, "
                            "not text generation")
     raise RequestError("this model is a generation model; it does not serve embeddings")
@@ -85,10 +88,11 @@ def check_queue_room(server_args: ServerArgs, in_flight: int) -> None:
             f"({running} running at most, {limit} queued); try again later")
 
 
-def check_prompt_ids(ids: list[int], given: bool, vocab_size: int | None,
-                     context_len: int | None) -> None:
+def check_prompt_ids(ids: list[int], given: bool, model: ModelFacts | None) -> None:
     """Refuse an empty prompt, a prompt longer than the context, and ids outside the
     vocabulary where the caller ``given`` them."""
+    vocab_size = None if model is None else model.vocab_size
+    context_len = None if model is None else model.context_len
     if not ids:
         raise RequestError("the prompt is empty")
     if given:
@@ -103,9 +107,10 @@ def check_prompt_ids(ids: list[int], given: bool, vocab_size: int | None,
             f"{context_len}", code="context_length_exceeded")
 
 
-def check_prompt_room(req: GenerateRequest, ids: list[int], context_len: int | None) -> None:
+def check_prompt_room(req: GenerateRequest, ids: list[int], model: ModelFacts | None) -> None:
     """Refuse a generation whose prompt ``ids`` leave no room for a new token, or whose
     ``logprob_start_len`` lies beyond the prompt."""
+    context_len = None if model is None else model.context_len
     if (context_len is not None and len(ids) == context_len
             and req.sampling_params.max_new_tokens != 0):
         # A prompt may fill the context only to be scored (max_new_tokens 0).

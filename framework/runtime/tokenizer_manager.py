@@ -38,6 +38,7 @@ from framework.messages import (
     SchedulerMetrics,
     TokenizedEmbeddingReqInput,
 )
+from framework.model_facts import ModelFacts
 from framework.runtime.data_parallel import (
     DataParallelRouter,
     ReplicaChannels,
@@ -88,18 +89,15 @@ class TokenizerManager:
         port_args: PortArgs | Sequence[PortArgs],
         transport: Transport,
         tokenizer: Any,
-        context_len: int | None = None,
+        model: ModelFacts | None = None,
     ) -> None:
         # The tokenizer, or a future of it (``start_loading_tokenizer``), resolved at first
         # use: the channels are bound without waiting for it.
         self._tokenizer = tokenizer
         self.server_args = server_args
-        self.context_len = context_len
-        # Set at start-up from the Scheduler's ready info; bounds token ids at the edge.
-        self.vocab_size: int | None = None
-        # Also set at start-up: what the model serves, so that a request of the other kind
-        # is refused here rather than sent and aborted. None (unknown) refuses neither.
-        self.is_embedding: bool | None = None
+        #: The served model (``start`` takes it from the Scheduler's ready message); until
+        #: then None, and the checks that need it let requests through to the Scheduler's.
+        self.model = model
         # Bind first: the Schedulers and the Detokenizers connect to these. With --dp-size
         # N, ``port_args`` holds one PortArgs per replica, each replica its own channels.
         self.replicas = [ReplicaChannels.open(i, transport, p, server_args.codec)
@@ -144,8 +142,11 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
-        """Start the receive loops on the running event loop."""
+    def start(self, model: ModelFacts | None = None) -> None:
+        """Start the receive loops on the running event loop; ``model``: the served model's
+        facts from the Scheduler's ready message."""
+        if model is not None:
+            self.model = model
         self._tasks = start_receive_loops(self.replicas, self.handle_output,
                                           self.handle_replica_metrics)
         self.outbox.start()
@@ -195,7 +196,7 @@ class TokenizerManager:
         if (text is None) == (input_ids is None):
             raise RequestError("give exactly one of a text prompt and input_ids")
         ids = await self.tokenize(text) if text is not None else list(input_ids or [])
-        check_prompt_ids(ids, input_ids is not None, self.vocab_size, self.context_len)
+        check_prompt_ids(ids, input_ids is not None, self.model)
         return ids
 
     def token_text(self, token_id: int) -> str:
@@ -207,12 +208,12 @@ class TokenizerManager:
 
     def check_serves(self, embedding: bool) -> None:
         """Refuse (``RequestError``) an embedding request to a generation model, or the reverse."""
-        check_model_kind(self.is_embedding, embedding)
+        check_model_kind(self.model, embedding)
 
     def check_requests(self, reqs: Sequence[GenerateRequest]) -> None:
         """Refuse (``RequestError``) the first value out of range in ``reqs``, the parts of
         one API request (or a request alone); no tokenizing (``check_values``)."""
-        check_values(reqs, self.vocab_size)
+        check_values(reqs, self.model)
 
     def check_capacity(self) -> None:
         """Refuse (``OverloadedError``) a new request when the queue allowed is full; counted
@@ -243,7 +244,7 @@ class TokenizerManager:
             await asyncio.to_thread(check_constraint, req.sampling_params,
                                     self.server_args.grammar_backend)
         ids = await self._input_ids(req.text, req.input_ids)
-        check_prompt_room(req, ids, self.context_len)
+        check_prompt_room(req, ids, self.model)
         return PreparedRequest(req, ids)
 
     async def prepare_choices(self, reqs: list[GenerateRequest]) -> list[PreparedRequest]:

@@ -16,7 +16,6 @@ from framework.config import ServerArgs
 from framework.messages import AbortReq
 from framework.runtime.launch import (
     ComponentTree,
-    apply_scheduler_info,
     run_ranks_only,
     set_torch_threads,
 )
@@ -60,15 +59,14 @@ async def _serve(server_args: ServerArgs) -> int:
         threading.Thread(target=_import_http_stack, name="import-http", daemon=True).start()
         info = await asyncio.to_thread(components.start)
         await asyncio.wrap_future(tokenizer)  # a tokenizer that fails to load ends start-up
-        apply_scheduler_info(manager, info)
-        manager.start()
+        model = info["model"]
+        manager.start(model)
         from framework.server.state import ServerState
 
         state = ServerState(
             tokenizer_manager=manager, server_args=server_args,
             model_name=server_args.served_model_name or model_path, model_path=model_path,
-            context_len=info["context_len"], is_embedding=info["is_embedding"],
-            embedding_size=info["hidden_size"],
+            model=model,
         )
         return await _run_http(server_args, state, components, listener)
     finally:
@@ -207,9 +205,9 @@ def _startup_banner(args: ServerArgs, state: ServerState, base: str,
                     attention_backend: str) -> str:
     import json
 
-    route = "/v1/embeddings" if state.is_embedding else "/v1/completions"
+    route = "/v1/embeddings" if state.model.is_embedding else "/v1/completions"
     example: dict[str, Any] = (
-        {"model": state.model_name, "input": "a sentence to embed"} if state.is_embedding
+        {"model": state.model_name, "input": "a sentence to embed"} if state.model.is_embedding
         else {"model": state.model_name, "prompt": "def fibonacci(n):", "max_tokens": 32})
 
     # The key itself is never printed: the example names the variable holding it.

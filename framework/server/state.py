@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from framework.config import ServerArgs
+from framework.model_facts import ModelFacts
 from framework.runtime.tokenizer_manager import TokenizerManager
 from framework.server.openai_responses import now
 
@@ -18,9 +19,7 @@ class ServerState:
     server_args: ServerArgs
     model_name: str
     model_path: str
-    context_len: int
-    is_embedding: bool
-    #: The length of the model's embeddings (its hidden size).
-    embedding_size: int | None = None
+    #: The served model's facts, from the Scheduler's ready message.
+    model: ModelFacts
     #: The model's ``created`` time in /v1/models: when the server started.
     created: int = dataclasses.field(default_factory=now)

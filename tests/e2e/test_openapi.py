@@ -30,6 +30,7 @@ from starlette.routing import Route
 from typing_extensions import Required
 
 from framework.config import ServerArgs
+from framework.model_facts import ModelFacts
 from framework.sampling_params import SamplingParams
 from framework.server import openai as oai
 from framework.server.app import OPEN_PATHS, ServerState, build_app
@@ -76,8 +77,9 @@ def _app_routes() -> dict[str, set[str]]:
     """Path -> methods of an app built here with the server's flags."""
     args = ServerArgs(model_path="unused", api_key=KEY, enable_metrics=True)
     state = ServerState(tokenizer_manager=None, server_args=args,  # type: ignore[arg-type]
-                        model_name="m", model_path="unused", context_len=16,
-                        is_embedding=False)
+                        model_name="m", model_path="unused",
+                        model=ModelFacts(context_len=16, vocab_size=16,
+                                           is_embedding=False, hidden_size=32))
     out = {}
     for route in build_app(state).routes:
         assert isinstance(route, Route)

@@ -89,8 +89,9 @@ def test_engine_runs_the_scheduler_in_a_child_process(process_outputs: dict[str,
     assert process_outputs["info"]["pid"] != os.getpid()
     assert process_outputs["info"]["pid"] in process_outputs["pids"]
     assert process_outputs["pids"] <= process_outputs["during"]  # scheduler and detokenizer
-    assert process_outputs["ready"]["vocab_size"] == 512  # the tiny tokenizer's
-    assert process_outputs["ready"]["context_len"] == process_outputs["info"]["context_length"]
+    assert process_outputs["ready"]["model"].vocab_size == 512  # the tiny tokenizer's
+    model = process_outputs["ready"]["model"]
+    assert model.context_len == process_outputs["info"]["context_length"]
 
 
 def test_shutdown_leaves_no_child_process_and_no_channel_directory(

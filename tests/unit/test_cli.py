@@ -11,6 +11,7 @@ import pytest
 
 from framework.cli import build_parser, render_cli_reference
 from framework.config import ServerArgs
+from framework.model_facts import ModelFacts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -136,8 +137,9 @@ def test_the_start_up_banner_suggests_a_route_the_model_serves() -> None:
     def banner(is_embedding: bool, api_key: str | None = None) -> str:
         args = ServerArgs(model_path="m", api_key=api_key)
         state = ServerState(tokenizer_manager=None, server_args=args,  # type: ignore[arg-type]
-                            model_name="m", model_path="m", context_len=16,
-                            is_embedding=is_embedding)
+                            model_name="m", model_path="m",
+                            model=ModelFacts(context_len=16, vocab_size=16,
+                                             is_embedding=is_embedding, hidden_size=8))
         return _startup_banner(args, state, "http://127.0.0.1:1", "cpu")
 
     assert "curl http://127.0.0.1:1/v1/completions" in banner(False)

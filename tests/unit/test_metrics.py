@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from framework.cli import build_parser
 from framework.config import ServerArgs
 from framework.messages import SchedulerMetrics
+from framework.model_facts import ModelFacts
 from framework.runtime.metrics import NoMetrics, RequestMetrics, make_metrics
 from framework.server.app import ServerState, build_app
 
@@ -179,7 +180,9 @@ def get(enabled: bool, path: str) -> httpx.Response:
     args = ServerArgs(enable_metrics=enabled)
     tm: Any = StubManager(enabled)
     app = build_app(ServerState(tokenizer_manager=tm, server_args=args, model_name="tiny",
-                                model_path="unused", context_len=64, is_embedding=False))
+                                model_path="unused",
+                                model=ModelFacts(context_len=64, vocab_size=100,
+                                                 is_embedding=False, hidden_size=32)))
 
     async def fetch() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)

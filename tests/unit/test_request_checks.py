@@ -22,6 +22,7 @@ from starlette.responses import Response
 
 from framework.config import PortArgs, ServerArgs
 from framework.messages import BatchStrOutput, FinishReason, TokenizedGenerateReqInput
+from framework.model_facts import ModelFacts
 from framework.registry import create_codec, create_transport
 from framework.runtime.tokenizer_manager import GenerateRequest, RequestError, TokenizerManager
 from framework.sampling_params import (
@@ -81,8 +82,8 @@ def served(monkeypatch: pytest.MonkeyPatch
     port_args = PortArgs.create(transport)
     tm = TokenizerManager(ServerArgs(model_path="unused", transport="inproc", codec=CODEC),
                           port_args, transport, tokenizer=make_tiny_tokenizer(),
-                          context_len=CONTEXT)
-    tm.vocab_size = TINY_VOCAB_SIZE
+                          model=ModelFacts(context_len=CONTEXT, vocab_size=TINY_VOCAB_SIZE,
+                                           is_embedding=False, hidden_size=32))
     runtime = AnsweringRuntime(transport, port_args)
     verified: list[SamplingParams] = []
     verify = SamplingParams.verify
@@ -113,8 +114,7 @@ def _post(tm: TokenizerManager, runtime: AnsweringRuntime, path: str,
           body: dict[str, Any]) -> httpx.Response:
     """``POST path`` to an app over ``tm``, in this process."""
     app = build_app(ServerState(tokenizer_manager=tm, server_args=tm.server_args,
-                                model_name="tiny", model_path="unused", context_len=CONTEXT,
-                                is_embedding=False))
+                                model_name="tiny", model_path="unused", model=tm.model))
 
     async def post() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)

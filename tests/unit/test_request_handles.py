@@ -22,6 +22,7 @@ from framework.messages import (
     BatchTokenIDOutput,
     TokenizedGenerateReqInput,
 )
+from framework.model_facts import ModelFacts
 from framework.registry import create_codec, create_transport
 from framework.runtime.detokenizer import Detokenizer
 from framework.runtime.tokenizer_manager import GenerateRequest, TokenizerManager
@@ -47,8 +48,9 @@ async def _all(outputs: AsyncIterator[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _manager(port_args: PortArgs | list[PortArgs], transport: Any) -> TokenizerManager:
     tm = TokenizerManager(ServerArgs(model_path="unused", transport="inproc", codec="msgpack"),
-                          port_args, transport, tokenizer=None, context_len=256)
-    tm.vocab_size = TINY_VOCAB_SIZE
+                          port_args, transport, tokenizer=None,
+                          model=ModelFacts(context_len=256, vocab_size=TINY_VOCAB_SIZE,
+                                           is_embedding=False, hidden_size=32))
     return tm
 
 

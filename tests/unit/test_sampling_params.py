@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from framework.config import PortArgs, ServerArgs
+from framework.model_facts import ModelFacts
 from framework.registry import create_transport
 from framework.runtime.tokenizer_manager import GenerateRequest, RequestError, TokenizerManager
 from framework.sampling_params import (
@@ -196,8 +197,8 @@ def manager() -> Iterator[TokenizerManager]:
     transport = create_transport("inproc")
     port_args = PortArgs.create(transport)
     tm = TokenizerManager(ServerArgs(model_path="unused", transport="inproc"), port_args,
-                          transport, tokenizer=None)
-    tm.vocab_size = 10
+                          transport, tokenizer=None, model=ModelFacts(context_len=64, vocab_size=10,
+                                           is_embedding=False, hidden_size=32))
     yield tm
     asyncio.run(tm.close())
     port_args.cleanup()

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 
@@ -31,6 +32,7 @@ from framework.messages import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
+from framework.model_facts import ModelFacts
 from framework.registry import create_codec, create_transport
 from framework.runtime import tokenizer_manager as tm_module
 from framework.runtime.tokenizer_manager import GenerateRequest, RequestError, TokenizerManager
@@ -122,8 +124,9 @@ def inproc() -> Iterator[tuple[TokenizerManager, FakeRuntime]]:
     transport = create_transport("inproc")
     port_args = PortArgs.create(transport)
     tm = TokenizerManager(ServerArgs(model_path="unused", transport="inproc", codec=CODEC),
-                          port_args, transport, tokenizer=None, context_len=64)
-    tm.vocab_size = 100
+                          port_args, transport, tokenizer=None,
+                          model=ModelFacts(context_len=64, vocab_size=100,
+                                           is_embedding=False, hidden_size=32))
     runtime = FakeRuntime(transport, port_args)
     yield tm, runtime
     runtime.close()
@@ -209,6 +212,7 @@ def test_an_embedding_that_fails_to_send_leaves_no_state(
     inproc: tuple[TokenizerManager, FakeRuntime],
 ) -> None:
     tm, _ = inproc
+    tm.model = msgspec.structs.replace(tm.model, is_embedding=True)
     tm.send_to_scheduler.codec = FailingCodec(tm.send_to_scheduler.codec,
                                               TokenizedEmbeddingReqInput)
 
@@ -228,6 +232,7 @@ def test_an_embedding_the_scheduler_aborts_raises_instead_of_returning_none(
     inproc: tuple[TokenizerManager, FakeRuntime],
 ) -> None:
     tm, runtime = inproc
+    tm.model = msgspec.structs.replace(tm.model, is_embedding=True)
 
     async def scenario() -> None:
         tm.start()
@@ -255,10 +260,10 @@ def test_each_kind_of_request_is_refused_by_the_other_kind_of_model(
     tm, _ = inproc
 
     async def scenario() -> None:
-        tm.is_embedding = False
+        tm.model = msgspec.structs.replace(tm.model, is_embedding=False)
         with pytest.raises(RequestError, match="does not serve embeddings"):
             await tm.embed(input_ids=[3, 4])
-        tm.is_embedding = True
+        tm.model = msgspec.structs.replace(tm.model, is_embedding=True)
         with pytest.raises(RequestError, match="not text generation"):
             await tm.prepare(_request())
 
@@ -278,8 +283,7 @@ def test_a_part_that_fails_after_its_siblings_were_sent_aborts_them(
     tm, runtime = inproc
     tm.send_to_scheduler.raw = FailingPipe(tm.send_to_scheduler.raw, fail_at=3)
     app = build_app(ServerState(tokenizer_manager=tm, server_args=tm.server_args,
-                                model_name="tiny", model_path="unused", context_len=64,
-                                is_embedding=False))
+                                model_name="tiny", model_path="unused", model=tm.model))
     body = {"prompt": [[3, 4], [5, 6]], "n": 2, "max_tokens": 32, "ignore_eos": True}
 
     def every_sent_part_aborted(got: list[Message]) -> bool:

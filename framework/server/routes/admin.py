@@ -46,7 +46,7 @@ class AdminRoutes(RouteBase):
         if self.tm.dead_reason is not None:
             return Response(status_code=503)
         try:
-            if self.state.is_embedding:
+            if self.state.model.is_embedding:
                 await asyncio.wait_for(self.tm.embed(input_ids=[0]), 60)
             else:
                 req = GenerateRequest(input_ids=[0], sampling_params=SamplingParams(

@@ -46,7 +46,7 @@ class RouteBase:
                            f"`{self.state.model_name}`", 404, "model_not_found", "model")
 
     def _check_generation(self) -> None:
-        if self.state.is_embedding:
+        if self.state.model.is_embedding:
             raise RequestError("this model is an embedding model; use /v1/embeddings")
 
     async def _prepare_all(self, prompts: list[tuple[str | None, list[int] | None]],
@@ -73,7 +73,7 @@ class RouteBase:
         """
         if max_tokens is None:
             return
-        context = self.state.context_len
+        context = self.state.model.context_len
         for prepared in reqs:
             prompt = len(prepared.input_ids)
             if prompt + max_tokens > context:

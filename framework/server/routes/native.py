@@ -27,12 +27,12 @@ class NativeRoutes(RouteBase):
         body = await parse_body(request, oai.TokenizeBody)
         tokens = await self.tm.tokenize(body.the_text())
         return JSONResponse({"tokens": tokens, "count": len(tokens),
-                             "max_model_len": self.state.context_len})
+                             "max_model_len": self.state.model.context_len})
 
     async def detokenize(self, request: Request) -> Response:
         """``POST /detokenize``: the text of token ids, each checked against the vocabulary."""
         body = await parse_body(request, oai.DetokenizeBody)
-        check_token_ids(body.tokens, self.tm.vocab_size, "tokens")
+        check_token_ids(body.tokens, self.state.model.vocab_size, "tokens")
         # Decoding is fast, but a long list is still kept off the event loop.
         if len(body.tokens) > 4096:
             text = await asyncio.to_thread(self.tm.tokenizer.decode, body.tokens)
@@ -54,7 +54,8 @@ class NativeRoutes(RouteBase):
         if body.text is not None:
             prompts = oai.split_prompts(body.text, "text")
         else:
-            prompts = oai.split_prompts(body.input_ids or [], "input_ids", self.tm.vocab_size)
+            prompts = oai.split_prompts(body.input_ids or [], "input_ids",
+                                        self.state.model.vocab_size)
         # Every value is checked by the TokenizerManager, before any part is sent.
         params = [SamplingParams.from_dict(p) for p in
                   body.per_prompt("sampling_params", len(prompts))]
@@ -92,8 +93,8 @@ class NativeRoutes(RouteBase):
         return JSONResponse({
             "model_path": self.state.model_path,
             "tokenizer_path": self.state.server_args.tokenizer_path or self.state.model_path,
-            "is_generation": not self.state.is_embedding,
+            "is_generation": not self.state.model.is_embedding,
             "served_model_name": self.state.model_name,
-            "context_length": self.state.context_len,
+            "context_length": self.state.model.context_len,
         })
 

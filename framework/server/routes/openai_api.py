@@ -73,7 +73,7 @@ class OpenAIRoutes(RouteBase):
         self._check_generation()
         field, max_tokens = body.requested_max_tokens()
         params = body.sampling_params(max_tokens, 16, field)
-        prompts = oai.split_prompts(body.prompt, "prompt", self.tm.vocab_size)
+        prompts = oai.split_prompts(body.prompt, "prompt", self.state.model.vocab_size)
         with body.naming_fields(field):
             reqs = await self._prepare_all(prompts, params, body.stream,
                                            body.top_logprobs_num(), prompt_logprobs=body.echo)
@@ -163,7 +163,7 @@ class OpenAIRoutes(RouteBase):
         self._check_generation()
         prompt = await self.tm.chat_prompt_ids(oai.chat_conversation(body.messages))
         field, max_tokens = body.requested_max_tokens()
-        params = body.sampling_params(max_tokens, self.state.context_len, field)
+        params = body.sampling_params(max_tokens, self.state.model.context_len, field)
         with body.naming_fields(field):
             reqs = await self._prepare_all([(None, prompt)], params, body.stream,
                                            body.top_logprobs_num())
@@ -217,17 +217,17 @@ class OpenAIRoutes(RouteBase):
         """``POST /v1/embeddings``: one embedding per input (embedding models only)."""
         body = await parse_body(request, oai.EmbeddingRequest)
         self._check_model(body.model)
-        if not self.state.is_embedding:
+        if not self.state.model.is_embedding:
             raise RequestError("this model is a generation model; it does not serve embeddings")
         if body.encoding_format not in ("float", "base64"):
             raise FieldError("encoding_format", "encoding_format must be 'float' or "
                                  f"'base64', got {body.encoding_format!r}")
-        size = self.state.embedding_size
+        size = self.state.model.hidden_size
         if body.dimensions is not None and body.dimensions != size:
             raise FieldError("dimensions", f"dimensions must be this model's embedding "
                                  f"size, {size}, or left out (embeddings are not shortened), "
                                  f"got {body.dimensions}")
-        items = oai.split_prompts(body.input, "input", self.tm.vocab_size)
+        items = oai.split_prompts(body.input, "input", self.state.model.vocab_size)
         if any(text == "" for text, _ in items):
             # As OpenAI's API: an empty text has no embedding (a tokenizer would still
             # give its special tokens one).
@@ -254,7 +254,7 @@ class OpenAIRoutes(RouteBase):
         return {
             "id": self.state.model_name, "object": "model", "created": self.state.created,
             "owned_by": "framework", "root": self.state.model_path,
-            "max_model_len": self.state.context_len,
+            "max_model_len": self.state.model.context_len,
         }
 
     async def models(self, request: Request) -> Response:
