@@ -8,6 +8,7 @@ prompt's token ids. ``RequestError`` (HTTP 400) and ``OverloadedError``
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
 from framework.messages import TokenizedGenerateReqInput
@@ -57,23 +58,35 @@ class GenerateRequest:
     rid: str | None = None
 
 
+def new_request_id() -> str:
+    """A fresh request id (rid), for a request whose caller gave none: the one place
+    request ids are made."""
+    return uuid.uuid4().hex
+
+
 @dataclass
 class PreparedRequest:
     """A ``GenerateRequest`` that passed every check, with its prompt's token ids.
 
     ``TokenizerManager.prepare`` makes one; a caller that fans one API request out
     into several prepares them all before sending any, so that one bad part
-    refuses the whole request while nothing is running yet.
+    refuses the whole request while nothing is running yet. ``rid`` is the caller's
+    (``req.rid``) or a fresh one, fixed here so that logs name the request before
+    it is sent.
     """
 
     req: GenerateRequest
     input_ids: list[int]
+    rid: str = ""
 
-    def message(self, rid: str, handle: int) -> TokenizedGenerateReqInput:
-        """The request as the Scheduler takes it, under ``rid`` and ``handle``."""
+    def __post_init__(self) -> None:
+        self.rid = self.rid or self.req.rid or new_request_id()
+
+    def message(self, handle: int) -> TokenizedGenerateReqInput:
+        """The request as the Scheduler takes it, under its ``rid`` and ``handle``."""
         req = self.req
         return TokenizedGenerateReqInput(
-            rid=rid, handle=handle, input_text=req.text or "",
+            rid=self.rid, handle=handle, input_text=req.text or "",
             input_ids=self.input_ids,
             sampling_params=req.sampling_params, stream=req.stream,
             return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,

@@ -23,7 +23,6 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -62,6 +61,7 @@ from framework.runtime.request_input import (
     OverloadedError,
     PreparedRequest,
     RequestError,
+    new_request_id,
 )
 from framework.runtime.request_output import embedding_dict, output_dict, request_meta_info
 from framework.runtime.request_state import Chunk, ReqState, RequestTable, raise_if_died
@@ -269,10 +269,10 @@ class TokenizerManager:
         self._check_alive()
         prepared = req if isinstance(req, PreparedRequest) else await self.prepare(req)
         req = prepared.req
-        rid = req.rid or uuid.uuid4().hex
+        rid = prepared.rid
         async with self.requests.in_flight(
                 rid, len(prepared.input_ids),
-                lambda state: self.outbox.send(prepared.message(rid, state.handle))) as state:
+                lambda state: self.outbox.send(prepared.message(state.handle))) as state:
             state.text_in_logprobs = req.return_text_in_logprobs
             while True:
                 await state.event.wait()
@@ -303,7 +303,7 @@ class TokenizerManager:
         self.check_serves(embedding=True)
         self.check_capacity()
         ids = await self._input_ids(text, input_ids)
-        rid = uuid.uuid4().hex
+        rid = new_request_id()
         msg = TokenizedEmbeddingReqInput(rid=rid, input_text=text or "", input_ids=ids)
         async with self.requests.in_flight(rid, len(ids),
                                            lambda state: self.outbox.send(msg)) as state:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -111,10 +110,8 @@ class RouteBase:
 
         The prompt's text is not logged: it may be long and private; its length is.
         """
-        req = prepared.req
-        # The id is chosen here, not in the TokenizerManager, so that the first line has it.
-        req.rid = req.rid or uuid.uuid4().hex
-        logger.info("request %s %s: prompt_tokens=%d stream=%s sampling_params=%s", req.rid,
+        req, rid = prepared.req, prepared.rid
+        logger.info("request %s %s: prompt_tokens=%d stream=%s sampling_params=%s", rid,
                     current_route.get(), len(prepared.input_ids), req.stream,
                     _json.encode(req.sampling_params).decode())
         finished = False
@@ -124,7 +121,7 @@ class RouteBase:
                 if meta["finish_reason"] is not None:
                     finished = True
                     logger.info("request %s finished: reason=%s prompt_tokens=%d "
-                                "completion_tokens=%d cached_tokens=%d", req.rid,
+                                "completion_tokens=%d cached_tokens=%d", rid,
                                 _json.encode(meta["finish_reason"]).decode(),
                                 meta["prompt_tokens"], meta["completion_tokens"],
                                 meta["cached_tokens"])
@@ -132,4 +129,4 @@ class RouteBase:
         finally:
             if not finished:
                 logger.info("request %s ended unfinished (its client went away, or a part "
-                            "of the same API request failed)", req.rid)
+                            "of the same API request failed)", rid)
