@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 from framework.config import ServerArgs
 from framework.model_facts import ModelFacts
+from framework.runtime.fan_out import merge_streams
 from framework.runtime.launch import ComponentTree
 from framework.runtime.tokenizer_manager import (
     GenerateRequest,
@@ -372,37 +373,14 @@ class Engine:
     async def _stream(self, prepared: list[PreparedRequest], single: bool
                       ) -> AsyncIterator[dict[str, Any]]:
         """The chunks of every request as they come; closing it aborts the unfinished ones."""
-        # Each pump puts its chunks, then None (done) or the exception that ended it.
-        queue: asyncio.Queue[dict[str, Any] | Exception | None] = asyncio.Queue()
-        manager = self._manager
-
-        async def pump(index: int, req: PreparedRequest) -> None:
-            ids_len = 0
-            try:
-                async for out in manager.generate(req):
-                    queue.put_nowait(_new_part(out, ids_len, None if single else index))
-                    ids_len = len(out["output_ids"])
-            except Exception as exc:  # a failed send: the stream ends with its error
-                queue.put_nowait(exc)
-                return
-            queue.put_nowait(None)
-
-        tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(prepared)]
-        running = len(tasks)
-        try:
-            while running:
-                item = await queue.get()
-                if item is None:
-                    running -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield item
-        finally:
-            # A cancelled pump leaves the manager's generate, which aborts its request.
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        parts = merge_streams([self._manager.generate(p) for p in prepared])
+        ids_len: dict[int, int] = {}
+        # Closed at once when this stream is: the parts still running are cancelled, which
+        # aborts their requests.
+        async with contextlib.aclosing(parts):
+            async for index, out in parts:
+                yield _new_part(out, ids_len.get(index, 0), None if single else index)
+                ids_len[index] = len(out["output_ids"])
 
     @staticmethod
     def _requests(

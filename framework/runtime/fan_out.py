@@ -1,4 +1,6 @@
-"""One API request fanned out into several: its prompts and the ``n`` choices of each.
+"""One API request fanned out into several: its prompts and the ``n`` choices of each,
+and their outputs merged back into one stream (``merge_streams``, for the HTTP routes
+and the Engine alike).
 
 Every part is prepared before any is sent, and the parts run together: one
 that fails cancels the others (whose ``finally`` aborts them in the
@@ -9,9 +11,10 @@ sent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from framework.runtime.request_input import GenerateRequest, PreparedRequest
 
@@ -67,3 +70,44 @@ async def gather_or_cancel(coros: list[Awaitable[T]]) -> list[T]:
     if first is not None:
         raise first
     return [t.result() for t in tasks]
+
+
+def merge_streams(streams: list[AsyncIterator[Any]]
+                  ) -> AsyncGenerator[tuple[int, Any], None]:
+    """Interleave several async iterators, tagging each item with its stream's index.
+
+    If one fails, or the caller stops iterating, the others are cancelled, which
+    aborts their requests.
+    """
+
+    async def merged() -> AsyncGenerator[tuple[int, Any], None]:
+        queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int, stream: AsyncIterator[Any]) -> None:
+            try:
+                async for item in stream:
+                    await queue.put((i, item, None))
+                await queue.put((i, done, None))
+            except Exception as exc:
+                await queue.put((i, done, exc))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item, error = await queue.get()
+                if error is not None:
+                    raise error
+                if item is done:
+                    remaining -= 1
+                    continue
+                yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    return merged()

@@ -2,7 +2,8 @@
 
 The handlers live in ``framework.server.routes`` (one class per family); the plumbing
 they share in ``responses``, ``request_body``, ``disconnect``, ``handler``, ``auth``,
-``sse`` and ``fan_in``.
+and ``sse``; the fan-in of a request's parts is the runtime's (``runtime/fan_out.py``),
+which the Engine uses too.
 """
 
 from __future__ import annotations

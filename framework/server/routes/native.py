@@ -9,10 +9,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from framework.runtime.fan_out import merge_streams
 from framework.runtime.tokenizer_manager import GenerateRequest, RequestError
 from framework.sampling_params import SamplingParams, check_token_ids
 from framework.server import openai as oai
-from framework.server.fan_in import merge_streams
 from framework.server.request_body import parse_body
 from framework.server.responses import JSONResponse
 from framework.server.routes.base import RouteBase

@@ -12,6 +12,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
+from framework.runtime.fan_out import merge_streams
 from framework.runtime.incremental_decoder import DecodeFn
 from framework.runtime.request import CONTEXT_IDS
 from framework.runtime.tokenizer_manager import PreparedRequest, RequestError, gather_or_cancel
@@ -19,7 +20,6 @@ from framework.sampling_params import FieldError, SamplingParams
 from framework.server import openai as oai
 from framework.server import openai_responses as oai_out
 from framework.server.disconnect import unless_client_leaves
-from framework.server.fan_in import merge_streams
 from framework.server.handler import current_route
 from framework.server.request_body import parse_body
 from framework.server.responses import JSONResponse
