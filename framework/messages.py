@@ -92,6 +92,17 @@ class AbortReq(Message):
 # --------------------------------------------------------------------------- outputs
 
 
+#: Prompt ids sent as decoding context with a request's first output, so that its first
+#: token decodes with the spacing it has after the prompt. The Scheduler's stop-string
+#: matcher decodes with the same context, so both see the same text.
+CONTEXT_IDS = 5
+
+
+def decode_context(prompt_ids: list[int]) -> list[int]:
+    """The prompt ids an output is decoded after (the last ``CONTEXT_IDS`` of them)."""
+    return prompt_ids[-CONTEXT_IDS:]
+
+
 class RequestConstants(msgspec.Struct, array_like=True):
     """What stays fixed for a request's whole life, sent with its first output only.
 

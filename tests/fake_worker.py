@@ -253,7 +253,7 @@ def _with_tiny_tokenizer(scheduler_class: type) -> type:
     """``scheduler_class`` with the tiny test tokenizer instead of one read from disk."""
 
     class TinyTokenizerScheduler(scheduler_class):  # type: ignore[misc, valid-type]
-        def _load_tokenizer(self) -> Any:
+        def load_tokenizer(self) -> Any:
             return make_tiny_tokenizer()
 
     return TinyTokenizerScheduler

@@ -8,30 +8,26 @@ call. ``launch_mode="thread"`` runs them as threads of the caller's process
 instead, over the ``inproc`` transport unless another is named (for tests and
 debugging).
 
-The TokenizerManager lives on the Engine's own event loop, which runs in a
-background thread ("engine-loop") for the Engine's whole life. Every call, sync
-or async, hands a coroutine to that loop with ``asyncio.run_coroutine_threadsafe``:
-a sync call waits on the returned future, an async call awaits it on the
-caller's loop through ``asyncio.wrap_future``. So the Engine works the same from
-a plain script, from inside ``asyncio.run(...)`` and from several threads, and
-the caller's loop never runs (or blocks) the manager's receive loops.
+The TokenizerManager lives on the Engine's own event loop, in a background
+thread (``engine_loop.py``): every call, sync or async, is bridged to it, so the
+Engine works the same from a plain script, from inside ``asyncio.run(...)`` and
+from several threads.
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
-import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 from framework.config import ServerArgs
-from framework.model_facts import ModelFacts
+from framework.runtime.engine_loop import EngineLoop
 from framework.runtime.fan_out import merge_streams
-from framework.runtime.launch import ComponentTree
+from framework.runtime.launch import ComponentTree, start_runtime
+from framework.runtime.request_output import RequestOutput
 from framework.runtime.tokenizer_manager import (
     GenerateRequest,
     PreparedRequest,
@@ -41,16 +37,12 @@ from framework.runtime.tokenizer_manager import (
 from framework.sampling_params import SamplingParams
 
 logger = logging.getLogger("framework.engine")
-T = TypeVar("T")
 # One set of sampling parameters for every prompt, or a list of one set per prompt.
 ParamsArg = dict[str, Any] | SamplingParams | list[dict[str, Any] | SamplingParams] | None
 
 _WATCHER_JOIN_S = 5.0
-# How long shutdown() waits for the manager to close and the loop thread to end.
-_LOOP_STOP_S = 10.0
-# What a stream's step returns once the stream has ended (StopAsyncIteration does not
-# cross a future cleanly).
-_END = object()
+# How long shutdown() waits for the manager to close.
+_MANAGER_CLOSE_S = 10.0
 
 
 class Engine:
@@ -80,16 +72,9 @@ class Engine:
         self.components = ComponentTree(self.server_args)
         self.transport = self.components.transport
         self.port_args = self.components.port_args
-        self._loop = asyncio.new_event_loop()
-        # Done (with the reason) once a component has died.
-        self._death: asyncio.Future[str] = self._loop.create_future()
+        self._loop = EngineLoop()
         self._watcher: threading.Thread | None = None
         self.tokenizer_manager: TokenizerManager | None = None
-        self._closing: set[asyncio.Future[None]] = set()
-        # Daemon: a script that forgets shutdown() still exits.
-        self._loop_thread = threading.Thread(target=self._run_loop, name="engine-loop",
-                                             daemon=True)
-        self._loop_thread.start()
         # An Engine never shut down is shut down at exit, before the interpreter kills the
         # loop thread (and, in thread mode, a Scheduler thread in the middle of a step).
         atexit.register(self.shutdown)
@@ -100,29 +85,9 @@ class Engine:
             raise
 
     def _start(self) -> None:
-        args, components = self.server_args, self.components
-        tokenizer = components.start_loading_tokenizer()
-        # The TokenizerManager binds its receivers before the components connect to them.
-        manager = components.tokenizer_manager_class(args, components.tokenizer_port_args,
-                                                     components.transport, tokenizer)
-        self.tokenizer_manager = manager
-        model = components.start()["model"]
-        tokenizer.result()  # a tokenizer that fails to load ends start-up
-        self._run(self._start_manager(manager, model))
+        self.tokenizer_manager = self._loop.run(start_runtime(self.components))
         self._watcher = threading.Thread(target=self._watch, name="engine-watcher", daemon=True)
         self._watcher.start()
-
-    @staticmethod
-    async def _start_manager(manager: TokenizerManager, model: ModelFacts) -> None:
-        manager.start(model)  # its receive loops need a running event loop
-
-    def _run_loop(self) -> None:
-        """The loop thread: run the loop until shutdown, then clean up as asyncio.run does."""
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_forever()
-        finally:
-            self._loop.run_until_complete(_cancel_leftovers())
 
     def _watch(self) -> None:
         """Wait for a component to die; then fail every waiting request and stop the rest."""
@@ -130,16 +95,14 @@ class Engine:
         if reason is None:
             return  # shut down on purpose
         logger.error("%s; the engine stops", reason)
-        with contextlib.suppress(RuntimeError):  # the loop is closed: shutdown() is done
-            self._loop.call_soon_threadsafe(self._on_death, reason)
+        self._loop.call_soon(self._on_death, reason)
         # Like the server, the runtime goes down with any of its parts: no orphans.
         self.components.stop()
 
     def _on_death(self, reason: str) -> None:
         if self.tokenizer_manager is not None:
             self.tokenizer_manager.fail_all(reason)
-        if not self._death.done():
-            self._death.set_result(reason)
+        self._loop.fail(reason)
 
     # ------------------------------------------------------------------ API
 
@@ -178,12 +141,13 @@ class Engine:
         checked before this returns (a ``ValueError``); leaving the iteration early
         (``break``, ``close()``) aborts the requests and frees their KV slots.
         """
-        prepared, single = self._run(self._prepare(
+        prepared, single = self._loop.run(self._prepare(
             prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream,
             logprob_start_len, return_text_in_logprobs))
         if stream:
-            return self._sync_stream(self._stream(prepared, single))
-        results = self._run(gather_or_cancel([self._manager.generate_one(p) for p in prepared]))
+            return self._loop.sync_stream(self._stream(prepared, single))
+        results = self._loop.run(
+            gather_or_cancel([self._manager.generate_one(p) for p in prepared]))
         return _final(results, single)
 
     async def async_generate(
@@ -205,12 +169,12 @@ class Engine:
         ``contextlib.aclosing``) aborts the requests and frees their KV slots.
         Cancelling the awaiting task aborts the requests too.
         """
-        prepared, single = await self._arun(self._prepare(
+        prepared, single = await self._loop.arun(self._prepare(
             prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream,
             logprob_start_len, return_text_in_logprobs))
         if stream:
-            return self._async_stream(self._stream(prepared, single))
-        results = await self._arun(
+            return self._loop.async_stream(self._stream(prepared, single))
+        results = await self._loop.arun(
             gather_or_cancel([self._manager.generate_one(p) for p in prepared]))
         return _final(results, single)
 
@@ -224,24 +188,24 @@ class Engine:
         self._manager.check_serves(embedding=True)
         single = isinstance(texts, str)
         items = [texts] if single else list(texts)
-        results = self._run(gather_or_cancel([self._manager.embed(text=t) for t in items]))
-        embeddings = [r["embedding"] for r in results]
+        results = self._loop.run(gather_or_cancel([self._manager.embed(text=t) for t in items]))
+        embeddings = [r.embedding for r in results]
         return embeddings[0] if single else embeddings
 
     def flush_cache(self) -> Any:
         """Flush the prefix cache (when idle)."""
-        return self._run(self._manager.flush_cache())
+        return self._loop.run(self._manager.flush_cache())
 
     def update_weights_from_disk(self, model_path: str, load_format: str = "auto",
                                  abort_all_requests: bool = False) -> Any:
         """Load new weights of the same architecture (requests in flight go on with them,
         or end with ``abort`` with ``abort_all_requests``)."""
-        return self._run(self._manager.update_weights_from_disk(model_path, load_format,
+        return self._loop.run(self._manager.update_weights_from_disk(model_path, load_format,
                                                                 abort_all_requests))
 
     def get_server_info(self) -> dict[str, Any]:
         """The Scheduler's state, including whether every KV slot is free when idle."""
-        return self._run(self._manager.get_scheduler_info())
+        return self._loop.run(self._manager.get_scheduler_info())
 
     def shutdown(self) -> None:
         """Stop the components, close every channel and remove the channels' directory."""
@@ -249,17 +213,9 @@ class Engine:
         self.components.stop()
         if self._watcher is not None:
             self._watcher.join(_WATCHER_JOIN_S)
-        if self._loop.is_closed():
-            return
-        if self.tokenizer_manager is not None and self._loop_thread.is_alive():
-            future = asyncio.run_coroutine_threadsafe(self.tokenizer_manager.close(), self._loop)
-            with contextlib.suppress(concurrent.futures.TimeoutError):
-                future.result(_LOOP_STOP_S)
-        if self._loop_thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop_thread.join(_LOOP_STOP_S)
-        if not self._loop_thread.is_alive():
-            self._loop.close()
+        if self.tokenizer_manager is not None:
+            self._loop.finish(self.tokenizer_manager.close(), _MANAGER_CLOSE_S)
+        self._loop.stop()
 
     def __enter__(self) -> Engine:
         return self
@@ -271,78 +227,9 @@ class Engine:
 
     @property
     def _manager(self) -> TokenizerManager:
-        if self.tokenizer_manager is None or self._loop.is_closed():
+        if self.tokenizer_manager is None or not self._loop.is_open:
             raise RuntimeError("the engine is shut down")
         return self.tokenizer_manager
-
-    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Run ``coro`` on the Engine's loop, unless a component dies first."""
-        if self._loop.is_closed() or not self._loop_thread.is_alive():
-            coro.close()
-            raise RuntimeError("the engine is shut down")
-        return asyncio.run_coroutine_threadsafe(self._unless_dead(coro), self._loop)
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Block until ``coro`` is done on the Engine's loop; cancel it if the wait is cut short."""
-        future = self._submit(coro)
-        try:
-            return future.result()
-        except BaseException:
-            future.cancel()  # KeyboardInterrupt: the requests are aborted, not left running
-            raise
-
-    async def _arun(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Await ``coro``, run on the Engine's loop, from the caller's loop.
-
-        Cancelling the caller cancels the wrapped future, which cancels the task
-        on the Engine's loop: its requests are aborted as a disconnect would.
-        """
-        return await asyncio.wrap_future(self._submit(coro))
-
-    async def _unless_dead(self, coro: Coroutine[Any, Any, T]) -> T:
-        """``coro``'s result, or a ``RuntimeError`` naming the component that died meanwhile."""
-        task = asyncio.ensure_future(coro)
-        try:
-            await asyncio.wait({task, self._death}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise
-        if not self._death.done():
-            return task.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise RuntimeError(f"the runtime is down: {self._death.result()}")
-
-    def _sync_stream(self, chunks: AsyncIterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        """Iterate ``chunks`` (which live on the Engine's loop) from a plain thread."""
-        try:
-            while (chunk := self._run(_next(chunks))) is not _END:
-                yield chunk
-        finally:
-            self._close_stream(chunks)
-
-    async def _async_stream(self, chunks: AsyncIterator[dict[str, Any]]
-                            ) -> AsyncIterator[dict[str, Any]]:
-        """Iterate ``chunks`` (which live on the Engine's loop) from the caller's loop."""
-        try:
-            while (chunk := await self._arun(_next(chunks))) is not _END:
-                yield chunk
-        finally:
-            # Closing runs the manager's cleanup, which aborts an unfinished request.
-            with contextlib.suppress(RuntimeError):  # the engine is shut down
-                await self._arun(_aclose(chunks))
-
-    def _close_stream(self, chunks: AsyncIterator[dict[str, Any]]) -> None:
-        if threading.current_thread() is self._loop_thread:
-            # Dropped by a garbage collection on the loop's own thread: waiting would deadlock.
-            task = asyncio.ensure_future(_aclose(chunks))
-            self._closing.add(task)  # a task nobody references may vanish before it runs
-            task.add_done_callback(self._closing.discard)
-            return
-        # RuntimeError: shut down, or still being cancelled (which aborts it too).
-        with contextlib.suppress(RuntimeError):
-            self._run(_aclose(chunks))
 
     # ------------------------------------------------------------------ on the Engine's loop
 
@@ -380,7 +267,7 @@ class Engine:
         async with contextlib.aclosing(parts):
             async for index, out in parts:
                 yield _new_part(out, ids_len.get(index, 0), None if single else index)
-                ids_len[index] = len(out["output_ids"])
+                ids_len[index] = len(out.output_ids)
 
     @staticmethod
     def _requests(
@@ -426,38 +313,16 @@ def _to_params(params: Any) -> SamplingParams:
                      f"got {type(params).__name__}")
 
 
-def _final(results: list[dict[str, Any]], single: bool) -> dict[str, Any] | list[dict[str, Any]]:
-    """The non-streaming outputs: the manager's dicts without their ``delta``."""
-    outputs = [{k: v for k, v in r.items() if k != "delta"} for r in results]
+def _final(results: list[RequestOutput], single: bool) -> dict[str, Any] | list[dict[str, Any]]:
+    """The non-streaming outputs, as SGLang's dicts."""
+    outputs = [r.to_dict() for r in results]
     return outputs[0] if single else outputs
 
 
-def _new_part(out: dict[str, Any], ids_before: int, index: int | None) -> dict[str, Any]:
+def _new_part(out: RequestOutput, ids_before: int, index: int | None) -> dict[str, Any]:
     """A stream chunk from the manager's output: only what is new since the last one."""
-    chunk = {"text": out["delta"], "output_ids": out["output_ids"][ids_before:],
-             "meta_info": out["meta_info"]}
+    chunk = {"text": out.delta, "output_ids": out.output_ids[ids_before:],
+             "meta_info": out.meta_info}
     if index is not None:
         chunk["index"] = index
     return chunk
-
-
-async def _next(chunks: AsyncIterator[dict[str, Any]]) -> Any:
-    """The next chunk, or ``_END``."""
-    try:
-        return await chunks.__anext__()
-    except StopAsyncIteration:
-        return _END
-
-
-async def _aclose(chunks: AsyncIterator[dict[str, Any]]) -> None:
-    await chunks.aclose()  # type: ignore[attr-defined]
-
-
-async def _cancel_leftovers() -> None:
-    """Cancel the tasks still on the loop and close its async generators (streams left open)."""
-    current = asyncio.current_task()
-    tasks = [t for t in asyncio.all_tasks() if t is not current]
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await asyncio.get_running_loop().shutdown_asyncgens()

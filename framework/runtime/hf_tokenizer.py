@@ -90,6 +90,27 @@ def start_loading_tokenizer(
     return in_background(load)
 
 
+def start_loading_model_tokenizer(path: str, load: Callable[[], Any], may_defer: bool
+                                  ) -> tuple[concurrent.futures.Future[Any], str]:
+    """A Scheduler's tokenizer (``load()``, of the files at ``path``), as a future, and its
+    class (``"module:Name"``).
+
+    A class picked before for the same files (``tokenizer_choice``) is what the
+    launcher hands out already; where ``may_defer`` (a Scheduler in a process of
+    its own), the load then runs on a thread while the Scheduler starts serving,
+    as only stop strings and grammars need it (and the load is mostly
+    transformers' import, about a second). Otherwise it runs now, to report the
+    class it picks.
+    """
+    from framework.runtime.tokenizer_choice import remembered_tokenizer_class
+
+    remembered = remembered_tokenizer_class(path)
+    if remembered is not None and may_defer:
+        return in_background(load), remembered
+    loaded = at_once(load)
+    return loaded, tokenizer_class_path(loaded.result())
+
+
 def at_once(load: Callable[[], Any]) -> concurrent.futures.Future[Any]:
     """``load()`` here and now, as a done future of what it returns (what it raises, raises)."""
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()

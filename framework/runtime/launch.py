@@ -7,7 +7,7 @@ ready, watches them and stops them:
 1. ``ComponentTree(server_args)`` checks the launch arguments and makes the
    transport and the channel addresses (``PortArgs``);
 2. the caller builds its TokenizerManager on them, which binds its receivers
-   first;
+   first (``start_runtime`` does steps 2 and 3 for both callers);
 3. ``start()`` starts the components, gathers the ready message of each (the
    first failure stops them all and raises ``ComponentError``) and returns
    scheduler rank 0's. A Scheduler's ready message names the tokenizer class
@@ -35,6 +35,7 @@ and ``component_handles.py`` runs it in a process or a thread.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import logging
@@ -44,7 +45,7 @@ import signal
 import threading
 import time
 from multiprocessing.connection import wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from framework.config import LAUNCH_MODES, PortArgs, ServerArgs
 from framework.distributed.config import ParallelConfig
@@ -69,6 +70,9 @@ from framework.runtime.component_plan import (
 )
 from framework.runtime.hf_tokenizer import start_loading_tokenizer
 from framework.runtime.tokenizer_choice import remembered_tokenizer_class
+
+if TYPE_CHECKING:
+    from framework.runtime.tokenizer_manager import TokenizerManager
 
 # The start-up path's names, with those of its parts that callers import from here.
 __all__ = [
@@ -264,7 +268,7 @@ class ComponentTree:
             self.handles = [ThreadHandle(spec, args(spec)) for spec in self.specs]
         try:
             for handle in self.handles:
-                handle.start()
+                self._start_unless_stopping(handle)
             if self.tokenizer_class.done():
                 self._send_class_to_detokenizers(self.tokenizer_class.result())
             self._gather_ready()
@@ -272,6 +276,14 @@ class ComponentTree:
             self.stop()
             raise
         return self.scheduler_info
+
+    def _start_unless_stopping(self, handle: ProcessHandle | ThreadHandle) -> None:
+        # Under stop()'s lock: a stop from another thread (a cancelled start-up) leaves
+        # nothing started after it.
+        with self._stop_lock:
+            if self._stopping:
+                raise ComponentError("the components were stopped while starting")
+            handle.start()
 
     def _gather_ready(self) -> None:
         deadline = time.monotonic() + _READY_TIMEOUT_S
@@ -364,3 +376,27 @@ class ComponentTree:
                 handle.close()
             for port_args in self.replica_port_args:
                 port_args.cleanup()
+
+
+async def start_runtime(components: ComponentTree) -> TokenizerManager:
+    """Start the runtime of ``components`` and its TokenizerManager on the running loop.
+
+    The one start-up of ``framework serve`` and the Engine: the manager binds its
+    receivers first (the components connect to them), the tokenizer loads while
+    the components start, and the manager starts with the model facts of the
+    Scheduler's ready message. A component or a tokenizer that fails ends
+    start-up with its error; the manager is then closed, and the caller stops
+    ``components``.
+    """
+    args = components.server_args
+    tokenizer = components.start_loading_tokenizer()
+    manager = components.tokenizer_manager_class(args, components.tokenizer_port_args,
+                                                 components.transport, tokenizer)
+    try:
+        info = await asyncio.to_thread(components.start)
+        await asyncio.wrap_future(tokenizer)
+        manager.start(info["model"])
+    except BaseException:
+        await manager.close()
+        raise
+    return manager

@@ -6,13 +6,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from framework.messages import FinishReason
+from framework.messages import FinishReason, decode_context
 from framework.sampling_params import SamplingParams
-
-#: Prompt ids sent as decoding context with a request's first output, so that its first
-#: token decodes with the spacing it has after the prompt. The Scheduler's stop-string
-#: matcher decodes with the same context, so both see the same text.
-CONTEXT_IDS = 5
 
 
 @dataclass
@@ -122,8 +117,8 @@ class Req:
                 and params.constraint() is None and (params.is_greedy or params.seed is None))
 
     def context_ids(self) -> list[int]:
-        """The prompt ids the output is decoded after (``CONTEXT_IDS`` of them)."""
-        return self.origin_input_ids[-CONTEXT_IDS:]
+        """The prompt ids the output is decoded after (``decode_context``)."""
+        return decode_context(self.origin_input_ids)
 
     @property
     def extend_remaining(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from framework.messages import TokenizedGenerateReqInput
+from framework.messages import TokenizedGenerateReqInput, decode_context
 from framework.sampling_params import SamplingParams
 
 
@@ -81,6 +81,11 @@ class PreparedRequest:
 
     def __post_init__(self) -> None:
         self.rid = self.rid or self.req.rid or new_request_id()
+
+    @property
+    def decode_context(self) -> list[int]:
+        """The prompt ids the output is decoded after (``messages.decode_context``)."""
+        return decode_context(self.input_ids)
 
     def message(self, handle: int) -> TokenizedGenerateReqInput:
         """The request as the Scheduler takes it, under its ``rid`` and ``handle``."""

@@ -1,4 +1,5 @@
-"""The output dicts the TokenizerManager yields: text, ids and SGLang's ``meta_info``.
+"""What the TokenizerManager answers: ``RequestOutput`` (text, ids and SGLang's
+``meta_info``) and ``EmbeddingOutput``.
 
 Each is built from a request's state as of one ``Chunk``, so a streaming
 caller that reads late still sees each output as it arrived. Logprobs are
@@ -9,6 +10,7 @@ SGLang's ``[logprob, token_id, text]`` triples; ``text`` is filled (through a
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from framework.messages import PromptLogprobs
@@ -62,24 +64,50 @@ def request_meta_info(rid: str, state: ReqState, chunk: Chunk | None,
     return meta
 
 
-def output_dict(state: ReqState, chunk: Chunk, meta: dict[str, Any]) -> dict[str, Any]:
-    """One output: the text so far, the new text, the ids so far and ``meta`` (its
-    ``meta_info`` as of ``chunk``)."""
-    return {
-        "text": state.text[:chunk.text_len],
-        "delta": chunk.delta,
-        "output_ids": state.output_ids[:chunk.ids_len],
-        "meta_info": meta,
-    }
+@dataclass(slots=True)
+class RequestOutput:
+    """One output of a generate request, as of one chunk.
 
-
-def embedding_dict(state: ReqState, meta: dict[str, Any]) -> dict[str, Any]:
-    """An embedding request's answer: its embedding and ``meta`` (its ``meta_info``).
-
-    A request the Scheduler aborted (it cannot run it) has no embedding to return:
-    it is a ``RequestError`` with the Scheduler's reason.
+    ``text`` and ``output_ids``: all of the output so far; ``delta``: the text new
+    since the previous output; ``meta_info``: SGLang's (``request_meta_info``).
     """
-    reason = state.finished_reason
-    if reason is not None and reason.type == "abort":
-        raise RequestError(f"the embedding request was aborted: {reason.message}")
-    return {"embedding": state.embedding, "meta_info": meta}
+
+    text: str
+    delta: str
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+
+    @classmethod
+    def of(cls, state: ReqState, chunk: Chunk, meta: dict[str, Any]) -> RequestOutput:
+        """The output of ``state`` as of ``chunk``, with ``meta`` its ``meta_info``."""
+        return cls(state.text[:chunk.text_len], chunk.delta, state.output_ids[:chunk.ids_len],
+                   meta)
+
+    @property
+    def finished(self) -> bool:
+        """Whether this is the request's last output."""
+        return self.meta_info["finish_reason"] is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        """SGLang's output object: ``text``, ``output_ids`` and ``meta_info``."""
+        return {"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info}
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """An embedding request's answer: its embedding and its ``meta_info``."""
+
+    embedding: Any  # a float32 vector
+    meta_info: dict[str, Any]
+
+    @classmethod
+    def of(cls, state: ReqState, meta: dict[str, Any]) -> EmbeddingOutput:
+        """The answer of ``state``, with ``meta`` its ``meta_info``.
+
+        A request the Scheduler aborted (it cannot run it) has no embedding to
+        return: it is a ``RequestError`` with the Scheduler's reason.
+        """
+        reason = state.finished_reason
+        if reason is not None and reason.type == "abort":
+            raise RequestError(f"the embedding request was aborted: {reason.message}")
+        return cls(state.embedding, meta)

@@ -10,7 +10,7 @@ The class composes one part per concept: the checks before sending
 (``request_checks``), tokenizing and chat templates (``prompt_input``), the
 ``SchedulerOutbox`` every request and abort leaves through
 (``scheduler_outbox``), the states of the requests in flight and how outputs
-update them (``request_state``), the output dicts (``request_output``), the
+update them (``request_state``), the typed outputs (``request_output``), the
 fan-out of one API request into parts (``fan_out``), the RPCs to the
 Schedulers (``scheduler_rpc``) and the loops that receive what comes back
 (``receive_loops``). The request types and errors it takes and raises
@@ -63,7 +63,11 @@ from framework.runtime.request_input import (
     RequestError,
     new_request_id,
 )
-from framework.runtime.request_output import embedding_dict, output_dict, request_meta_info
+from framework.runtime.request_output import (
+    EmbeddingOutput,
+    RequestOutput,
+    request_meta_info,
+)
 from framework.runtime.request_state import Chunk, ReqState, RequestTable, raise_if_died
 from framework.runtime.scheduler_outbox import CLOSE_FLUSH_S, SchedulerOutbox
 from framework.runtime.scheduler_rpc import SchedulerRpc
@@ -260,8 +264,9 @@ class TokenizerManager:
     # ------------------------------------------------------------------ requests
 
     async def generate(self, req: GenerateRequest | PreparedRequest
-                       ) -> AsyncIterator[dict[str, Any]]:
-        """Send ``req`` and yield an output dict each time new text arrives (once if not streaming).
+                       ) -> AsyncIterator[RequestOutput]:
+        """Send ``req`` and yield a ``RequestOutput`` each time new text arrives (once if not
+        streaming).
 
         Leaving the iteration early (the client disconnected) aborts the request;
         so does a send that fails, and the request's state is gone either way.
@@ -281,11 +286,11 @@ class TokenizerManager:
                     chunk = state.chunks.popleft()
                     raise_if_died(chunk, self.dead_reason)
                     if req.stream or chunk.finished_reason is not None:
-                        yield output_dict(state, chunk, self.meta_info(rid, state, chunk))
+                        yield RequestOutput.of(state, chunk, self.meta_info(rid, state, chunk))
                     if chunk.finished_reason is not None:
                         return
 
-    async def generate_one(self, req: GenerateRequest | PreparedRequest) -> dict[str, Any]:
+    async def generate_one(self, req: GenerateRequest | PreparedRequest) -> RequestOutput:
         """The final output of a non-streaming request."""
         (req.req if isinstance(req, PreparedRequest) else req).stream = False
         async for out in self.generate(req):
@@ -293,7 +298,7 @@ class TokenizerManager:
         raise RuntimeError("generation ended without an output")
 
     async def embed(self, text: str | None = None,
-                    input_ids: list[int] | None = None) -> dict[str, Any]:
+                    input_ids: list[int] | None = None) -> EmbeddingOutput:
         """The embedding of one input.
 
         An input the Scheduler aborts (it cannot run it) raises ``RequestError`` with
@@ -313,7 +318,7 @@ class TokenizerManager:
         last = state.chunks[-1] if state.chunks else None
         if last is not None:
             raise_if_died(last, self.dead_reason)
-        return embedding_dict(state, self.meta_info(rid, state, last))
+        return EmbeddingOutput.of(state, self.meta_info(rid, state, last))
 
     async def dispatch(self, msg: Message) -> None:
         """Send ``msg`` to the Scheduler after every request and abort handed over before it."""

@@ -18,6 +18,7 @@ from framework.runtime.launch import (
     ComponentTree,
     run_ranks_only,
     set_torch_threads,
+    start_runtime,
 )
 
 if TYPE_CHECKING:
@@ -50,23 +51,16 @@ async def _serve(server_args: ServerArgs) -> int:
     manager = None
     try:
         model_path = server_args.resolved_model_path()
-        tokenizer = components.start_loading_tokenizer()
-        # The TokenizerManager binds its receivers before the components connect to them.
-        manager = components.tokenizer_manager_class(server_args, components.tokenizer_port_args,
-                                                     components.transport, tokenizer)
         # The app and Hypercorn (a third of a second of imports) load while the components
         # start, not before: the import below then finds them loaded, or waits for them.
         threading.Thread(target=_import_http_stack, name="import-http", daemon=True).start()
-        info = await asyncio.to_thread(components.start)
-        await asyncio.wrap_future(tokenizer)  # a tokenizer that fails to load ends start-up
-        model = info["model"]
-        manager.start(model)
+        manager = await start_runtime(components)
         from framework.server.state import ServerState
 
         state = ServerState(
             tokenizer_manager=manager, server_args=server_args,
             model_name=server_args.served_model_name or model_path, model_path=model_path,
-            model=model,
+            model=manager.model,
         )
         return await _run_http(server_args, state, components, listener)
     finally:

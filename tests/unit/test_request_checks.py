@@ -161,7 +161,7 @@ def test_a_request_handed_to_the_manager_directly_is_verified_once(
     tm, runtime, verified = served
     req = GenerateRequest(text="hello", sampling_params=SamplingParams(max_new_tokens=1))
     out = asyncio.run(_serving(tm, runtime, tm.generate_one(req)))
-    assert out["text"] == " x"
+    assert out.text == " x"
     assert verified == [req.sampling_params]
 
 

@@ -113,9 +113,9 @@ def test_outputs_carry_handles_only_and_the_rid_still_reaches_the_client() -> No
     # The client sees its own rid in every output, and all of its tokens.
     for rid, outs in zip(RIDS, outputs):
         assert outs, f"{rid} got no output"
-        assert all(out["meta_info"]["id"] == rid for out in outs)
-        assert len(outs[-1]["output_ids"]) == NEW_TOKENS
-        assert outs[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        assert all(out.meta_info["id"] == rid for out in outs)
+        assert len(outs[-1].output_ids) == NEW_TOKENS
+        assert outs[-1].meta_info["finish_reason"]["type"] == "length"
     assert tm.rid_to_state == {} and tm.handle_to_state == {}
 
 

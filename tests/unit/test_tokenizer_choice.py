@@ -120,7 +120,7 @@ def test_a_scheduler_loads_a_remembered_class_in_the_background(
     harness = SchedulerHarness(model_path=str(model_dir), launch_mode="process")
     try:
         scheduler = harness.scheduler
-        assert backgrounded == (["_load_tokenizer"] if remembered else [])
+        assert backgrounded == (["load_tokenizer"] if remembered else [])
         assert scheduler.tokenizer_class == tokenizer_class_path(make_tiny_tokenizer())
         prompt = [5, 6, 7, 8]
         expected = reference_output(prompt, 12, ignore_eos=True)

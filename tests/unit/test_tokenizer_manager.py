@@ -174,7 +174,7 @@ def test_a_request_that_fails_to_encode_leaves_no_state_and_frees_its_rid(
             await tm.close()
 
     out = asyncio.run(scenario())
-    assert out["text"] == " done"
+    assert out.text == " done"
     assert tm.rid_to_state == {}
 
 

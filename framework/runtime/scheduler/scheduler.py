@@ -27,7 +27,6 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
 from typing import Any
 
 from framework.comm.transport import Receiver, RpcServer, Sender, Transport
@@ -37,6 +36,7 @@ from framework.mem_cache.prefix_cache import ChunkCache, PrefixCache
 from framework.messages import FinishReason, Message
 from framework.registry import SCHEDULE_POLICIES, create_codec
 from framework.runtime.heap import HeapTrimmer
+from framework.runtime.hf_tokenizer import load_tokenizer, start_loading_model_tokenizer
 from framework.runtime.request import Req
 from framework.runtime.scheduler.admission import Admitter
 from framework.runtime.scheduler.batch import ScheduledBatch
@@ -99,7 +99,10 @@ class Scheduler:
         self.policy: SchedulePolicy = SCHEDULE_POLICIES.get(server_args.schedule_policy)(
             self.tree_cache)
         #: The tokenizer, as a future; ``tokenizer_class``: its class (``"module:Name"``).
-        self.tokenizer_future, self.tokenizer_class = self._start_loading_tokenizer()
+        # Started once the model is built: nothing else here imports transformers then.
+        self.tokenizer_future, self.tokenizer_class = start_loading_model_tokenizer(
+            server_args.resolved_tokenizer_path(), self.load_tokenizer,
+            may_defer=server_args.launch_mode == "process")
         self.context_len = self.model_config.context_len
         self.eos_token_ids: set[int] = set(self.model_config.eos_token_ids)
         self.grammars = GrammarManager(
@@ -349,26 +352,6 @@ class Scheduler:
         """The model's tokenizer (waiting for a load that is still going on)."""
         return self.tokenizer_future.result()
 
-    def _start_loading_tokenizer(self) -> tuple[Future[Any], str]:
-        """The tokenizer, as a future, and its class.
-
-        A class picked before for the same files (``tokenizer_choice``) is what
-        the launcher hands out already; in a process of its own, the Scheduler then
-        loads it on a thread while it starts serving, as only stop strings and
-        grammars need it (and the load is mostly transformers' import, about a
-        second). Otherwise the load runs now, to report the class it picks.
-        """
-        from framework.runtime.hf_tokenizer import at_once, in_background, tokenizer_class_path
-        from framework.runtime.tokenizer_choice import remembered_tokenizer_class
-
-        remembered = remembered_tokenizer_class(self.server_args.resolved_tokenizer_path())
-        if remembered is not None and self.server_args.launch_mode == "process":
-            # Started once the model is built: nothing else here imports transformers then.
-            return in_background(self._load_tokenizer), remembered
-        loaded = at_once(self._load_tokenizer)
-        return loaded, tokenizer_class_path(loaded.result())
-
-    def _load_tokenizer(self) -> Any:
-        from framework.runtime.hf_tokenizer import load_tokenizer
-
+    def load_tokenizer(self) -> Any:
+        """The tokenizer, from the model's files; override to serve another."""
         return load_tokenizer(self.server_args.resolved_tokenizer_path())

@@ -10,11 +10,11 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
 
 import msgspec
 from starlette.requests import Request
 
+from framework.runtime.request_output import RequestOutput
 from framework.runtime.tokenizer_manager import (
     GenerateRequest,
     PreparedRequest,
@@ -83,19 +83,19 @@ class RouteBase:
                     400, "context_length_exceeded", field)
 
     async def _first_outputs(self, request: Request, reqs: list[PreparedRequest]
-                             ) -> list[dict[str, Any]]:
+                             ) -> list[RequestOutput]:
         """Run every (checked) part to completion; one that fails cancels the others, and
         so does the client leaving."""
         return await unless_client_leaves(
             request, gather_or_cancel([self._generate_one(r) for r in reqs]))
 
-    def _generate(self, prepared: PreparedRequest) -> AsyncIterator[dict[str, Any]]:
+    def _generate(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """``TokenizerManager.generate``, logged when --log-requests is on."""
         if not self.state.server_args.log_requests:
             return self.tm.generate(prepared)
         return self._logged_generate(prepared)
 
-    async def _generate_one(self, prepared: PreparedRequest) -> dict[str, Any]:
+    async def _generate_one(self, prepared: PreparedRequest) -> RequestOutput:
         """The final output of one request (``TokenizerManager.generate_one``, logged)."""
         if not self.state.server_args.log_requests:
             return await self.tm.generate_one(prepared)
@@ -105,7 +105,8 @@ class RouteBase:
                 return out
         raise RuntimeError("generation ended without an output")
 
-    async def _logged_generate(self, prepared: PreparedRequest) -> AsyncIterator[dict[str, Any]]:
+    async def _logged_generate(self, prepared: PreparedRequest
+                               ) -> AsyncIterator[RequestOutput]:
         """Log a request's start and its finish around ``TokenizerManager.generate``.
 
         The prompt's text is not logged: it may be long and private; its length is.
@@ -117,7 +118,7 @@ class RouteBase:
         finished = False
         try:
             async for out in self.tm.generate(prepared):
-                meta = out["meta_info"]
+                meta = out.meta_info
                 if meta["finish_reason"] is not None:
                     finished = True
                     logger.info("request %s finished: reason=%s prompt_tokens=%d "

@@ -80,12 +80,9 @@ class NativeRoutes(RouteBase):
         if body.stream:
             async def events() -> AsyncIterator[dict[str, Any]]:
                 async for i, out in merge_streams([self._generate(r) for r in reqs]):
-                    out = {k: v for k, v in out.items() if k != "delta"}
-                    out["index"] = i
-                    yield out
+                    yield {**out.to_dict(), "index": i}
             return sse_response(events())
-        outputs = [{k: v for k, v in o.items() if k != "delta"}
-                   for o in await self._first_outputs(request, reqs)]
+        outputs = [o.to_dict() for o in await self._first_outputs(request, reqs)]
         return JSONResponse(outputs if as_list else outputs[0])
 
     async def get_model_info(self, request: Request) -> Response:

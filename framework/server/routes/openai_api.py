@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from framework.runtime.fan_out import merge_streams
 from framework.runtime.incremental_decoder import DecodeFn
-from framework.runtime.request import CONTEXT_IDS
+from framework.runtime.request_output import RequestOutput
 from framework.runtime.tokenizer_manager import PreparedRequest, RequestError, gather_or_cancel
 from framework.sampling_params import FieldError, SamplingParams
 from framework.server import openai as oai
@@ -53,7 +53,7 @@ class OpenAIRoutes(RouteBase):
     def _output_offsets(self, prepared: PreparedRequest, start: int) -> TextOffsets:
         """Offsets of an output's tokens in a text where the output starts at ``start``."""
         return TextOffsets(self._decode_fn(prepared.req.sampling_params),
-                           prepared.input_ids[-CONTEXT_IDS:], start)
+                           prepared.decode_context, start)
 
     def _prompt_offsets(self, prepared: PreparedRequest) -> TextOffsets:
         """Offsets of a prompt's tokens in its echo (see ``_prompt_text``)."""
@@ -84,7 +84,7 @@ class OpenAIRoutes(RouteBase):
         outputs = await self._first_outputs(request, reqs)
         choices = []
         for i, out in enumerate(outputs):
-            meta = out["meta_info"]
+            meta = out.meta_info
             echoed = prefix[i // params.n] if prefix else ""
             logprobs = None
             if body.logprobs is not None:
@@ -94,7 +94,7 @@ class OpenAIRoutes(RouteBase):
                     logprobs = oai_out.join_logprobs(oai_out.prompt_logprobs(
                         meta, self.token_text, self._prompt_offsets(reqs[i])), logprobs)
             choices.append({
-                "index": i, "text": echoed + out["text"], "logprobs": logprobs,
+                "index": i, "text": echoed + out.text, "logprobs": logprobs,
                 "finish_reason": oai_out.finish_reason_name(meta),
             })
         return JSONResponse({
@@ -109,8 +109,8 @@ class OpenAIRoutes(RouteBase):
         return req.text if req.text is not None else self._echo_decode_fn(prepared)(
             prepared.input_ids)
 
-    def _usage(self, outputs: list[dict[str, Any]], n: int) -> dict[str, Any]:
-        metas = [o["meta_info"] for o in outputs]
+    def _usage(self, outputs: list[RequestOutput], n: int) -> dict[str, Any]:
+        metas = [o.meta_info for o in outputs]
         prompt = sum(m["prompt_tokens"] for m in metas[::n])
         completion = sum(m["completion_tokens"] for m in metas)
         cached = sum(m["cached_tokens"] for m in metas[::n])
@@ -130,14 +130,14 @@ class OpenAIRoutes(RouteBase):
         echo_at_once = bool(prefix) and body.logprobs is None
 
         async def events() -> AsyncIterator[dict[str, Any]]:
-            last: dict[int, dict[str, Any]] = {}
+            last: dict[int, RequestOutput] = {}
             sent_tokens: dict[int, int] = {}
             offsets: dict[int, TextOffsets] = {}
             for i in range(len(reqs)):
                 if prefix and echo_at_once:
                     yield chunk(i, prefix[i // n], None, None)
             async for i, out in merge_streams([self._generate(r) for r in reqs]):
-                meta = out["meta_info"]
+                meta = out.meta_info
                 if i not in offsets:
                     echoed = prefix[i // n] if prefix else ""
                     offsets[i] = self._output_offsets(reqs[i], len(echoed))
@@ -148,7 +148,7 @@ class OpenAIRoutes(RouteBase):
                                                        sent_tokens.get(i, 0))
                 sent_tokens[i] = meta["completion_tokens"]
                 last[i] = out
-                yield chunk(i, out["delta"], logprobs, oai_out.finish_reason_name(meta))
+                yield chunk(i, out.delta, logprobs, oai_out.finish_reason_name(meta))
             if chunks.include_usage:
                 yield chunks.usage(self._usage([last[i] for i in sorted(last)], n))
 
@@ -174,9 +174,9 @@ class OpenAIRoutes(RouteBase):
         decode = self._decode_fn(params)
         choices = [{
             "index": i,
-            "message": {"role": "assistant", "content": out["text"]},
-            "logprobs": oai_out.chat_logprobs(out["meta_info"], self.token_text, decode, 0),
-            "finish_reason": oai_out.finish_reason_name(out["meta_info"]),
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": oai_out.chat_logprobs(out.meta_info, self.token_text, decode, 0),
+            "finish_reason": oai_out.finish_reason_name(out.meta_info),
         } for i, out in enumerate(outputs)]
         return JSONResponse({
             "id": oai_out.new_id("chatcmpl"), "object": "chat.completion", "created": oai_out.now(),
@@ -196,17 +196,17 @@ class OpenAIRoutes(RouteBase):
                                   "finish_reason": finish})
 
         async def events() -> AsyncIterator[dict[str, Any]]:
-            last: dict[int, dict[str, Any]] = {}
+            last: dict[int, RequestOutput] = {}
             sent_tokens: dict[int, int] = {}
             for i in range(len(reqs)):
                 yield chunk(i, {"role": "assistant", "content": ""}, None, None)
             async for i, out in merge_streams([self._generate(r) for r in reqs]):
-                meta = out["meta_info"]
+                meta = out.meta_info
                 logprobs = oai_out.chat_logprobs(meta, self.token_text, decode,
                                                  sent_tokens.get(i, 0))
                 sent_tokens[i] = meta["completion_tokens"]
                 last[i] = out
-                yield chunk(i, {"content": out["delta"]}, logprobs,
+                yield chunk(i, {"content": out.delta}, logprobs,
                             oai_out.finish_reason_name(meta))
             if chunks.include_usage:
                 yield chunks.usage(self._usage([last[i] for i in sorted(last)], n))
@@ -236,15 +236,15 @@ class OpenAIRoutes(RouteBase):
             [self.tm.embed(text=t, input_ids=ids) for t, ids in items]))
         data = []
         for i, res in enumerate(results):
-            vector = np.asarray(res["embedding"], dtype=np.float32)
+            vector = np.asarray(res.embedding, dtype=np.float32)
             value: Any = (base64.b64encode(vector.tobytes()).decode()
                           if body.encoding_format == "base64" else vector.tolist())
             data.append({"object": "embedding", "index": i, "embedding": value})
         if self.state.server_args.log_requests:
             for res in results:
-                logger.info("request %s %s: prompt_tokens=%d, embedded", res["meta_info"]["id"],
-                            current_route.get(), res["meta_info"]["prompt_tokens"])
-        prompt_tokens = sum(r["meta_info"]["prompt_tokens"] for r in results)
+                logger.info("request %s %s: prompt_tokens=%d, embedded", res.meta_info["id"],
+                            current_route.get(), res.meta_info["prompt_tokens"])
+        prompt_tokens = sum(r.meta_info["prompt_tokens"] for r in results)
         return JSONResponse({
             "object": "list", "data": data, "model": self.state.model_name,
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
