@@ -202,6 +202,18 @@ def test_a_failed_start_in_thread_mode_ends_the_detokenizer_waiting_for_its_clas
     assert not [t for t in set(threading.enumerate()) - before if t.name == "detokenizer"]
 
 
+def test_a_tree_stopped_before_it_starts_starts_nothing(model_dir: Path) -> None:
+    # A start-up cancelled from another thread (Ctrl-C while the Engine starts) stops the
+    # tree while its start() may still be running: nothing may be started after that.
+    tree = ComponentTree(ServerArgs(model_path=str(model_dir), **QUIET))
+    tree.stop()
+    before = own_children()
+    with pytest.raises(ComponentError, match="stopped while starting"):
+        tree.start()
+    assert own_children() <= before
+    assert tree.handles and not any(h.is_alive() for h in tree.handles)
+
+
 @pytest.mark.timeout(120)  # a liveness bound: the failure must come, not hang
 def test_a_killed_scheduler_fails_the_waiting_request_by_name(
     model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
