@@ -132,6 +132,22 @@ _ARCHITECTURES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "bert": ("BertModel", "BertConfig", "BertModel", {}),
+    # Non-default values, so that the tests exercise them: a window shorter than the test
+    # prompts, soft-capping of attention and final logits, a query scalar that is not the
+    # head size, Gemma 3's two RoPE bases.
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", "Gemma2ForCausalLM", {
+        "head_dim": 16, "sliding_window": 6, "query_pre_attn_scalar": 24,
+        "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "num_hidden_layers": 3, "tie_word_embeddings": True}),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 16, "sliding_window": 6, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "num_hidden_layers": 3, "tie_word_embeddings": True,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                            "full_attention": {"rope_type": "default",
+                                               "rope_theta": 10000.0}}}),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", "Phi3ForCausalLM", {"sliding_window": 7}),
 }
 
 _BERT = {

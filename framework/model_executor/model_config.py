@@ -114,11 +114,7 @@ def _context_len(hf_config: Any, context_length: int | None) -> int:
         length = int(model_max)
     else:
         raise ValueError("config.json has no max_position_embeddings; pass --context-length")
-    # Attention here is always full; within the sliding window the two agree.
-    window = getattr(hf_config, "sliding_window", None)
-    if isinstance(window, int) and 0 < window < length:
-        logger.warning("context length capped at the sliding window (%d tokens)", window)
-        length = window
+    # A sliding window limits what a layer attends to, not the context: no cap here.
     return length
 
 

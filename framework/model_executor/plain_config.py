@@ -5,8 +5,8 @@ at start-up (its package import pulls in much of ``torch.distributed``), for
 a file of a few dozen numbers. For the model types whose configuration this
 module knows (``llama``, ``mistral``, ``qwen2``, ``qwen3``), ``PlainConfig``
 holds the file's fields over that type's defaults, completed as transformers
-completes them (grouped-query heads, head size, the sliding window of the
-Qwen types), so that the models read the same values either way
+completes them (grouped-query heads, head size, the sliding window and layer
+types of the Qwen types), so that the models read the same values either way
 (``tests/unit/test_plain_config.py`` checks this against transformers). Any
 other model type is transformers' to read.
 """
@@ -32,10 +32,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                 "bos_token_id": 1, "eos_token_id": 2},
     "qwen2": {"vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
               "max_position_embeddings": 32768, "use_sliding_window": False,
-              "sliding_window": 4096},
+              "sliding_window": 4096, "max_window_layers": 28},
     "qwen3": {"vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
               "head_dim": 128, "max_position_embeddings": 32768, "use_sliding_window": False,
-              "sliding_window": 4096},
+              "sliding_window": 4096, "max_window_layers": 28},
 }
 PLAIN_MODEL_TYPES: frozenset[str] = frozenset(_DEFAULTS)
 
@@ -78,6 +78,18 @@ def plain_config(raw: dict[str, Any]) -> PlainConfig | None:
             raise ValueError(f"the hidden size ({fields['hidden_size']}) is not a multiple of "
                              f"the number of attention heads ({heads})")
         fields["head_dim"] = fields["hidden_size"] // heads
-    if model_type in ("qwen2", "qwen3") and not fields["use_sliding_window"]:
-        fields["sliding_window"] = None
+    if model_type in ("qwen2", "qwen3"):
+        _qwen_layer_types(fields)
     return PlainConfig(fields)
+
+
+def _qwen_layer_types(fields: dict[str, Any]) -> None:
+    """Qwen's window, as transformers completes it: only with ``use_sliding_window``, and
+    only from layer ``max_window_layers`` on (``layer_types``, unless the file lists them)."""
+    if not fields["use_sliding_window"]:
+        fields["sliding_window"] = None
+    if fields.get("layer_types") is None:
+        fields["layer_types"] = [
+            "sliding_attention" if fields["sliding_window"] is not None
+            and i >= fields["max_window_layers"] else "full_attention"
+            for i in range(fields["num_hidden_layers"])]

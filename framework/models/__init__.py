@@ -26,6 +26,9 @@ MODEL_ARCHITECTURES: Registry[Any] = Registry("model architecture", "framework.m
 for _name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
     MODEL_ARCHITECTURES.register(_name, f"framework.models.llama:{_name}")
 MODEL_ARCHITECTURES.register("BertModel", "framework.models.bert:BertModel")
+for _name in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+    MODEL_ARCHITECTURES.register(_name, f"framework.models.gemma:{_name}")
+MODEL_ARCHITECTURES.register("Phi3ForCausalLM", "framework.models.phi3:Phi3ForCausalLM")
 
 
 def supported_architectures() -> list[str]:

@@ -79,6 +79,20 @@ def rotary_embedding_of(config: Any) -> RotaryEmbedding:
     return RotaryEmbedding(head_dim_of(config), RopeConfig.from_hf_config(config))
 
 
+def sliding_window_of(config: Any, layer_id: int) -> int | None:
+    """The sliding window of layer ``layer_id`` (``None``: full attention).
+
+    A config that lists ``layer_types`` gives the window to its
+    ``"sliding_attention"`` layers only (Gemma, Qwen); one without gives it to
+    every layer (Mistral).
+    """
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or layer_types is None:
+        return window
+    return window if layer_types[layer_id] == "sliding_attention" else None
+
+
 def num_kv_heads_of(config: Any) -> int:
     """Key/value heads (``num_key_value_heads``, falling back to the attention heads)."""
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -96,6 +110,7 @@ class LlamaAttention(nn.Module):
         tp_rank: int,
         tp_size: int,
         rotary_emb: RotaryEmbedding | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         head_dim = head_dim_of(config)
@@ -129,7 +144,8 @@ class LlamaAttention(nn.Module):
         # positions are then computed once, not once per layer.
         self.rotary_emb = rotary_emb or rotary_embedding_of(config)
         self.attn = RadixAttention(
-            self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_id
+            self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_id,
+            sliding_window=sliding_window,
         )
 
     def forward(
@@ -178,11 +194,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(
         self, config: Any, layer_id: int, options: AttentionOptions, *, tp_rank: int, tp_size: int,
-        rotary_emb: RotaryEmbedding | None = None,
+        rotary_emb: RotaryEmbedding | None = None, sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, options, tp_rank=tp_rank, tp_size=tp_size,
-                                        rotary_emb=rotary_emb)
+                                        rotary_emb=rotary_emb, sliding_window=sliding_window)
         self.mlp = LlamaMLP(config, tp_rank=tp_rank, tp_size=tp_size)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -237,7 +253,8 @@ class LlamaModel(nn.Module):
         rotary_emb = rotary_embedding_of(config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, layer_id - self.start_layer, options, tp_rank=tp_rank,
-                              tp_size=tp_size, rotary_emb=rotary_emb)
+                              tp_size=tp_size, rotary_emb=rotary_emb,
+                              sliding_window=sliding_window_of(config, layer_id))
             if self.start_layer <= layer_id < self.end_layer else nn.Identity()
             for layer_id in range(config.num_hidden_layers)
         )
@@ -439,7 +456,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: the Llama architecture (its sliding window is handled by capping the context)."""
+    """Mistral: the Llama architecture, every layer attending within its sliding window."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

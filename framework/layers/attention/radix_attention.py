@@ -19,6 +19,14 @@ class RadixAttention(nn.Module):
     to the layer once, after the model is built (``bind_attention_backend``),
     so that models are independent of the kernels and batches carry no
     backend.
+
+    Two per-layer variants every backend honours:
+
+    * ``sliding_window`` W: the query at position ``p`` sees only the keys at
+      positions ``p - W < j <= p`` (W keys, its own included; transformers'
+      convention). ``None``: every earlier key.
+    * ``logit_cap`` c (soft-capping, Gemma 2): each score ``s = q.k * scaling``
+      becomes ``c * tanh(s / c)`` before the softmax. ``None``: scores as they are.
     """
 
     def __init__(
@@ -28,13 +36,22 @@ class RadixAttention(nn.Module):
         scaling: float,
         num_kv_heads: int,
         layer_id: int,
+        *,
+        sliding_window: int | None = None,
+        logit_cap: float | None = None,
     ) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be > 0 or None, got {sliding_window}")
+        if logit_cap is not None and logit_cap <= 0:
+            raise ValueError(f"logit_cap must be > 0 or None, got {logit_cap}")
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scaling = scaling
         self.num_kv_heads = num_kv_heads
         self.layer_id = layer_id
+        self.sliding_window = sliding_window
+        self.logit_cap = logit_cap
         self.attn_backend: AttentionBackend | None = None
 
     def forward(
@@ -67,6 +84,8 @@ class RadixAttention(nn.Module):
         return (
             f"layer_id={self.layer_id}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, scaling={self.scaling:g}"
+            + (f", sliding_window={self.sliding_window}" if self.sliding_window else "")
+            + (f", logit_cap={self.logit_cap:g}" if self.logit_cap else "")
         )
 
 
