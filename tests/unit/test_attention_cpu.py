@@ -5,7 +5,8 @@ unpaged keys and values, on head layouts and lengths the models use
 (head_dim 64 and 128, grouped-query heads, a few to a few hundred tokens),
 with each request's tokens scattered over the pool as the allocator leaves
 them, for decode (one new token), prefill (every token new) and extend over
-a cached prefix in one batch. The backend's own cases (mixed steps, requests
+a cached prefix in one batch, plainly and with a layer's sliding window and
+soft cap. The backend's own cases (mixed steps, requests
 coming and going) run in test_attention_torch.py, which runs every case on
 both backends.
 """
@@ -74,22 +75,41 @@ def scattered_case(heads: int, kv_heads: int, dim: int, lens: list[int], news: l
     return q, k_buffer, v_buffer, req_to_token, rows, torch.tensor(lens), torch.tensor(news)
 
 
+def float64_request(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    scale: float, window: int = 0, cap: float = 0.0) -> torch.Tensor:
+    """One request's attention in float64: its new tokens' queries [new, heads, dim] over
+    all of its keys and values [n, kv_heads, dim], the queries being the last ``new`` tokens.
+
+    Causal, and within the last ``window`` positions when given (0: none); each score
+    ``s`` becomes ``cap * tanh(s / cap)`` when ``cap`` is given (0: none).
+    """
+    n, new = keys.shape[0], queries.shape[0]
+    group = queries.shape[1] // keys.shape[1]
+    keys = keys.double().repeat_interleave(group, dim=1)  # [n, heads, dim]
+    values = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("ihd,nhd->hin", queries.double(), keys) * scale
+    if cap:
+        scores = cap * torch.tanh(scores / cap)
+    position = torch.arange(n - new, n)[:, None]  # each new token's own position
+    key = torch.arange(n)[None, :]
+    hidden = key > position
+    if window:
+        hidden |= key <= position - window
+    scores = scores.masked_fill(hidden, float("-inf"))
+    return torch.einsum("hin,nhd->ihd", scores.softmax(-1), values)
+
+
 def float64_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                       req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
-                      news: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal softmax(q K^T * scale) V of every new token, in float64, from unpaged tensors."""
+                      news: torch.Tensor, scale: float, window: int = 0,
+                      cap: float = 0.0) -> torch.Tensor:
+    """Every new token's attention (``float64_request``) from the unpaged pool rows."""
     out = []
-    group = q.shape[1] // k_buffer.shape[1]
     first = 0
     for row, n, new in zip(rows.tolist(), lens.tolist(), news.tolist()):
         slots = req_to_token[row, :n]
-        keys = k_buffer[slots].double().repeat_interleave(group, dim=1)  # [n, heads, dim]
-        values = v_buffer[slots].double().repeat_interleave(group, dim=1)
-        queries = q[first:first + new].double()
-        scores = torch.einsum("ihd,nhd->hin", queries, keys) * scale
-        position = torch.arange(n - new, n)[:, None]  # each new token's own position
-        scores = scores.masked_fill(torch.arange(n)[None, :] > position, float("-inf"))
-        out.append(torch.einsum("hin,nhd->ihd", scores.softmax(-1), values))
+        out.append(float64_request(q[first:first + new], k_buffer[slots], v_buffer[slots],
+                                   scale, window, cap))
         first += new
     return torch.cat(out)
 
@@ -128,6 +148,84 @@ def test_bfloat16_pool_is_read_as_float32_and_the_output_rounded(
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     exact = float64_attention(q, k_buffer, v_buffer, *indices, scale)
     torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=2 ** -8)
+
+
+#: Windows shorter than the requests (the longest makes the tiled path start a tile's
+#: products past its first key tile), with decode tokens and prompts in one mixed step.
+WINDOW_LENGTHS = [8, 13, 20, 1, 40]
+WINDOW_WORKLOADS = {
+    "decode": [1] * len(WINDOW_LENGTHS),
+    "prefill": WINDOW_LENGTHS,
+    "extend": [3, 5, 12, 1, 33],  # after a cached prefix
+    "mixed": [1, 13, 1, 1, 40],
+}
+#: (window, cap), 0 for none.
+VARIANTS = [(3, 0.0), (4, 2.0), (5, 0.0), (0, 2.0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "cap"), VARIANTS)
+@pytest.mark.parametrize("workload", list(WINDOW_WORKLOADS))
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"),
+                         [(4, 4, 64), (8, 2, 32), (6, 2, 8), (4, 1, 20)])
+def test_window_and_cap_match_a_float64_reference(heads: int, kv_heads: int, dim: int,
+                                                  workload: str, window: int, cap: float,
+                                                  dtype: torch.dtype) -> None:
+    q, k_buffer, v_buffer, *indices = scattered_case(
+        heads, kv_heads, dim, WINDOW_LENGTHS, WINDOW_WORKLOADS[workload], seed=dim + window)
+    q, k_buffer, v_buffer = (t.to(dtype) for t in (q, k_buffer, v_buffer))
+    scale = dim**-0.5
+    out = kernels().paged_attention(q, k_buffer, v_buffer, *indices, scale, window, cap)
+    assert out.shape == q.shape and out.dtype == dtype
+    exact = float64_attention(q, k_buffer, v_buffer, *indices, scale, window, cap)
+    # bfloat16: the float64 attention of the very values in the pool, rounded
+    atol, rtol = (2e-6, 1e-5) if dtype == torch.float32 else (1e-5, 2**-8)
+    torch.testing.assert_close(out.double(), exact, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dim", [64, 20])  # the tiled path and the one-query path
+def test_a_window_and_a_cap_change_the_output_and_a_long_window_does_not(dim: int) -> None:
+    ops = kernels()
+    case = scattered_case(4, 2, dim, [20, 9], [20, 1], seed=3)
+    scale = dim**-0.5
+    plain = ops.paged_attention(*case, scale)
+    windowed = ops.paged_attention(*case, scale, 4, 0.0)
+    change = (windowed - plain).abs().amax(dim=(1, 2))
+    # The first four tokens see all they would anyway; every later one, the decode token
+    # included, loses keys.
+    assert change[:4].max() < 1e-6
+    assert (change[4:] > 1e-3).all()
+    assert (ops.paged_attention(*case, scale, 0, 2.0) - plain).abs().max() > 1e-3
+    assert torch.equal(ops.paged_attention(*case, scale, 20, 0.0), plain)
+
+
+@pytest.mark.parametrize("workload", ["decode", "extend", "mixed"])
+@pytest.mark.parametrize("dim", [64, 20])
+def test_keys_before_every_window_leave_no_trace_even_as_nan(workload: str, dim: int) -> None:
+    """The pool rows of keys no new token's window reaches hold NaN: they must not count.
+
+    Decode reads none of them; a tile of queries multiplies no weight (zero) with them.
+    """
+    q, k_buffer, v_buffer, table, rows, lens, news = scattered_case(
+        4, 2, dim, WINDOW_LENGTHS, WINDOW_WORKLOADS[workload], seed=11)
+    window, scale = 3, dim**-0.5
+    exact = float64_attention(q, k_buffer, v_buffer, table, rows, lens, news, scale, window)
+    for row, n, new in zip(rows.tolist(), lens.tolist(), news.tolist()):
+        unseen = table[row, :max(0, n - new - window + 1)]
+        k_buffer[unseen] = float("nan")
+        v_buffer[unseen] = float("nan")
+    out = kernels().paged_attention(q, k_buffer, v_buffer, table, rows, lens, news, scale,
+                                    window, 0.0)
+    torch.testing.assert_close(out.double(), exact, atol=2e-6, rtol=1e-5)
+
+
+def test_a_negative_window_or_cap_is_refused() -> None:
+    ops = kernels()
+    case = scattered_case(4, 2, 16, [5, 9], [2, 1], seed=1)
+    with pytest.raises(RuntimeError, match="window and cap must be >= 0"):
+        ops.paged_attention(*case, 1.0, -1, 0.0)
+    with pytest.raises(RuntimeError, match="window and cap must be >= 0"):
+        ops.paged_attention(*case, 1.0, 0, -2.0)
 
 
 def test_large_scores_do_not_overflow_the_softmax() -> None:
@@ -204,6 +302,37 @@ def test_a_few_rows_run_alone_and_many_run_as_the_whole_batch(
                                       query_rows=rows)
     assert counting.query_rows == [kernel_rows]
     expected = torch.cat([reference_attention(r, HEAD_DIM**-0.5) for r in requests])[rows]
+    torch.testing.assert_close(output.view(-1, 4, HEAD_DIM).double(), expected,
+                               atol=1e-5, rtol=1e-5)
+
+
+#: The backend's layer: a window shorter than most requests, and a cap.
+LAYER_VARIANT = (4, 2.0)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+def test_the_backend_gives_the_kernel_the_layer_s_window_and_cap(mode: ForwardMode) -> None:
+    """A decode step, and a mixed step: prompts, prompts after a prefix, decode tokens."""
+    prefix_lens = [0, 5, 17, 9, 12] if mode.is_extend() else [9, 2, 5, 17, 12]
+    new_lens = [7, 6, 4, 1, 1] if mode.is_extend() else [1] * 5
+    requests, output, _, _ = run_case(mode, prefix_lens, new_lens, 4, 2, seed=2,
+                                      backend_cls=CpuNativeAttnBackend, variant=LAYER_VARIANT,
+                                      decode_tail=2 if mode.is_extend() else 0)
+    assert_matches_reference(requests, output, 4, LAYER_VARIANT)
+
+
+def test_rows_alone_see_the_window_ending_at_their_own_position(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    counting = CountingKernels(kernels())
+    monkeypatch.setattr(cpu_native, "load_cpu_kernels", lambda: counting)
+    prefix_lens, new_lens = [0, 5, 0, 17, 3], [7, 1, 12, 4, 9]
+    rows = torch.tensor([6, 7, 19, 23, 32, 2, 28])  # each request's last row, and two more
+    requests, output, _, _ = run_case(ForwardMode.EXTEND, prefix_lens, new_lens, 4, 2,
+                                      seed=5, backend_cls=CpuNativeAttnBackend,
+                                      query_rows=rows, variant=LAYER_VARIANT)
+    assert counting.query_rows == [len(rows)]  # one query a row, not the whole batch
+    expected = torch.cat([reference_attention(r, HEAD_DIM**-0.5, *LAYER_VARIANT)
+                          for r in requests])[rows]
     torch.testing.assert_close(output.view(-1, 4, HEAD_DIM).double(), expected,
                                atol=1e-5, rtol=1e-5)
 

@@ -3,7 +3,8 @@
 Each case lays requests out in the paged pool the way the scheduler does
 (shuffled KV slots, a cached prefix written beforehand, new tokens packed
 back to back) and compares every output row with attention computed from the
-unpaged tensors in float64. The backend is built once from an
+unpaged tensors in float64, for plain layers and for layers with a sliding
+window, a soft cap, or both. The backend is built once from an
 ``AttentionBackendArgs`` holding the pools and bound to the layer; batches
 carry indices only. Every case runs on both the torch backend (SDPA) and the
 CPU backend (its native kernel over the pool).
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +72,21 @@ def small_pools(num_kv_heads: int = 1) -> tuple[ReqToTokenPool, MHATokenToKVPool
         MHATokenToKVPool(16, torch.float32, num_kv_heads, HEAD_DIM, 2, CPU),
     )
 
+#: A layer's (sliding_window, logit_cap).
+Variant = tuple[int | None, float | None]
+#: Windows shorter than the test sequences (8 to 20 tokens), a cap that bends typical
+#: scores (about N(0, 1) here), and both.
+VARIANTS: list[Variant] = [(4, None), (None, 0.7), (3, 0.7), (5, 0.7)]
+
+
+def make_layer(num_heads: int, num_kv_heads: int, layer_id: int,
+               variant: Variant | None = None) -> RadixAttention:
+    """An attention layer of ``HEAD_DIM``, with the ``variant``'s window and cap."""
+    window, cap = variant or (None, None)
+    return RadixAttention(num_heads, HEAD_DIM, HEAD_DIM**-0.5, num_kv_heads, layer_id,
+                          sliding_window=window, logit_cap=cap)
+
+
 @dataclass
 class RequestData:
     """One request's unpaged tensors: all of its keys/values and its new queries."""
@@ -86,15 +102,25 @@ class RequestData:
         return self.keys.shape[0]
 
 
-def reference_attention(request: RequestData, scaling: float) -> torch.Tensor:
-    """Causal float64 attention of the new queries over all keys: [num_new, heads, dim]."""
+def reference_attention(request: RequestData, scaling: float, window: int | None = None,
+                        cap: float | None = None) -> torch.Tensor:
+    """Causal float64 attention of the new queries over all keys: [num_new, heads, dim].
+
+    ``window`` W: a query at position p sees only keys at ``p - W < j <= p``. ``cap`` c:
+    each score s becomes ``c * tanh(s / c)`` before the softmax.
+    """
     q = request.queries.double()
     heads, kv_heads = q.shape[1], request.keys.shape[1]
     k = request.keys.double().repeat_interleave(heads // kv_heads, dim=1)
     v = request.values.double().repeat_interleave(heads // kv_heads, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scaling
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
     query_pos = torch.arange(q.shape[0])[:, None] + request.prefix_len
-    allowed = torch.arange(request.seq_len)[None, :] <= query_pos
+    key_pos = torch.arange(request.seq_len)[None, :]
+    allowed = key_pos <= query_pos
+    if window is not None:
+        allowed &= key_pos > query_pos - window
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
@@ -111,11 +137,15 @@ def run_case(
     group_slack: int | None = None,
     backend_cls: type[AttentionBackend] = TorchNativeAttnBackend,
     query_rows: torch.Tensor | None = None,
+    variant: Variant | None = None,
+    decode_tail: int = 0,
 ) -> tuple[list[RequestData], torch.Tensor, MHATokenToKVPool, torch.Tensor]:
     """Lay the requests out in shuffled pool slots and run one layer of the backend.
 
     ``group_slack`` (the backend's, when given): small values split the batch into
     several length groups. ``query_rows``: the layer answers only those new tokens' queries.
+    ``variant``: the layer's sliding window and soft cap. ``decode_tail``: the last
+    requests (one new token each) decode in the step (a mixed step).
     """
     generator = torch.Generator().manual_seed(seed)
     req_pool = ReqToTokenPool(
@@ -125,7 +155,7 @@ def run_case(
     free_slots = (torch.randperm(POOL_TOKENS, generator=generator) + 1).tolist()
     rows = req_pool.alloc(len(prefix_lens))
     assert rows is not None
-    layer = RadixAttention(num_heads, HEAD_DIM, HEAD_DIM**-0.5, num_kv_heads, layer_id=1)
+    layer = make_layer(num_heads, num_kv_heads, 1, variant)
     requests, new_slots = [], []
     for row, prefix_len, num_new in zip(rows, prefix_lens, new_lens, strict=True):
         seq_len = prefix_len + num_new
@@ -153,6 +183,7 @@ def run_case(
         req_pool_indices=torch.tensor(rows),
         seq_lens=torch.tensor([r.seq_len for r in requests]),
         out_cache_loc=torch.cat(new_slots),
+        decode_tail=decode_tail,
     )
     if mode.is_extend():
         batch.extend_prefix_lens = torch.tensor(prefix_lens)
@@ -170,14 +201,16 @@ def run_case(
 
 
 def assert_matches_reference(
-    requests: list[RequestData], output: torch.Tensor, num_heads: int
+    requests: list[RequestData], output: torch.Tensor, num_heads: int,
+    variant: Variant | None = None,
 ) -> None:
     assert output.dtype == torch.float32
     rows = output.view(-1, num_heads, HEAD_DIM)
+    window, cap = variant or (None, None)
     start = 0
     for request in requests:
         num_new = request.queries.shape[0]
-        expected = reference_attention(request, HEAD_DIM**-0.5)
+        expected = reference_attention(request, HEAD_DIM**-0.5, window, cap)
         torch.testing.assert_close(
             rows[start : start + num_new].double(), expected, atol=1e-5, rtol=1e-5
         )
@@ -435,13 +468,19 @@ def test_consecutive_decode_steps_keep_matching_the_reference(
         num_heads: int, num_kv_heads: int, group_slack: int | None,
         backend_cls: type[AttentionBackend]) -> None:
     """Decode steps of an unchanged batch append to kept keys; a changed batch gathers anew."""
+    _decode_steps(num_heads, num_kv_heads, group_slack, backend_cls)
+
+
+def _decode_steps(num_heads: int, num_kv_heads: int, group_slack: int | None,
+                  backend_cls: type[AttentionBackend], variant: Variant | None = None) -> None:
+    """Seven decode steps of three requests with cached prefixes, one leaving after step 3."""
     generator = torch.Generator().manual_seed(7)
     req_pool = ReqToTokenPool(size=4, max_context_len=CONTEXT_LEN, device=CPU)
     kv_pool = MHATokenToKVPool(POOL_TOKENS, torch.float32, num_kv_heads, HEAD_DIM, 2, CPU)
     backend = backend_cls(backend_args(req_pool, kv_pool, num_heads))
     if group_slack is not None:
         backend.group_slack = group_slack
-    layer = RadixAttention(num_heads, HEAD_DIM, HEAD_DIM**-0.5, num_kv_heads, layer_id=0)
+    layer = make_layer(num_heads, num_kv_heads, 0, variant)
     bind_attention_backend(layer, backend)
     free_slots = (torch.randperm(POOL_TOKENS, generator=generator) + 1).tolist()
     rows = req_pool.alloc(3)
@@ -482,7 +521,7 @@ def test_consecutive_decode_steps_keep_matching_the_reference(
         requests = [RequestData(row, len(history[row][0]) - 1, torch.stack(history[row][0]),
                                 torch.stack(history[row][1]), q)
                     for row, q in zip(batch_rows, queries, strict=True)]
-        assert_matches_reference(requests, output, num_heads)
+        assert_matches_reference(requests, output, num_heads, variant)
 
 
 _ROWS = 5  # request-pool rows the coming-and-going test uses
@@ -516,14 +555,16 @@ def test_requests_coming_and_going_keep_matching_the_reference(
 
 
 def _come_and_go(steps: list[tuple[str, object, int]], group_slack: int,
-                 backend_cls: type[AttentionBackend]) -> None:
+                 backend_cls: type[AttentionBackend],
+                 variants: Sequence[Variant | None] = (None,)) -> None:
+    """Run the steps through a layer per variant, all on the same batches."""
     generator = torch.Generator().manual_seed(len(steps))
     req_pool = ReqToTokenPool(size=_ROWS, max_context_len=CONTEXT_LEN, device=CPU)
-    kv_pool = MHATokenToKVPool(1024, torch.float32, 2, HEAD_DIM, 1, CPU)
+    kv_pool = MHATokenToKVPool(1024, torch.float32, 2, HEAD_DIM, len(variants), CPU)
     backend = backend_cls(backend_args(req_pool, kv_pool, 4))
     backend.group_slack = group_slack
-    layer = RadixAttention(4, HEAD_DIM, HEAD_DIM**-0.5, 2, layer_id=0)
-    bind_attention_backend(layer, backend)
+    layers = [make_layer(4, 2, i, variant) for i, variant in enumerate(variants)]
+    bind_attention_backend(torch.nn.ModuleList(layers), backend)
     free_slots = (torch.randperm(1024, generator=generator) + 1).tolist()
     keys: dict[int, list[torch.Tensor]] = {}
     values: dict[int, list[torch.Tensor]] = {}
@@ -551,13 +592,14 @@ def _come_and_go(steps: list[tuple[str, object, int]], group_slack: int,
             batch.extend_seq_lens = torch.tensor(num_new)
             batch.extend_prefix_lens = torch.tensor([s - n for s, n in zip(seq_lens, num_new)])
         backend.init_forward_metadata(batch)
-        output = layer(torch.cat(queries).reshape(len(slots), -1),
-                       torch.stack(new_k).reshape(len(slots), -1),
-                       torch.stack(new_v).reshape(len(slots), -1), batch)
-        assert_matches_reference(
-            [RequestData(row, len(keys[row]) - n, torch.stack(keys[row]),
-                         torch.stack(values[row]), q)
-             for row, n, q in zip(rows, num_new, queries, strict=True)], output, 4)
+        requests = [RequestData(row, len(keys[row]) - n, torch.stack(keys[row]),
+                                torch.stack(values[row]), q)
+                    for row, n, q in zip(rows, num_new, queries, strict=True)]
+        for layer, variant in zip(layers, variants, strict=True):
+            output = layer(torch.cat(queries).reshape(len(slots), -1),
+                           torch.stack(new_k).reshape(len(slots), -1),
+                           torch.stack(new_v).reshape(len(slots), -1), batch)
+            assert_matches_reference(requests, output, 4, variant)
 
     for kind, which, count in steps:
         if kind == "prefill":  # a new request takes the row: its history starts over
@@ -578,3 +620,104 @@ def _come_and_go(steps: list[tuple[str, object, int]], group_slack: int,
         rows = [row for row in which if row in keys][:count]
         if rows and max(len(keys[row]) for row in rows) < CONTEXT_LEN:
             run(ForwardMode.DECODE, rows, [1] * len(rows))
+
+
+# ------------------------------------------------------------- sliding window, soft cap
+
+
+@pytest.mark.parametrize("backend_cls", BACKENDS)
+@pytest.mark.parametrize("group_slack", GROUP_SLACKS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_windowed_and_capped_prefill_without_prefix(
+        variant: Variant, group_slack: int | None, backend_cls: type[AttentionBackend]) -> None:
+    # With a group per length, the 8-token prompt meets a window of 4, 5 and of its length.
+    requests, output, _, _ = run_case(ForwardMode.EXTEND, [0, 0, 0], [8, 20, 13], 4, 2,
+                                      group_slack=group_slack, backend_cls=backend_cls,
+                                      variant=variant)
+    assert_matches_reference(requests, output, 4, variant)
+
+
+@pytest.mark.parametrize("backend_cls", BACKENDS)
+@pytest.mark.parametrize("group_slack", GROUP_SLACKS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_windowed_and_capped_prefill_over_cached_prefixes(
+        variant: Variant, group_slack: int | None, backend_cls: type[AttentionBackend]) -> None:
+    # Prefixes longer and shorter than the window, new tokens packed into padded groups.
+    requests, output, _, _ = run_case(ForwardMode.EXTEND, [5, 12, 2, 3], [8, 4, 9, 1], 6, 2,
+                                      seed=5, group_slack=group_slack, backend_cls=backend_cls,
+                                      variant=variant)
+    assert_matches_reference(requests, output, 6, variant)
+
+
+@pytest.mark.parametrize("backend_cls", BACKENDS)
+@pytest.mark.parametrize("group_slack", GROUP_SLACKS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_windowed_and_capped_decode_steps_with_kept_keys(
+        variant: Variant, group_slack: int | None, backend_cls: type[AttentionBackend]) -> None:
+    _decode_steps(4, 2, group_slack, backend_cls, variant)
+
+
+@pytest.mark.parametrize("backend_cls", BACKENDS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_windowed_and_capped_mixed_step(variant: Variant,
+                                        backend_cls: type[AttentionBackend]) -> None:
+    # A fresh prompt, a prompt over a prefix, then two requests decoding in the same step.
+    requests, output, _, _ = run_case(ForwardMode.EXTEND, [0, 6, 9, 14], [12, 7, 1, 1], 4, 2,
+                                      seed=6, backend_cls=backend_cls, variant=variant,
+                                      decode_tail=2)
+    assert_matches_reference(requests, output, 4, variant)
+
+
+@pytest.mark.parametrize("backend_cls", BACKENDS)
+def test_layers_of_different_windows_and_caps_share_each_batch(
+        backend_cls: type[AttentionBackend]) -> None:
+    """Prefills, decode steps and mixed steps in turn, each through a layer per variant
+    (a plain one among them): a layer's masks and kept keys are its own window's."""
+    steps: list[tuple[str, object, int]] = [
+        ("prefill", 0, 9), ("prefill", 1, 6), ("decode", (0, 1), 2),
+        ("mixed", (2, 0, 1), 2), ("decode", (0, 1, 2), 3),
+        ("mixed", (3, 2, 0, 1), 3), ("decode", (3, 2, 0, 1), 4), ("decode", (1, 3), 2),
+    ]
+    _come_and_go(steps, 3, backend_cls, [(3, None), None, *VARIANTS])
+
+
+@pytest.mark.parametrize("backend_cls", BACKENDS)
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_a_window_changes_only_the_queries_it_cuts_off(
+        mode: ForwardMode, backend_cls: type[AttentionBackend]) -> None:
+    prefix_lens = [0, 6, 2] if mode.is_extend() else [2, 9, 3]
+    new_lens = [12, 5, 1] if mode.is_extend() else [1, 1, 1]
+    window = 4
+
+    def output(variant: Variant | None) -> torch.Tensor:
+        return run_case(mode, prefix_lens, new_lens, 4, 2, seed=8, backend_cls=backend_cls,
+                        variant=variant)[1]
+
+    plain, windowed = output(None), output((window, None))
+    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, new_lens)])
+    whole = positions < window  # these queries see every key within the window
+    assert whole.any() and not whole.all()
+    torch.testing.assert_close(windowed[whole], plain[whole])
+    assert (windowed[~whole] - plain[~whole]).abs().amax(dim=-1).min() > 1e-3
+    # A window as long as the longest request cuts nothing.
+    longest = max(p + n for p, n in zip(prefix_lens, new_lens))
+    torch.testing.assert_close(output((longest, None)), plain)
+
+
+def test_every_padding_query_of_a_windowed_group_still_sees_a_key() -> None:
+    """A fully masked row would make NaN (SDPA, softmax) even where the output is dropped."""
+    backends: list[TorchNativeAttnBackend] = []
+
+    class Recorded(TorchNativeAttnBackend):
+        def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+            super().init_forward_metadata(forward_batch)
+            backends.append(self)
+
+    # One group: a decode-like request at position 9 padded to the other's 8 queries, whose
+    # padding positions (10 to 16) lie past a window of 3 from every one of its 10 keys.
+    run_case(ForwardMode.EXTEND, [9, 2], [1, 8], 4, 2, backend_cls=Recorded,
+             variant=(3, None))
+    groups = backends[0]._groups
+    assert groups is not None and len(groups) == 1
+    mask = groups[0].layer_mask(3)
+    assert mask is not None and mask.any(dim=-1).all()

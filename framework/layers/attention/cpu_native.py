@@ -11,7 +11,8 @@ values out of the pool (through ``req_to_token``) into contiguous blocks that
 stay in cache, then runs every new token of the request against them,
 causally. Prefill, decode and mixed steps are the same call (a decode token
 is a request with one new token); nothing is kept between steps, so the pool
-needs no room for copies.
+needs no room for copies. A layer's sliding window and soft cap go to the
+kernel with each call, which reads only the keys a window lets a query see.
 
 The backend runs the kernel for float32 or bfloat16 on a CPU when it could be built
 (``native_build``); anywhere else (another device or dtype, no C++ compiler)
@@ -107,10 +108,12 @@ class CpuNativeAttnBackend(AttentionBackend):
         # Tokens the query sees: the request's own up to the query, itself included.
         visible = seq_lens[owner] - ends[owner] + rows + 1
         queries = q.index_select(0, rows).reshape(rows.shape[0], layer.num_heads, layer.head_dim)
+        # The query is the last of its `visible` tokens: its window ends at itself there too.
         out = self._ops.paged_attention(queries, k_buffer, v_buffer,
                                         self.req_to_token_pool.req_to_token,
                                         req_pool_indices[owner], visible,
-                                        torch.ones_like(visible), layer.scaling)
+                                        torch.ones_like(visible), layer.scaling,
+                                        *_variant(layer))
         return out.view(rows.shape[0], layer.num_heads * layer.head_dim)
 
     def _few_rows_cost_more(self, q: torch.Tensor, rows: torch.Tensor) -> bool:
@@ -128,7 +131,7 @@ class CpuNativeAttnBackend(AttentionBackend):
         queries = q.reshape(q.shape[0], layer.num_heads, layer.head_dim).contiguous()
         out = self._ops.paged_attention(queries, k_buffer, v_buffer,
                                         self.req_to_token_pool.req_to_token, *self._batch,
-                                        layer.scaling)
+                                        layer.scaling, *_variant(layer))
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)
 
     def _kv_buffers(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
@@ -142,3 +145,8 @@ class CpuNativeAttnBackend(AttentionBackend):
             self._ops.write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc,
                                k.reshape(rows, -1), v.reshape(rows, -1))
         return k_buffer, v_buffer
+
+
+def _variant(layer: RadixAttention) -> tuple[int, float]:
+    """The layer's sliding window and soft cap as the kernel takes them (0: none)."""
+    return layer.sliding_window or 0, layer.logit_cap or 0.0

@@ -95,11 +95,30 @@ class GroupStep:
     out_slots: torch.Tensor  # [n] slots that hold a request of the batch
     out_rows: torch.Tensor  # [n] their batch rows
     mask: torch.Tensor  # [slots, 1, 1, longest] bool: keys each slot's query may see
+    lens: torch.Tensor  # [slots] keys of each slot's request (free: 1)
     append_rows: torch.Tensor | None  # flat rows (``flat_rows``) of the new tokens
     append_batch_rows: torch.Tensor | None  # batch rows those new tokens come from
     fill_slots: torch.Tensor | None  # [m] slots placed this step, gathered from the pool
     fill_kv: torch.Tensor | None  # [m, L] their KV slots (padding slot 0 past their end)
     req_to_token: torch.Tensor  # the request pool's table, for ``kv_slots``
+    # The masks of sliding-window layers, by window: made at the first such layer of the
+    # step, shared by the others.
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def layer_mask(self, window: int | None) -> torch.Tensor:
+        """``[slots, 1, 1, longest]``: the keys each query of a layer with ``window`` sees.
+
+        A query sits at its request's last position ``len - 1``: a window of W keeps it to
+        the keys at positions ``>= len - W``. A window at least ``longest`` cuts nothing.
+        """
+        if window is None or window >= self.longest:
+            return self.mask
+        mask = self.window_masks.get(window)
+        if mask is None:
+            keys = torch.arange(self.longest, device=self.mask.device)
+            in_window = keys[None, :] >= (self.lens - window)[:, None]
+            mask = self.window_masks[window] = self.mask & in_window[:, None, None, :]
+        return mask
 
     @property
     def whole(self) -> bool:
@@ -217,7 +236,7 @@ class KeptDecodeKV:
             query_rows=torch.tensor(query_rows, device=device),
             out_slots=torch.tensor(occupied, device=device),
             out_rows=torch.tensor(batch_rows, device=device),
-            mask=mask[:, None, None, :],
+            mask=mask[:, None, None, :], lens=lens,
             append_rows=None, append_batch_rows=None, fill_slots=None, fill_kv=None,
             req_to_token=req_to_token,
         )

@@ -20,6 +20,11 @@ quarter of a group's longest request, for a handful of calls.
   decoding only appends its new token, a newcomer is gathered from the pool
   once, and requests joining or leaving the batch leave the others in place.
 
+A layer with a sliding window attends under a mask that also bounds each
+query's keys from below (made once per batch and window, shared by the
+layers). A layer with a soft cap computes its scores explicitly (SDPA cannot
+cap them); the others keep SDPA.
+
 Grouped-query heads read their key/value head without copies (SDPA's
 ``enable_gqa``). Everything that depends only on the batch's shape (groups,
 gather indices, masks, where each packed token sits in the padded layout) is
@@ -31,7 +36,7 @@ against.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,7 +57,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Group:
-    """Requests of a prefill batch attended together in one SDPA call per layer."""
+    """Requests of a prefill batch attended together in one attention call per layer."""
 
     members: list[int]  # index of each of the group's requests in the batch
     rows: torch.Tensor  # [G] int64: ``members`` on the device
@@ -66,15 +71,50 @@ class _Group:
     # without prefix, whose keys are its new tokens, causally.
     kv_slots: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    # [G, 1, Q, 1] position of each query in its request (prefill over a prefix).
+    query_pos: torch.Tensor | None = None
+    # The masks of sliding-window layers, by window: made at the first layer that needs
+    # one, shared by the others.
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
         """How many requests the group holds."""
         return len(self.members)
 
+    def layer_mask(self, window: int | None) -> torch.Tensor | None:
+        """The ``[G or 1, 1, Q, L]`` mask of a layer with ``window`` over the group's keys.
+
+        None: the keys are the new tokens, seen causally (SDPA's ``is_causal``). A window
+        at least as long as the group's keys cuts nothing, so it is no window.
+        """
+        num_keys = self.num_queries if self.mask is None else self.mask.shape[-1]
+        if window is None or window >= num_keys:
+            return self.mask
+        mask = self.window_masks.get(window)
+        if mask is None:
+            mask = self.window_masks[window] = self._windowed_mask(window)
+        return mask
+
+    def _windowed_mask(self, window: int) -> torch.Tensor:
+        device = self.rows.device
+        if self.mask is None or self.query_pos is None:  # no prefix: query j is at position j
+            pos = torch.arange(self.num_queries, device=device)
+            offset = pos[:, None] - pos[None, :]  # [Q, Q]: how far back each key is
+            return ((offset >= 0) & (offset < window))[None, None]
+        keys = torch.arange(self.mask.shape[-1], device=device)
+        mask = self.mask & (keys > self.query_pos - window)
+        # Padding queries (past a request's end) may lie beyond the window of every key:
+        # they see key 0, so that no row is fully masked.
+        mask[..., 0] |= ~mask.any(dim=-1)
+        return mask
+
 
 class TorchNativeAttnBackend(AttentionBackend):
-    """Causal attention over the paged KV cache with ``torch.nn.functional`` SDPA."""
+    """Causal attention over the paged KV cache with ``torch.nn.functional`` SDPA.
+
+    Honours each layer's sliding window and soft cap (``RadixAttention``).
+    """
 
     #: A group takes the requests within ``max(group_slack, longest // 4)`` tokens of
     #: its longest one (``length_groups``).
@@ -144,7 +184,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                         self.req_to_token_pool.req_to_token,
                         [indices[i] for i in group.members],
                         [seq_lens[i] for i in group.members])
-                    group.mask = self._mask(group, seq_lens, new_lens)
+                    self._set_mask(group, seq_lens, new_lens)
                 groups.append(group)
         return groups
 
@@ -165,8 +205,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         return torch.tensor([lengths[i] for i in group.members], dtype=torch.int64,
                             device=self.device)
 
-    def _mask(self, group: _Group, seq_lens: list[int], new_lens: list[int]) -> torch.Tensor:
-        """``[G, 1, Q, L]``: may query ``q`` of request ``g`` see key ``l`` (causally)."""
+    def _set_mask(self, group: _Group, seq_lens: list[int], new_lens: list[int]) -> None:
+        """The group's ``[G, 1, Q, L]`` mask: may query ``q`` of request ``g`` see key ``l``.
+
+        Causally; the queries' positions are kept too, for windowed layers' masks.
+        """
         device = self.device
         lens, new = self._lengths(group, seq_lens), self._lengths(group, new_lens)
         longest, most_new = max(seq_lens[i] for i in group.members), group.num_queries
@@ -177,7 +220,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         mask &= (key_pos[None, :] < lens[:, None])[:, None, :]
         # Padding queries (j >= new_len) see key 0 only, so that no row is fully masked.
         mask[:, :, 0] |= torch.arange(most_new, device=device)[None, :] >= new[:, None]
-        return mask.unsqueeze(1)
+        group.mask = mask.unsqueeze(1)
+        group.query_pos = query_pos[:, None, :, None]
 
     # ------------------------------------------------------------------ attention
 
@@ -260,10 +304,9 @@ class TorchNativeAttnBackend(AttentionBackend):
                 _append(keys, step.append_rows, new_keys[step.append_batch_rows])
                 _append(values, step.append_rows, new_values[step.append_batch_rows])
         q = queries[step.query_rows].to(keys.dtype).unsqueeze(2)  # [slots, heads, 1, dim]
-        out = F.scaled_dot_product_attention(
-            q, keys[:, :, :step.longest], values[:, :, :step.longest], attn_mask=step.mask,
-            scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads,
-        )  # [slots, heads, 1, dim]
+        out = attention(q, keys[:, :, :step.longest], values[:, :, :step.longest],
+                        step.layer_mask(layer.sliding_window), layer.scaling,
+                        layer.logit_cap)  # [slots, heads, 1, dim]
         return out.view(group.slots, layer.num_heads * layer.head_dim).to(queries.dtype)
 
     def _extend_group(self, group: _Group, queries: torch.Tensor, new_keys: torch.Tensor,
@@ -275,14 +318,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         if group.kv_slots is None:  # no prefix: the keys are the new tokens themselves
             keys = self._padded_tokens(new_keys.to(k_buffer.dtype), group)
             values = self._padded_tokens(new_values.to(v_buffer.dtype), group)
-            causal = True
         else:
             keys, values = _gather(k_buffer, group.kv_slots), _gather(v_buffer, group.kv_slots)
-            causal = False
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=group.mask, is_causal=causal, scale=layer.scaling,
-            enable_gqa=layer.num_heads != layer.num_kv_heads,
-        )  # [G, heads, Q, dim]
+        out = attention(q, keys, values, group.layer_mask(layer.sliding_window), layer.scaling,
+                        layer.logit_cap)  # [G, heads, Q, dim]
         flat = out.transpose(1, 2).reshape(-1, layer.num_heads * layer.head_dim)
         return flat[group.token_dst].to(queries.dtype)
 
@@ -293,6 +332,35 @@ class TorchNativeAttnBackend(AttentionBackend):
         padded = rows.new_zeros(group.size * group.num_queries, *rows.shape[1:])
         padded[group.token_dst] = rows[group.token_src]
         return padded.view(group.size, group.num_queries, *rows.shape[1:]).transpose(1, 2)
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              mask: torch.Tensor | None, scale: float, logit_cap: float | None) -> torch.Tensor:
+    """``[B, heads, Q, dim]``: attention of ``q`` over ``[B, kv_heads, L, dim]`` keys, values.
+
+    ``mask`` ``[B or 1, 1, Q, L]`` bool says which keys each query sees; None: causally,
+    the queries being the last ``Q`` keys. ``logit_cap`` c soft-caps each score ``s`` to
+    ``c * tanh(s / c)`` before the softmax: SDPA has no such step, so capped scores are
+    computed explicitly; uncapped attention stays with SDPA's fused kernels.
+    """
+    if logit_cap is None:
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale,
+            enable_gqa=q.shape[1] != keys.shape[1])
+    batch, heads, num_queries, dim = q.shape
+    kv_heads, num_keys = keys.shape[1], keys.shape[2]
+    # Query head h reads key/value head h // (heads // kv_heads): folding those heads into
+    # the query rows lets one matmul per key/value head serve them, without repeating keys.
+    grouped = q.reshape(batch, kv_heads, -1, dim)  # [B, kv_heads, heads / kv_heads * Q, dim]
+    scores = (grouped @ keys.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / logit_cap) * logit_cap
+    if mask is None:
+        mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=q.device).tril(
+            num_keys - num_queries)[None, None]
+    scores = scores.view(batch, kv_heads, -1, num_queries, num_keys)
+    scores.masked_fill_(~mask.unsqueeze(2), float("-inf"))  # mask: [B or 1, 1, 1, Q, L]
+    probs = scores.softmax(dim=-1).to(values.dtype).view(batch, kv_heads, -1, num_keys)
+    return (probs @ values).view(batch, heads, num_queries, dim)
 
 
 def _fill(keys: torch.Tensor, values: torch.Tensor, k_buffer: torch.Tensor,

@@ -25,6 +25,14 @@
 // items run on torch's own thread pool (at::parallel_for), so the kernel
 // shares the cores the way the model's other operators do.
 //
+// Two per-layer variants (Variant): a sliding window W, under which the query at
+// position p sees only the keys at p - W + 1 .. p, and soft-capping, under which each
+// score s becomes cap * tanh(s / cap) before the softmax. A window shortens the work
+// rather than masking it: keys before a request's first window are neither copied nor
+// read, a decode token walks only its last W rows, and a tile of queries starts its
+// products at the key tile of its first query's window. Without them the bounds are
+// the causal ones and the capping pass is skipped, one test per query row.
+//
 // The pool may hold float32 or bfloat16 (then the queries and the output are bfloat16
 // too): bfloat16 rows are widened to float32 as they are read, and everything is
 // computed in float32; the output is rounded to bfloat16 at the end.
@@ -126,6 +134,13 @@ void scores(const float* __restrict q, const T* __restrict k, int64_t n, int64_t
   }
 }
 
+// In place: s [n] becomes cap * tanh(s / cap), scores bounded to (-cap, cap).
+void soft_cap(float* __restrict s, int64_t n, float cap) {
+  const float inv = 1.f / cap;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) s[j] = cap * std::tanh(s[j] * inv);
+}
+
 // In place: s [n] becomes softmax(s).
 void softmax(float* __restrict s, int64_t n) {
   float top = s[0];  // subtracted first, so that exp() cannot overflow
@@ -169,6 +184,23 @@ void weighted_sum(const float* __restrict w, const float* __restrict v, int64_t 
 struct Shapes {
   int64_t heads, kv_heads, dim, context;
 };
+
+// A layer's variant of causal attention: window (0: none) and cap (0: none).
+struct Variant {
+  int64_t window;
+  float cap;
+};
+
+// The first key (position) the query at position p sees.
+inline int64_t first_key(int64_t p, const Variant& var) {
+  return var.window > 0 ? std::max<int64_t>(0, p - var.window + 1) : 0;
+}
+
+// In place: the scores s [n] of one query become its weights.
+inline void weights(float* s, int64_t n, const Variant& var) {
+  if (var.cap > 0.f) soft_cap(s, n, var.cap);
+  softmax(s, n);
+}
 
 // s[h * len] = scale * (q_h . k_{h / group}) for every query head h of one pool row.
 template <typename T>
@@ -241,10 +273,14 @@ void block_values(const Shapes& sh, const float* __restrict w,
 
 // One decode token: q, out [heads, dim]; the request's len tokens at `slots`.
 template <typename T>
-void decode_one(const Shapes& sh, const float* q, const T* k_buffer,
+void decode_one(const Shapes& sh, const Variant& var, const float* q, const T* k_buffer,
                 const T* v_buffer, const int64_t* slots, int64_t len, float scale,
                 float* out, std::vector<float>& scratch) {
   const int64_t row = sh.kv_heads * sh.dim;
+  // The token, at position len - 1, reads only the rows of its window.
+  const int64_t skipped = first_key(len - 1, var);
+  slots += skipped;
+  len -= skipped;
   scratch.resize(static_cast<size_t>(sh.heads * len));
   float* s = scratch.data();  // [heads, len]
   // Each pass starts by asking for its first rows, so that it does not begin on a miss
@@ -257,7 +293,7 @@ void decode_one(const Shapes& sh, const float* q, const T* k_buffer,
     row_scores(sh, q, k_buffer + slots[t] * row, scale, len, s + t);
   }
   for (int64_t t = 0; t < std::min(kValueBlock, len); ++t) prefetch(v_buffer + slots[t] * row, row);
-  for (int64_t h = 0; h < sh.heads; ++h) softmax(s + h * len, len);
+  for (int64_t h = 0; h < sh.heads; ++h) weights(s + h * len, len, var);
   std::fill(out, out + sh.heads * sh.dim, 0.f);
   const T* rows[kValueBlock];
   for (int64_t t0 = 0; t0 < len; t0 += kValueBlock) {
@@ -341,25 +377,29 @@ void tile_values(const float* __restrict p, int64_t ld, const float* __restrict 
 // Every new token of one request, for the query heads of key/value head g, dim a multiple
 // of 16: kQueryTile queries of a head at a time against the head's keys (transposed) and
 // values, as two small matrix products around each query's softmax. A tile computes the
-// scores up to its last query's position; each query's softmax takes only what it sees,
-// and its weights past that are zero. Missing queries of a last, partial tile read zeros
-// and write to scratch.
+// scores from the key tile holding its first query's first key up to its last query's
+// position; each query's softmax takes only what it sees, and its other weights are
+// zero. Missing queries of a last, partial tile read zeros and write to scratch. Keys
+// are copied from the first one the request's first new token sees (`start`) and
+// indexed from there.
 template <typename T>
-void extend_tiled(const Shapes& sh, const float* q, const T* k_buffer,
+void extend_tiled(const Shapes& sh, const Variant& var, const float* q, const T* k_buffer,
                   const T* v_buffer, const int64_t* slots, int64_t seq_len, int64_t num_new,
                   int64_t g, float scale, float* out, std::vector<float>& scratch) {
   const int64_t dim = sh.dim, group = sh.heads / sh.kv_heads, row = sh.kv_heads * dim;
-  const int64_t ld = (seq_len + kKeyTile - 1) / kKeyTile * kKeyTile;
-  scratch.resize(static_cast<size_t>(dim * ld + seq_len * dim + kQueryTile * ld + 2 * dim));
+  const int64_t prefix = seq_len - num_new;
+  const int64_t start = first_key(prefix, var);
+  const int64_t len = seq_len - start;  // keys copied
+  const int64_t ld = (len + kKeyTile - 1) / kKeyTile * kKeyTile;
+  scratch.resize(static_cast<size_t>(dim * ld + len * dim + kQueryTile * ld + 2 * dim));
   float* keys_t = scratch.data();
   float* values = keys_t + dim * ld;
-  float* s = values + seq_len * dim;
+  float* s = values + len * dim;
   float* zeros = s + kQueryTile * ld;
   float* spill = zeros + dim;
   std::fill(zeros, zeros + dim, 0.f);
-  gather_head_transposed(k_buffer, slots, seq_len, row, g, dim, ld, keys_t);
-  gather_head(v_buffer, slots, seq_len, row, g, dim, values);
-  const int64_t prefix = seq_len - num_new;
+  gather_head_transposed(k_buffer, slots + start, len, row, g, dim, ld, keys_t);
+  gather_head(v_buffer, slots + start, len, row, g, dim, values);
   const float* q_rows[kQueryTile];
   float* out_rows[kQueryTile];
   for (int64_t h = g * group; h < (g + 1) * group; ++h) {
@@ -370,47 +410,63 @@ void extend_tiled(const Shapes& sh, const float* q, const T* k_buffer,
         q_rows[r] = r < tile ? q + at : zeros;
         out_rows[r] = r < tile ? out + at : spill;
       }
-      const int64_t seen = prefix + i0 + tile;  // keys the tile's last query sees
-      const int64_t cols = (seen + kKeyTile - 1) / kKeyTile * kKeyTile;
-      tile_scores(q_rows, keys_t, ld, cols, dim, scale, s);
+      const int64_t seen = prefix + i0 + tile - start;  // past the tile's last query's key
+      // The products start at a key tile's boundary, so that they stay within ld.
+      const int64_t from = (first_key(prefix + i0, var) - start) / kKeyTile * kKeyTile;
+      const int64_t cols = (seen + kKeyTile - 1) / kKeyTile * kKeyTile - from;
+      tile_scores(q_rows, keys_t + from, ld, cols, dim, scale, s);
       for (int64_t r = 0; r < kQueryTile; ++r) {
-        const int64_t visible = r < tile ? prefix + i0 + r + 1 : 0;
-        if (visible > 0) softmax(s + r * ld, visible);
-        std::fill(s + r * ld + visible, s + r * ld + seen, 0.f);
+        // The row's keys, as columns of s: lo .. end - 1.
+        float* sr = s + r * ld;
+        const int64_t p = prefix + i0 + r;
+        const int64_t end = r < tile ? p + 1 - start - from : 0;
+        const int64_t lo = r < tile ? first_key(p, var) - start - from : 0;
+        if (end > 0) weights(sr + lo, end - lo, var);
+        std::fill(sr, sr + lo, 0.f);
+        std::fill(sr + end, sr + seen - from, 0.f);
       }
-      tile_values(s, ld, values, seen, dim, out_rows);
+      tile_values(s, ld, values + from * dim, seen - from, dim, out_rows);
     }
   }
 }
 
 // Every new token of one request, for the query heads of key/value head g: any dim, one
-// query at a time.
+// query at a time. Keys are copied from the first one the request's first new token
+// sees (`start`) and indexed from there.
 template <typename T>
-void extend_one(const Shapes& sh, const float* q, const T* k_buffer,
+void extend_one(const Shapes& sh, const Variant& var, const float* q, const T* k_buffer,
                 const T* v_buffer, const int64_t* slots, int64_t seq_len, int64_t num_new,
                 int64_t g, float scale, float* out, std::vector<float>& scratch) {
   const int64_t dim = sh.dim, group = sh.heads / sh.kv_heads, row = sh.kv_heads * dim;
-  scratch.resize(static_cast<size_t>(2 * seq_len * dim + seq_len));
-  float* keys = scratch.data();
-  float* values = keys + seq_len * dim;
-  float* s = values + seq_len * dim;
-  gather_head(k_buffer, slots, seq_len, row, g, dim, keys);
-  gather_head(v_buffer, slots, seq_len, row, g, dim, values);
   const int64_t prefix = seq_len - num_new;
+  const int64_t start = first_key(prefix, var);
+  const int64_t len = seq_len - start;  // keys copied
+  scratch.resize(static_cast<size_t>(2 * len * dim + len));
+  float* keys = scratch.data();
+  float* values = keys + len * dim;
+  float* s = values + len * dim;
+  gather_head(k_buffer, slots + start, len, row, g, dim, keys);
+  gather_head(v_buffer, slots + start, len, row, g, dim, values);
   for (int64_t i = 0; i < num_new; ++i) {
-    const int64_t visible = prefix + i + 1;  // causal: itself and the tokens before it
+    // Causal: the token's window up to itself, keys lo .. lo + visible - 1.
+    const int64_t lo = first_key(prefix + i, var) - start;
+    const int64_t visible = prefix + i + 1 - start - lo;
     for (int64_t h = g * group; h < (g + 1) * group; ++h) {
       const int64_t at = (i * sh.heads + h) * dim;
-      scores(q + at, keys, visible, dim, scale, s);
-      softmax(s, visible);
-      weighted_sum(s, values, visible, dim, out + at);
+      scores(q + at, keys + lo * dim, visible, dim, scale, s);
+      weights(s, visible, var);
+      weighted_sum(s, values + lo * dim, visible, dim, out + at);
     }
   }
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                  const at::Tensor& seq_lens, const at::Tensor& extend_seq_lens) {
+                  const at::Tensor& seq_lens, const at::Tensor& extend_seq_lens,
+                  int64_t window, double cap) {
+  TORCH_CHECK(window >= 0 && cap >= 0,
+              "paged_attention: window and cap must be >= 0 (0: none), got ", window, " and ",
+              cap);
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.dim() == 3,
               "paged_attention: q and the KV buffers must be 3-dimensional");
   TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
@@ -446,7 +502,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_buffer, const at::Ten
 
 // The kernel over a pool of T (q and out in float32, [tokens, heads, dim]).
 template <typename T>
-void attend(const Shapes& sh, const float* qp, const T* kp, const T* vp, const int64_t* table,
+void attend(const Shapes& sh, const Variant& var, const float* qp, const T* kp, const T* vp, const int64_t* table,
             const int64_t* idx, const int64_t* lens, const int64_t* news, int64_t batch,
             float s, float* op) {
   std::vector<int64_t> first(static_cast<size_t>(batch));  // each request's first q row
@@ -470,11 +526,13 @@ void attend(const Shapes& sh, const float* qp, const T* kp, const T* vp, const i
       const float* q_rows = qp + first[b] * row_floats;
       float* out_rows = op + first[b] * row_floats;
       if (g < 0) {
-        decode_one(sh, q_rows, kp, vp, slots, lens[b], s, out_rows, scratch);
+        decode_one(sh, var, q_rows, kp, vp, slots, lens[b], s, out_rows, scratch);
       } else if (sh.dim % 16 == 0) {
-        extend_tiled(sh, q_rows, kp, vp, slots, lens[b], news[b], g, s, out_rows, scratch);
+        extend_tiled(sh, var, q_rows, kp, vp, slots, lens[b], news[b], g, s, out_rows,
+                     scratch);
       } else {
-        extend_one(sh, q_rows, kp, vp, slots, lens[b], news[b], g, s, out_rows, scratch);
+        extend_one(sh, var, q_rows, kp, vp, slots, lens[b], news[b], g, s, out_rows,
+                   scratch);
       }
     }
   });
@@ -483,14 +541,17 @@ void attend(const Shapes& sh, const float* qp, const T* kp, const T* vp, const i
 // q: [tokens, heads, dim], the batch's new tokens packed request after request;
 // k_buffer, v_buffer: [pool_slots, kv_heads, dim], the new tokens' keys and values
 // already written; req_to_token: [requests, context]; req_pool_indices, seq_lens,
-// extend_seq_lens: [batch], int64. Returns [tokens, heads, dim] in q's dtype.
+// extend_seq_lens: [batch], int64; window: the sliding window (0: none); cap: the scores'
+// soft cap (0: none). Returns [tokens, heads, dim] in q's dtype.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buffer,
                            const at::Tensor& v_buffer, const at::Tensor& req_to_token,
                            const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                           const at::Tensor& extend_seq_lens, double scale) {
+                           const at::Tensor& extend_seq_lens, double scale, int64_t window,
+                           double cap) {
   check_inputs(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-               extend_seq_lens);
+               extend_seq_lens, window, cap);
   const Shapes sh{q.size(1), k_buffer.size(1), q.size(2), req_to_token.size(1)};
+  const Variant var{window, static_cast<float>(cap)};
   const int64_t batch = req_pool_indices.numel();
   const int64_t* idx = req_pool_indices.const_data_ptr<int64_t>();
   const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
@@ -499,7 +560,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buffer,
   const float s = static_cast<float>(scale);
   if (q.scalar_type() == at::kFloat) {
     at::Tensor out = at::empty(q.sizes(), q.options());
-    attend(sh, q.const_data_ptr<float>(), k_buffer.const_data_ptr<float>(),
+    attend(sh, var, q.const_data_ptr<float>(), k_buffer.const_data_ptr<float>(),
            v_buffer.const_data_ptr<float>(), table, idx, lens, news, batch, s,
            out.mutable_data_ptr<float>());
     return out;
@@ -509,7 +570,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buffer,
   std::vector<float> qf(static_cast<size_t>(count)), of(static_cast<size_t>(count));
   const bf16* qb = q.const_data_ptr<bf16>();
   for (int64_t i = 0; i < count; ++i) qf[i] = to_float(qb[i]);
-  attend(sh, qf.data(), k_buffer.const_data_ptr<bf16>(), v_buffer.const_data_ptr<bf16>(),
+  attend(sh, var, qf.data(), k_buffer.const_data_ptr<bf16>(), v_buffer.const_data_ptr<bf16>(),
          table, idx, lens, news, batch, s, of.data());
   at::Tensor out = at::empty(q.sizes(), q.options());
   bf16* ob = out.mutable_data_ptr<bf16>();
@@ -564,7 +625,7 @@ TORCH_LIBRARY(framework_cpu, m) {
   m.impl("write_kv", c10::DispatchKey::CPU, &write_kv);
   m.def(
       "paged_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
-      "Tensor req_pool_indices, Tensor seq_lens, Tensor extend_seq_lens, float scale) "
-      "-> Tensor");
+      "Tensor req_pool_indices, Tensor seq_lens, Tensor extend_seq_lens, float scale, "
+      "int window=0, float cap=0.) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
 }
