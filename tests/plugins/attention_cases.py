@@ -96,8 +96,13 @@ def make_case(
     )
 
 
-def reference(case: PagedCase) -> torch.Tensor:
-    """Causal attention of every new query over its request's keys, in float64: [T, heads, dim]."""
+def reference(case: PagedCase, sliding_window: int | None = None,
+              logit_cap: float | None = None) -> torch.Tensor:
+    """Causal attention of every new query over its request's keys, in float64: [T, heads, dim].
+
+    ``sliding_window`` W: the query at position ``p`` sees the keys at ``p - W < j <= p``;
+    ``logit_cap`` c: scores ``s`` become ``c * tanh(s / c)`` before the softmax.
+    """
     outputs = []
     start = 0
     for key, value, prefix_len, new_len in zip(case.keys, case.values, case.prefix_lens,
@@ -108,8 +113,13 @@ def reference(case: PagedCase) -> torch.Tensor:
         k = key.double().repeat_interleave(group, dim=1)
         v = value.double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale
-        visible = (torch.arange(key.shape[0])[None, :]
-                   <= torch.arange(new_len)[:, None] + prefix_len)
+        if logit_cap is not None:
+            scores = logit_cap * torch.tanh(scores / logit_cap)
+        key_pos = torch.arange(key.shape[0])[None, :]
+        query_pos = torch.arange(new_len)[:, None] + prefix_len
+        visible = key_pos <= query_pos
+        if sliding_window is not None:
+            visible &= key_pos > query_pos - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
     return torch.cat(outputs)

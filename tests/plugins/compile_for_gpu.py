@@ -4,7 +4,9 @@ Run as a script in a process where ``TRITON_INTERPRET`` is unset (the interprete
 replaces the kernels with Python functions that cannot be compiled): Triton's
 front end, its MLIR passes and the bundled ``ptxas`` run on the CPU, so type
 errors, unsupported constructs and spilling tile configurations show up on a
-machine with no GPU. Prints one JSON line per compiled kernel configuration:
+machine with no GPU. Every attention kernel is compiled as the default layer runs
+it and with a sliding window and a logit cap (``VARIANT``, Gemma 2's values).
+Prints one JSON line per compiled kernel configuration:
 ``{"kernel", "dtype", "head_dim", "group", "stack_bytes"}``.
 
 Usage: ``python tests/plugins/compile_for_gpu.py [head_dims] [dtypes]``, comma lists.
@@ -26,11 +28,15 @@ from typing import Any
 import torch
 import triton
 from framework_triton_attention import decode, extend, kv_store
-from framework_triton_attention.common import dot_precision
+from framework_triton_attention.common import cap_arg, dot_precision, window_arg
 from triton.backends.compiler import GPUTarget
 
 TARGET = GPUTarget("cuda", 90, 32)
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# The kernels' (SLIDING_WINDOW, LOGIT_CAP) constexprs: the default layer's, and a windowed,
+# soft-capped layer's.
+DEFAULT = {"SLIDING_WINDOW": window_arg(None), "LOGIT_CAP": cap_arg(None)}
+VARIANT = {"SLIDING_WINDOW": window_arg(4096), "LOGIT_CAP": cap_arg(50.0)}
 
 
 def arg_types(dtype: torch.dtype) -> Callable[[str], str]:
@@ -81,15 +87,18 @@ def configurations(head_dim: int, dtype: torch.dtype, group: int
     block_n, decode_warps = decode.decode_config(head_dim, dtype)
     block_m, extend_n, extend_warps = extend.extend_config(head_dim, dtype)
     rows = max(16, triton.next_power_of_2(group))
-    out = [("decode_split", decode._decode_split_kernel,
-            {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_H": rows, "BLOCK_N": block_n,
-             "DOT_PRECISION": precision}, decode_warps),
-           ("decode_merge", decode._decode_merge_kernel, {"HEAD_DIM": head_dim}, 4)]
-    for has_prefix in (True, False):
-        out.append((f"extend(prefix={has_prefix})", extend._extend_kernel,
-                    {"GROUP": group, "HEAD_DIM": head_dim, "HAS_PREFIX": has_prefix,
-                     "BLOCK_M": block_m, "BLOCK_N": extend_n, "DOT_PRECISION": precision},
-                    extend_warps))
+    out = []
+    for suffix, variant in (("", DEFAULT), (" window+cap", VARIANT)):
+        out += [(f"decode_split{suffix}", decode._decode_split_kernel,
+                 {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_H": rows, "BLOCK_N": block_n,
+                  "DOT_PRECISION": precision, **variant}, decode_warps),
+                (f"decode_merge{suffix}", decode._decode_merge_kernel,
+                 {"HEAD_DIM": head_dim, "SLIDING_WINDOW": variant["SLIDING_WINDOW"]}, 4)]
+        for has_prefix in (True, False):
+            out.append((f"extend(prefix={has_prefix}){suffix}", extend._extend_kernel,
+                        {"GROUP": group, "HEAD_DIM": head_dim, "HAS_PREFIX": has_prefix,
+                         "BLOCK_M": block_m, "BLOCK_N": extend_n,
+                         "DOT_PRECISION": precision, **variant}, extend_warps))
     row = 8 * head_dim
     out.append(("store_kv", kv_store._store_kv_kernel,
                 {"ROW": row, "BLOCK": min(triton.next_power_of_2(row), 1024)}, 4))

@@ -18,6 +18,7 @@ from framework_triton_attention.backend import (
     MIN_TOKENS_PER_SPLIT,
     TritonAttnBackend,
     choose_num_kv_splits,
+    splits_within_window,
 )
 from framework_triton_attention.common import is_interpreter
 
@@ -61,8 +62,12 @@ def backend_args(case: PagedCase, dtype: torch.dtype, device: torch.device = DEV
 
 
 def run_layer(case: PagedCase, mode: ForwardMode, dtype: torch.dtype,
-              save_kv_cache: bool = True) -> tuple[torch.Tensor, MHATokenToKVPool]:
-    """One attention layer on the case through the backend, as a model step runs it."""
+              save_kv_cache: bool = True, **variants: Any
+              ) -> tuple[torch.Tensor, MHATokenToKVPool]:
+    """One attention layer on the case through the backend, as a model step runs it.
+
+    ``variants``: the layer's ``sliding_window`` / ``logit_cap``.
+    """
     args, req_pool, kv_pool = backend_args(case, dtype)
     rows = req_pool.alloc(len(case.slots))
     assert rows is not None
@@ -84,7 +89,8 @@ def run_layer(case: PagedCase, mode: ForwardMode, dtype: torch.dtype,
         batch.extend_prefix_lens = torch.tensor(case.prefix_lens, device=DEVICE)
         batch.extend_seq_lens = torch.tensor(case.new_lens, device=DEVICE)
     num_heads, head_dim = case.q.shape[1], case.q.shape[2]
-    layer = RadixAttention(num_heads, head_dim, case.scale, case.k.shape[1], LAYER_ID)
+    layer = RadixAttention(num_heads, head_dim, case.scale, case.k.shape[1], LAYER_ID,
+                           **variants)
     backend = ATTENTION_BACKENDS.get("triton")(args)
     assert isinstance(backend, TritonAttnBackend)
     assert bind_attention_backend(layer, backend) == 1
@@ -125,6 +131,31 @@ def test_decode_step_matches_reference(num_heads: int, num_kv_heads: int,
                      write_new=not save_kv_cache)
     out, _ = run_layer(case, ForwardMode.DECODE, torch.float32, save_kv_cache)
     assert relative_error(out, reference(case)) <= TOLERANCE[torch.float32]
+
+
+def test_mixed_step_honours_the_layers_window_and_cap() -> None:
+    # Prefills with and without a prefix next to one-token requests over long prefixes.
+    case = make_case([0, 50, 6, 33], [20, 1, 9, 1], 4, 2, 16, torch.float32, DEVICE, 21)
+    out, _ = run_layer(case, ForwardMode.EXTEND, torch.float32, sliding_window=8,
+                       logit_cap=0.8)
+    assert relative_error(out, reference(case, 8, 0.8)) <= TOLERANCE[torch.float32]
+    assert relative_error(out, reference(case)) > 0.05, "the layer's variants were ignored"
+
+
+def test_decode_step_honours_the_layers_window_and_cap() -> None:
+    case = make_case([0, 70, 9, 40], [1] * 4, 4, 2, 16, torch.float32, DEVICE, 22)
+    out, _ = run_layer(case, ForwardMode.DECODE, torch.float32, sliding_window=12,
+                       logit_cap=0.8)
+    assert relative_error(out, reference(case, 12, 0.8)) <= TOLERANCE[torch.float32]
+    assert relative_error(out, reference(case)) > 0.05, "the layer's variants were ignored"
+
+
+def test_a_window_bounds_the_split_count() -> None:
+    assert splits_within_window(MAX_KV_SPLITS, None) == MAX_KV_SPLITS
+    assert splits_within_window(MAX_KV_SPLITS, 4 * MIN_TOKENS_PER_SPLIT) == 4
+    assert splits_within_window(MAX_KV_SPLITS, 4 * MIN_TOKENS_PER_SPLIT + 1) == 5
+    assert splits_within_window(MAX_KV_SPLITS, 1) == 1
+    assert splits_within_window(3, 100 * MIN_TOKENS_PER_SPLIT) == 3
 
 
 def test_split_count_fills_the_device_within_bounds() -> None:

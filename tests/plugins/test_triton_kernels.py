@@ -15,9 +15,15 @@ import random
 import pytest
 import torch
 from framework_triton_attention.backend import MAX_KV_SPLITS
-from framework_triton_attention.common import check_head_dim, is_interpreter
+from framework_triton_attention.common import (
+    LOG2E,
+    cap_arg,
+    check_head_dim,
+    is_interpreter,
+    window_arg,
+)
 from framework_triton_attention.decode import decode_attention
-from framework_triton_attention.extend import extend_attention
+from framework_triton_attention.extend import extend_attention, extend_config
 from framework_triton_attention.kv_store import store_kv
 
 from tests.plugins.attention_cases import (
@@ -44,7 +50,8 @@ def nan_like(t: torch.Tensor) -> torch.Tensor:
     return torch.full_like(t, float("nan"))
 
 
-def run_decode(case: PagedCase, num_splits: int) -> torch.Tensor:
+def run_decode(case: PagedCase, num_splits: int, sliding_window: int | None = None,
+               logit_cap: float | None = None) -> torch.Tensor:
     """The decode kernels on a case whose new tokens (one per request) are in the pool."""
     seq_lens = [p + n for p, n in zip(case.prefix_lens, case.new_lens)]
     batch, num_heads, head_dim = case.q.shape
@@ -53,7 +60,8 @@ def run_decode(case: PagedCase, num_splits: int) -> torch.Tensor:
                              device=DEVICE)
     partial_lse = torch.full((batch, num_heads, MAX_KV_SPLITS), float("nan"), device=DEVICE)
     decode_attention(case.q, case.k_buffer, case.v_buffer, out, case.indptr(seq_lens),
-                     case.indices(seq_lens), partial_out, partial_lse, num_splits, case.scale)
+                     case.indices(seq_lens), partial_out, partial_lse, num_splits, case.scale,
+                     sliding_window=sliding_window, logit_cap=logit_cap)
     return out
 
 
@@ -81,12 +89,14 @@ def test_decode_head_dims(head_dim: int) -> None:
     assert relative_error(run_decode(case, 2), reference(case)) <= TOLERANCE[torch.float32]
 
 
-def run_extend(case: PagedCase, has_prefix: bool = True) -> torch.Tensor:
+def run_extend(case: PagedCase, has_prefix: bool = True, sliding_window: int | None = None,
+               logit_cap: float | None = None) -> torch.Tensor:
     out = nan_like(case.q)
     extend_attention(case.q, case.k, case.v, out, case.k_buffer, case.v_buffer,
                      case.indptr(case.new_lens), case.indptr(case.prefix_lens),
                      case.indices(case.prefix_lens), max(case.new_lens), case.scale,
-                     has_prefix=has_prefix)
+                     has_prefix=has_prefix, sliding_window=sliding_window,
+                     logit_cap=logit_cap)
     return out
 
 
@@ -122,6 +132,83 @@ def test_prefill_without_prefix_matches_reference(heads: tuple[int, int],
 def test_extend_head_dims(head_dim: int) -> None:
     case = make_case([20, 0], [9, 17], 4, 2, head_dim, torch.float32, DEVICE, head_dim)
     assert relative_error(run_extend(case), reference(case)) <= TOLERANCE[torch.float32]
+
+
+def poison_before(case: PagedCase, firsts: list[int]) -> None:
+    """NaN into the pool at each request's positions before ``firsts[b]``: reading one shows."""
+    for slots, first in zip(case.slots, firsts):
+        dead = slots[:max(first, 0)].to(DEVICE)
+        case.k_buffer[dead] = float("nan")
+        case.v_buffer[dead] = float("nan")
+
+
+def assert_variant_matches(out: torch.Tensor, case: PagedCase, dtype: torch.dtype,
+                           sliding_window: int | None, logit_cap: float | None) -> None:
+    """``out`` is the reference with the window and cap, and far from the one without."""
+    assert relative_error(out, reference(case, sliding_window, logit_cap)) <= TOLERANCE[dtype]
+    # Without this the test would pass on kernels that ignore the variant.
+    assert relative_error(out, reference(case)) > 0.05
+
+
+# (sliding window, logit cap): a window of the token alone, a window shorter than most
+# requests (across the prefix / new-token boundary and key tiles), a cap alone, both.
+@pytest.mark.parametrize(("window", "cap"), [(1, None), (7, None), (None, 0.7), (9, 0.7)])
+def test_extend_window_and_cap_over_prefix_match_reference(window: int | None,
+                                                           cap: float | None) -> None:
+    # A request without a prefix, long prefixes, and one-token requests over a prefix (the
+    # decode tokens of a mixed step).
+    case = make_case([0, 45, 30, 9], [40, 1, 12, 1], 4, 2, 16, torch.float32, DEVICE, 11)
+    assert_variant_matches(run_extend(case, sliding_window=window, logit_cap=cap), case,
+                           torch.float32, window, cap)
+
+
+@pytest.mark.parametrize(("window", "cap"), [(6, None), (5, 0.7)])
+def test_prefill_window_and_cap_match_reference(window: int | None, cap: float | None) -> None:
+    case = make_case([0, 0], [45, 13], 4, 1, 32, torch.float16, DEVICE, 12)
+    for has_prefix in (False, True):
+        out = run_extend(case, has_prefix, sliding_window=window, logit_cap=cap)
+        assert_variant_matches(out, case, torch.float16, window, cap)
+
+
+def test_extend_window_skips_the_tiles_before_it() -> None:
+    window = 5
+    case = make_case([100, 64], [3, 30], 2, 2, 16, torch.float32, DEVICE, 13)
+    block_n = extend_config(16, torch.float32)[1]
+    # Keys a whole tile before the earliest window of each request are never read.
+    poison_before(case, [p - window - block_n for p in case.prefix_lens])
+    assert_variant_matches(run_extend(case, sliding_window=window), case, torch.float32,
+                           window, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("window", "cap"), [(1, None), (None, 0.7), (20, 0.7)])
+def test_decode_window_and_cap_match_reference(window: int | None, cap: float | None,
+                                               dtype: torch.dtype) -> None:
+    prefix_lens = [0, 70, 12, 45]  # a single token, and requests longer than the windows
+    case = make_case(prefix_lens, [1] * 4, 4, 1, 16, dtype, DEVICE, 14, write_new=True)
+    if window is not None:
+        # Decode splits the window's keys alone: every key before it may be garbage.
+        poison_before(case, [p + 1 - window for p in prefix_lens])
+    for num_splits in (1, 3, MAX_KV_SPLITS):
+        out = run_decode(case, num_splits, sliding_window=window, logit_cap=cap)
+        assert_variant_matches(out, case, dtype, window, cap)
+
+
+# The interpreter's numpy warns where exp overflows; that overflow is what is tested.
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+def test_large_scores_under_a_cap_stay_finite() -> None:
+    case = make_case([50], [6], 2, 2, 16, torch.float32, DEVICE, 15)
+    case.q *= 200.0  # scores far past where exp overflows float32
+    assert_variant_matches(run_extend(case, logit_cap=2.0), case, torch.float32, None, 2.0)
+
+
+def test_variant_constexprs_mean_none_by_zero_and_refuse_the_rest() -> None:
+    assert (window_arg(None), cap_arg(None)) == (0, 0.0)
+    assert (window_arg(4096), cap_arg(30.0)) == (4096, 30.0 * LOG2E)  # base-2 scores
+    with pytest.raises(ValueError, match="sliding_window must be > 0"):
+        window_arg(0)
+    with pytest.raises(ValueError, match="logit_cap must be > 0"):
+        cap_arg(-1.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

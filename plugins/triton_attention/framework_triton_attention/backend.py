@@ -6,7 +6,9 @@ slots back to back: all of them in a decode step, the prefix in an extend
 step), ``qo_indptr`` (where each request's new tokens start in the packed
 batch) and, for decode, the number of KV splits. Every layer then writes its
 new keys and values into the pool and runs the decode or extend kernel; the
-layers run no Python loop over requests.
+layers run no Python loop over requests. A layer's sliding window and logit cap
+(``RadixAttention.sliding_window`` / ``logit_cap``) select the kernels' windowed
+and capped variants; a windowed layer's decode splits only its window's keys.
 
 The backend needs a CUDA device, or Triton's CPU interpreter
 (``TRITON_INTERPRET=1``, set before this module is imported), which runs the
@@ -72,6 +74,18 @@ def choose_num_kv_splits(batch: int, num_kv_heads: int, longest: int, num_sms: i
     wanted = -(-_PROGRAMS_PER_SM * num_sms // (batch * num_kv_heads))
     by_length = -(-longest // MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, by_length, MAX_KV_SPLITS))
+
+
+def splits_within_window(num_kv_splits: int, sliding_window: int | None) -> int:
+    """The batch's KV splits for a layer that sees at most ``sliding_window`` keys.
+
+    ``choose_num_kv_splits`` counted the longest request's keys; a windowed layer
+    reads no more than the window, and splits shorter than ``MIN_TOKENS_PER_SPLIT``
+    cost more to merge than they gain.
+    """
+    if sliding_window is None:
+        return num_kv_splits
+    return max(1, min(num_kv_splits, -(-sliding_window // MIN_TOKENS_PER_SPLIT)))
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -155,7 +169,8 @@ class TritonAttnBackend(AttentionBackend):
         out = torch.empty(queries.shape, dtype=q.dtype, device=q.device)
         extend_attention(queries, keys, values, out, k_buffer, v_buffer, metadata.qo_indptr,
                          metadata.kv_indptr, metadata.kv_indices, metadata.max_new_tokens,
-                         layer.scaling, has_prefix=metadata.has_prefix)
+                         layer.scaling, has_prefix=metadata.has_prefix,
+                         sliding_window=layer.sliding_window, logit_cap=layer.logit_cap)
         return out.view(-1, self.num_heads * self.head_dim)
 
     def forward_decode(
@@ -167,7 +182,7 @@ class TritonAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        """Decode: each request's one new token attends to all of its tokens (split-KV)."""
+        """Decode: each request's one new token attends to its tokens (split-KV)."""
         metadata = self._require_metadata()
         queries, keys, values = self._split_heads(q, k, v)
         k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
@@ -176,7 +191,9 @@ class TritonAttnBackend(AttentionBackend):
         out = torch.empty(queries.shape, dtype=q.dtype, device=q.device)
         decode_attention(queries, k_buffer, v_buffer, out, metadata.kv_indptr,
                          metadata.kv_indices, self.partial_out, self.partial_lse,
-                         metadata.num_kv_splits, layer.scaling)
+                         splits_within_window(metadata.num_kv_splits, layer.sliding_window),
+                         layer.scaling, sliding_window=layer.sliding_window,
+                         logit_cap=layer.logit_cap)
         return out.view(-1, self.num_heads * self.head_dim)
 
     def _require_metadata(self) -> TritonForwardMetadata:

@@ -12,6 +12,11 @@ has too few (request, KV head) pairs to fill it; the merge is cheap.
 
 Keys are reached as ``k_buffer[kv_indices[kv_indptr[b] + i]]``: ``kv_indices``
 lists every request's KV slots back to back, ``kv_indptr`` where each starts.
+
+A sliding window (``SLIDING_WINDOW`` W > 0) narrows the keys to the last W of
+each request, and the splits cut only those; a logit cap (``LOGIT_CAP`` C > 0)
+soft-caps the base-2 scores to ``C * tanh(s / C)``. Both are compiled in only
+when asked for, so that the default kernels are today's.
 """
 
 from __future__ import annotations
@@ -22,14 +27,26 @@ import triton.language as tl
 
 from framework_triton_attention.common import (
     LOG2E,
+    cap_arg,
     check_head_dim,
     dot_precision,
     is_interpreter,
+    soft_cap,
+    window_arg,
 )
 
 # Rows of the per-group dot: the query heads sharing one KV head, padded up to the
 # smallest tile tl.dot accepts.
 _MIN_GROUP_ROWS = 16
+
+
+@triton.jit
+def _first_key(seq_len, SLIDING_WINDOW: tl.constexpr):
+    """The first key the request's last token sees: 0, or the window's first."""
+    first = 0
+    if SLIDING_WINDOW > 0:
+        first = tl.maximum(seq_len - SLIDING_WINDOW, 0)
+    return first
 
 
 @triton.jit
@@ -45,6 +62,8 @@ def _decode_split_kernel(
     num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # keys the new token sees, its own included; 0: all
+    LOGIT_CAP: tl.constexpr,  # soft cap of the base-2 scores; 0: none
 ):
     """Stage 1: the partial output and log-sum-exp of one (request, KV head, split)."""
     req = tl.program_id(0)
@@ -53,8 +72,9 @@ def _decode_split_kernel(
 
     kv_start = tl.load(kv_indptr_ptr + req)
     seq_len = tl.load(kv_indptr_ptr + req + 1) - kv_start
-    split_len = tl.cdiv(seq_len, num_splits)
-    lo = split * split_len
+    first = _first_key(seq_len, SLIDING_WINDOW)
+    split_len = tl.cdiv(seq_len - first, num_splits)
+    lo = first + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
 
     rows = tl.arange(0, BLOCK_H)
@@ -74,6 +94,8 @@ def _decode_split_kernel(
         k = tl.load(k_buffer_ptr + slots[:, None] * stride_k_slot + kv_head * stride_k_head
                     + dims[None, :], mask=in_range[:, None], other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if LOGIT_CAP > 0:
+            qk = soft_cap(qk, LOGIT_CAP)
         qk = tl.where(in_range[None, :], qk, float("-inf"))
         # Every block holds at least one key in range, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -105,12 +127,14 @@ def _decode_merge_kernel(
     stride_o_tok, stride_o_head,
     num_splits,
     HEAD_DIM: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # as in stage 1, which split the window's keys alone
 ):
     """Stage 2: one (request, query head)'s output from its splits' partial outputs."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(kv_indptr_ptr + req + 1) - tl.load(kv_indptr_ptr + req)
-    split_len = tl.cdiv(seq_len, num_splits)
+    num_keys = seq_len - _first_key(seq_len, SLIDING_WINDOW)
+    split_len = tl.cdiv(num_keys, num_splits)
     dims = tl.arange(0, HEAD_DIM)
 
     m_i = float("-inf")
@@ -118,7 +142,7 @@ def _decode_merge_kernel(
     acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
     for split in range(0, num_splits):
         # Empty splits wrote nothing meaningful (their buffers may hold anything): skip them.
-        if split * split_len < seq_len:
+        if split * split_len < num_keys:
             lse = tl.load(partial_lse_ptr + req * stride_pl_req + head * stride_pl_head + split)
             part = tl.load(partial_out_ptr + req * stride_po_req + head * stride_po_head
                            + split * stride_po_split + dims)
@@ -153,13 +177,18 @@ def decode_attention(
     partial_lse: torch.Tensor,
     num_splits: int,
     sm_scale: float,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
 ) -> None:
     """Write into ``o`` ``[B, heads, dim]`` the attention of ``q`` ``[B, heads, dim]``.
 
     ``k_buffer``/``v_buffer`` are ``[slots, kv_heads, dim]``; request ``b``'s keys are at
     ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` (at least one each). ``partial_out``
     ``[>= B, heads, >= num_splits, dim]`` and ``partial_lse`` ``[>= B, heads, >= num_splits]``
-    are float32 scratch buffers for the splits.
+    are float32 scratch buffers for the splits. ``sliding_window`` and ``logit_cap`` are
+    the layer's (``RadixAttention``): the token sees its request's last
+    ``sliding_window`` keys, and scores ``s`` become ``logit_cap * tanh(s / logit_cap)``;
+    ``None``: all keys, scores as they are.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -168,6 +197,7 @@ def decode_attention(
     block_h = max(_MIN_GROUP_ROWS, triton.next_power_of_2(group))
     block_n, num_warps = decode_config(head_dim, q.dtype)
     extra = {} if is_interpreter() else {"num_warps": num_warps, "num_stages": 2}
+    window = window_arg(sliding_window)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, partial_out, partial_lse,
         sm_scale * LOG2E,  # scores in base 2, so that the softmax can use exp2
@@ -178,7 +208,8 @@ def decode_attention(
         partial_lse.stride(0), partial_lse.stride(1),
         num_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(q.dtype), **extra,
+        DOT_PRECISION=dot_precision(q.dtype), SLIDING_WINDOW=window,
+        LOGIT_CAP=cap_arg(logit_cap), **extra,
     )
     _decode_merge_kernel[(batch, num_heads)](
         partial_out, partial_lse, kv_indptr, o,
@@ -186,5 +217,5 @@ def decode_attention(
         partial_lse.stride(0), partial_lse.stride(1),
         o.stride(0), o.stride(1),
         num_splits,
-        HEAD_DIM=head_dim,
+        HEAD_DIM=head_dim, SLIDING_WINDOW=window,
     )

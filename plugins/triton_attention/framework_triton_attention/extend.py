@@ -13,6 +13,12 @@ whole, then the request's new keys and values, read straight from the packed
 mask, keeping a running max and sum (online softmax) so that scores are never
 materialized. A prefill with no cached prefix anywhere in the batch is the
 same kernel compiled without the prefix walk (``HAS_PREFIX=False``).
+
+Two per-layer variants are compiled in only when asked for, so that the
+default kernel is today's: ``SLIDING_WINDOW`` W > 0 lets the token at position
+``p`` see only the keys at ``p - W < j <= p`` (both walks start at the first key
+block that meets the window of the block's first token, and mask inside it),
+and ``LOGIT_CAP`` C > 0 soft-caps every base-2 score to ``C * tanh(s / C)``.
 """
 
 from __future__ import annotations
@@ -23,9 +29,12 @@ import triton.language as tl
 
 from framework_triton_attention.common import (
     LOG2E,
+    cap_arg,
     check_head_dim,
     dot_precision,
     is_interpreter,
+    soft_cap,
+    window_arg,
 )
 
 
@@ -33,14 +42,36 @@ from framework_triton_attention.common import (
 def _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     """Fold one tile of base-2 scores ``qk`` (masked entries ``-inf``) and values ``v`` in."""
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    # Rows that have seen no key yet (padding rows) keep m = -inf; shift them by 0 instead,
-    # so that no -inf - -inf turns into NaN.
+    # Rows that have seen no key yet (padding rows, or rows whose window starts past this
+    # tile) keep m = -inf; shift them by 0 instead, so that no -inf - -inf turns into NaN.
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - shift)
     p = tl.exp2(qk - shift[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _scores(q, k, qk_scale, visible, DOT_PRECISION: tl.constexpr, LOGIT_CAP: tl.constexpr):
+    """Base-2 scores of a query tile against a key tile, soft-capped, ``-inf`` where not visible."""
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if LOGIT_CAP > 0:
+        qk = soft_cap(qk, LOGIT_CAP)
+    return tl.where(visible, qk, float("-inf"))
+
+
+@triton.jit
+def _walk_start(first_pos, BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr):
+    """Where a key walk starts: key 0, or under a window the tile holding the first key seen.
+
+    ``first_pos`` is the block's first token in the walk's key positions; the
+    block's later tokens see no key before its window.
+    """
+    start = 0
+    if SLIDING_WINDOW > 0:
+        start = tl.maximum(first_pos - SLIDING_WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    return start
 
 
 @triton.jit
@@ -56,6 +87,8 @@ def _extend_kernel(
     stride_vb_slot, stride_vb_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_PREFIX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # keys each token sees, its own included; 0: all earlier
+    LOGIT_CAP: tl.constexpr,  # soft cap of the base-2 scores; 0: none
 ):
     """Attention output of ``BLOCK_M`` (new token, head) rows of one request and KV head."""
     req = tl.program_id(0)
@@ -87,7 +120,8 @@ def _extend_kernel(
         kv_start = tl.load(kv_indptr_ptr + req)
         prefix_len = tl.load(kv_indptr_ptr + req + 1) - kv_start
         prefix_hi = tl.where(block_empty, 0, prefix_len)
-        for start in range(0, prefix_hi, BLOCK_N):
+        prefix_lo = _walk_start(prefix_len + row_start // GROUP, BLOCK_N, SLIDING_WINDOW)
+        for start in range(prefix_lo, prefix_hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             in_prefix = pos < prefix_len
             slots = tl.load(kv_indices_ptr + kv_start + pos, mask=in_prefix, other=0)
@@ -95,8 +129,12 @@ def _extend_kernel(
             k = tl.load(k_buffer_ptr + slots[:, None] * stride_kb_slot
                         + kv_head * stride_kb_head + dims[None, :],
                         mask=in_prefix[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            qk = tl.where(in_prefix[None, :], qk, float("-inf"))
+            visible = in_prefix[None, :]
+            if SLIDING_WINDOW > 0:
+                # Prefix key j is at position j, token t at prefix_len + t.
+                visible = visible & (pos[None, :] > prefix_len + tokens[:, None]
+                                     - SLIDING_WINDOW)
+            qk = _scores(q, k, qk_scale, visible, DOT_PRECISION, LOGIT_CAP)
             v = tl.load(v_buffer_ptr + slots[:, None] * stride_vb_slot
                         + kv_head * stride_vb_head + dims[None, :],
                         mask=in_prefix[:, None], other=0.0)
@@ -105,16 +143,18 @@ def _extend_kernel(
     # The block's last token sees new keys up to itself: no tile past it is needed.
     new_hi = tl.where(block_empty, 0,
                       tl.minimum(num_new, (row_start + BLOCK_M - 1) // GROUP + 1))
-    for start in range(0, new_hi, BLOCK_N):
+    new_lo = _walk_start(row_start // GROUP, BLOCK_N, SLIDING_WINDOW)
+    for start in range(new_lo, new_hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         in_new = pos < num_new
         kv_rows = (qo_start + pos).to(tl.int64)
         k = tl.load(k_ptr + kv_rows[:, None] * stride_k_tok
                     + kv_head * stride_k_head + dims[None, :],
                     mask=in_new[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = in_new[None, :] & (pos[None, :] <= tokens[:, None])
-        qk = tl.where(visible, qk, float("-inf"))
+        if SLIDING_WINDOW > 0:
+            visible = visible & (pos[None, :] > tokens[:, None] - SLIDING_WINDOW)
+        qk = _scores(q, k, qk_scale, visible, DOT_PRECISION, LOGIT_CAP)
         v = tl.load(v_ptr + kv_rows[:, None] * stride_v_tok
                     + kv_head * stride_v_head + dims[None, :],
                     mask=in_new[:, None], other=0.0)
@@ -155,6 +195,8 @@ def extend_attention(
     max_new_tokens: int,
     sm_scale: float,
     has_prefix: bool = True,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
 ) -> None:
     """Write into ``o`` ``[T, heads, dim]`` the causal attention of the new tokens.
 
@@ -163,7 +205,10 @@ def extend_attention(
     ``max_new_tokens``). Its cached prefix is at slots
     ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` of ``k_buffer``/``v_buffer``
     ``[slots, kv_heads, dim]``. ``has_prefix=False`` promises every prefix is empty
-    and skips the prefix walk (plain prefill).
+    and skips the prefix walk (plain prefill). ``sliding_window`` and ``logit_cap`` are
+    the layer's (``RadixAttention``): a token at position ``p`` of its request sees the
+    keys at ``p - sliding_window < j <= p``, and scores ``s`` become
+    ``logit_cap * tanh(s / logit_cap)``; ``None``: all earlier keys, scores as they are.
     """
     batch = qo_indptr.shape[0] - 1
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -183,5 +228,6 @@ def extend_attention(
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
         GROUP=group, HEAD_DIM=head_dim, HAS_PREFIX=has_prefix,
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype), **extra,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype),
+        SLIDING_WINDOW=window_arg(sliding_window), LOGIT_CAP=cap_arg(logit_cap), **extra,
     )
