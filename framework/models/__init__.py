@@ -46,6 +46,11 @@ def resolve_architecture(architectures: Sequence[str] | None) -> str:
     for name in architectures or ():
         if name in supported:
             return name
+    if "Gemma3ForConditionalGeneration" in (architectures or ()):
+        raise ValueError(
+            "Gemma3ForConditionalGeneration (Gemma 3 with vision) is not supported: the text "
+            "model Gemma3ForCausalLM is served, the vision parts are not"
+        )
     raise ValueError(
         f"unsupported model architecture {list(architectures or [])}; "
         f"supported: {', '.join(supported)}"

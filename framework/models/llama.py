@@ -238,10 +238,7 @@ class LlamaModel(nn.Module):
         pp_rank: int = 0, pp_size: int = 1,
     ) -> None:
         super().__init__()
-        self.is_first_stage = pp_rank == 0
-        self.is_last_stage = pp_rank == pp_size - 1
-        self.start_layer, self.end_layer = (0, config.num_hidden_layers) if pp_size == 1 \
-            else stage_layers(config.num_hidden_layers, pp_rank, pp_size)
+        self.set_stage(config, pp_rank, pp_size)
         self.embed_tokens: VocabParallelEmbedding | None = None
         if self.is_first_stage:
             self.embed_tokens = VocabParallelEmbedding(
@@ -261,6 +258,13 @@ class LlamaModel(nn.Module):
         self.norm: RMSNorm | None = None
         if self.is_last_stage:
             self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def set_stage(self, config: Any, pp_rank: int, pp_size: int) -> None:
+        """Which layers this pipeline stage holds, and whether it is the first or the last."""
+        self.is_first_stage = pp_rank == 0
+        self.is_last_stage = pp_rank == pp_size - 1
+        self.start_layer, self.end_layer = (0, config.num_hidden_layers) if pp_size == 1 \
+            else stage_layers(config.num_hidden_layers, pp_rank, pp_size)
 
     def holds(self, name: str) -> bool:
         """Whether the parameter ``name`` (relative to this module) belongs to this stage."""
@@ -341,10 +345,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         with torch.device(device), default_dtype(dtype):
-            self.model = LlamaModel(
-                config, self.attention_options(config), tp_rank=tp_rank, tp_size=tp_size,
-                pp_rank=pp_rank, pp_size=pp_size,
-            )
+            self.model = self.build_model(config, tp_rank=tp_rank, tp_size=tp_size,
+                                          pp_rank=pp_rank, pp_size=pp_size)
             # Only the last stage projects onto the vocabulary: a first stage that is not
             # also the last holds no head (tied or not), so none is packed or counted there.
             self.lm_head: VocabParallelEmbedding | None = None
@@ -357,6 +359,12 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head = ParallelLMHead(
                     config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
                 )
+
+    def build_model(self, config: Any, *, tp_rank: int, tp_size: int, pp_rank: int,
+                    pp_size: int) -> LlamaModel:
+        """The decoder stack of this rank (a family with other layers builds its own)."""
+        return LlamaModel(config, self.attention_options(config), tp_rank=tp_rank,
+                          tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
 
     def forward(
         self,

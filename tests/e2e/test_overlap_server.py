@@ -22,7 +22,8 @@ PROMPTS = ["hello", "the quick brown fox jumps over the lazy dog", "a",
 NEW_TOKENS = 16
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
+                                  "phi3"])
 def test_greedy_tokens_match_transformers_with_overlap(arch: str,
                                                        tiny_checkpoint: Callable[..., Path],
                                                        shared: SharedPool) -> None:

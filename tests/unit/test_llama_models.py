@@ -546,9 +546,12 @@ def test_attention_backend_is_built_once_with_the_pools_and_bounds(
     torch.testing.assert_close(ours, reference, atol=0.0, rtol=0.0)
 
 
-def test_mistral_context_is_capped_at_its_sliding_window(tmp_path: Path) -> None:
+def test_a_sliding_window_limits_attention_not_the_context(tmp_path: Path) -> None:
     path = make_tiny_checkpoint(tmp_path, "mistral", sliding_window=100)
-    assert make_runner(path).model_config.context_len == 100
+    runner = make_runner(path)
+    assert runner.model_config.context_len == 256  # the fixture's max_position_embeddings
+    windows = {m.sliding_window for m in runner.model.modules() if isinstance(m, RadixAttention)}
+    assert windows == {100}
 
 
 def write_config(path: Path, **changes: Any) -> None:
