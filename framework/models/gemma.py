@@ -33,16 +33,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from framework.layers.activation import GatedActivation
 from framework.layers.attention.radix_attention import RadixAttention
 from framework.layers.embedding import VocabParallelEmbedding
-from framework.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from framework.layers.norm import RMSNorm
 from framework.layers.rotary import RopeConfig, RotaryEmbedding
 from framework.models.llama import (
     AttentionOptions,
     LlamaAttention,
     LlamaForCausalLM,
+    LlamaMLP,
     LlamaModel,
     head_dim_of,
     sliding_window_of,
@@ -115,25 +114,6 @@ class GemmaEmbedding(VocabParallelEmbedding):
         return super().forward(input_ids) * self.normalizer
 
 
-class GemmaMLP(nn.Module):
-    """GeGLU: ``down(act(gate(x)) * up(x))`` with gate and up stacked in one matrix."""
-
-    def __init__(self, config: Any, *, tp_rank: int, tp_size: int) -> None:
-        super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [size, size], bias=False, tp_rank=tp_rank, tp_size=tp_size
-        )
-        self.down_proj = RowParallelLinear(
-            size, config.hidden_size, bias=False, tp_rank=tp_rank, tp_size=tp_size
-        )
-        self.act_fn = GatedActivation(config.hidden_activation)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden] -> [n, hidden]``."""
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 def rope_config_of(config: Any, layer_type: str) -> RopeConfig:
     """The RoPE settings of the layers of ``layer_type``.
 
@@ -187,7 +167,8 @@ class GemmaDecoderLayer(nn.Module):
                  tp_size: int) -> None:
         super().__init__()
         self.self_attn = attention
-        self.mlp = GemmaMLP(config, tp_rank=tp_rank, tp_size=tp_size)
+        self.mlp = LlamaMLP(config, tp_rank=tp_rank, tp_size=tp_size,
+                            activation=config.hidden_activation)  # GeGLU
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(hidden, eps=eps)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps=eps)

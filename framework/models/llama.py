@@ -172,7 +172,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with gate and up stacked in one matrix."""
 
-    def __init__(self, config: Any, *, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, config: Any, *, tp_rank: int, tp_size: int,
+                 activation: str | None = None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         size = config.intermediate_size
@@ -182,7 +183,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             size, config.hidden_size, bias=bias, tp_rank=tp_rank, tp_size=tp_size
         )
-        self.act_fn = GatedActivation(config.hidden_act)
+        # ``activation``: a family that names it in another field (Gemma's
+        # ``hidden_activation``).
+        self.act_fn = GatedActivation(activation or config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[n, hidden] -> [n, hidden]``."""

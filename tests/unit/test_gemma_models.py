@@ -36,7 +36,7 @@ from tests.unit.test_llama_models import (
     Driver,
     Request,
     assert_all_slots_free,
-    assert_matches_transformers,
+    assert_batched_greedy_matches,
     greedy,
     load_hf,
     make_runner,
@@ -64,16 +64,7 @@ def runner_for(tmp_path: Path, arch: str) -> tuple[Path, ModelRunner]:
 def test_batched_greedy_generation_matches_transformers(tmp_path: Path, arch: str) -> None:
     """One EXTEND of eight prompts of different lengths, then DECODE steps past the window."""
     path, runner = runner_for(tmp_path, arch)
-    driver = Driver(runner)
-    prompts = prompt_ids()
-    assert sum(len(p) > WINDOW for p in prompts) >= 4, "most prompts must outgrow the window"
-    requests = driver.start(len(prompts))
-    tokens, logprobs = greedy(driver, requests, driver.extend(requests, prompts), NEW_TOKENS)
-    hf_model = load_hf(path)
-    for prompt, request_tokens, request_logprobs in zip(prompts, tokens, logprobs, strict=True):
-        assert_matches_transformers(hf_model, prompt, request_tokens, request_logprobs)
-    driver.finish(requests)
-    assert_all_slots_free(runner)
+    assert_batched_greedy_matches(path, runner, NEW_TOKENS, WINDOW)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -230,13 +230,20 @@ def test_batched_greedy_generation_matches_transformers(
     tmp_path: Path, arch: str, overrides: dict[str, Any]
 ) -> None:
     path = make_tiny_checkpoint(tmp_path, arch, **overrides)
-    runner = make_runner(path)
+    assert_batched_greedy_matches(path, make_runner(path), NEW_TOKENS)
+
+
+def assert_batched_greedy_matches(path: Path, runner: ModelRunner, new_tokens: int,
+                                  window: int | None = None) -> None:
+    """One EXTEND of ``prompt_ids()`` (all of different lengths; with ``window``, most of
+    them longer), then greedy DECODE steps: every token and logprob is transformers'."""
     driver = Driver(runner)
     prompts = prompt_ids()
     assert len({len(p) for p in prompts}) == len(prompts), "prompt lengths must all differ"
+    if window is not None:
+        assert sum(len(p) > window for p in prompts) >= 4, "most prompts must outgrow the window"
     requests = driver.start(len(prompts))
-    first_logits = driver.extend(requests, prompts)
-    tokens, logprobs = greedy(driver, requests, first_logits, NEW_TOKENS)
+    tokens, logprobs = greedy(driver, requests, driver.extend(requests, prompts), new_tokens)
     hf_model = load_hf(path)
     for prompt, request_tokens, request_logprobs in zip(prompts, tokens, logprobs, strict=True):
         assert_matches_transformers(hf_model, prompt, request_tokens, request_logprobs)

@@ -65,7 +65,9 @@ def test_the_next_step_is_built_before_this_one_returns(harness_factory) -> None
             return flight is not None and flight.step.batch.mode.is_decode()
 
         wait_for(decode_launched, "the decode step is launched")
-        assert worker.started == 1 and worker.finished == 0
+        # The worker's thread takes the prefill up on its own time: wait for it to hold it.
+        wait_for(lambda: worker.started == 1, "the prefill reaches the worker")
+        assert worker.finished == 0
         decode = h.scheduler.in_flight
         # Its input is the placeholder of the token the prefill has not sampled yet (the
         # first token the Scheduler numbered).

@@ -22,6 +22,7 @@ from tests.model_fixtures import make_tiny_checkpoint, single_threaded_torch, ti
 from tests.unit.test_llama_models import (
     Driver,
     assert_all_slots_free,
+    assert_batched_greedy_matches,
     assert_matches_transformers,
     greedy,
     load_hf,
@@ -48,16 +49,7 @@ def test_batched_greedy_generation_matches_transformers(
     tmp_path: Path, overrides: dict[str, Any]
 ) -> None:
     path = make_tiny_checkpoint(tmp_path, "phi3", **overrides)
-    driver = Driver(torch_runner(path))
-    prompts = prompt_ids()
-    assert sum(len(p) > WINDOW for p in prompts) >= 4, "most prompts must outgrow the window"
-    requests = driver.start(len(prompts))
-    tokens, logprobs = greedy(driver, requests, driver.extend(requests, prompts), NEW_TOKENS)
-    hf_model = load_hf(path)
-    for prompt, request_tokens, request_logprobs in zip(prompts, tokens, logprobs, strict=True):
-        assert_matches_transformers(hf_model, prompt, request_tokens, request_logprobs)
-    driver.finish(requests)
-    assert_all_slots_free(driver.runner)
+    assert_batched_greedy_matches(path, torch_runner(path), NEW_TOKENS, WINDOW)
 
 
 def test_chunked_prefill_and_a_mixed_step_match_transformers(tmp_path: Path) -> None:
