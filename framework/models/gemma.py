@@ -43,6 +43,7 @@ from framework.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
     LlamaModel,
+    attend,
     head_dim_of,
     sliding_window_of,
 )
@@ -188,14 +189,8 @@ class GemmaDecoderLayer(nn.Module):
         As in ``LlamaDecoderLayer``: the next norm adds the two, and with
         ``output_rows`` only those rows go on past the attention's keys and values.
         """
-        if residual is None:
-            residual = hidden_states
-            normed = self.input_layernorm(hidden_states)
-        else:
-            normed, residual = self.input_layernorm(hidden_states, residual)
-        attn_out = self.self_attn(positions, normed, forward_batch, output_rows)
-        if output_rows is not None:
-            residual = residual.index_select(0, output_rows)
+        attn_out, residual = attend(self, positions, hidden_states, forward_batch, residual,
+                                    output_rows)
         normed, residual = self.pre_feedforward_layernorm(
             self.post_attention_layernorm(attn_out), residual)
         return self.post_feedforward_layernorm(self.mlp(normed)), residual

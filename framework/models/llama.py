@@ -221,16 +221,27 @@ class LlamaDecoderLayer(nn.Module):
         only those rows go through the rest (attention's queries, the output
         projection, the MLP) and are returned.
         """
-        if residual is None:
-            residual = hidden_states
-            normed = self.input_layernorm(hidden_states)
-        else:
-            normed, residual = self.input_layernorm(hidden_states, residual)
-        attn_out = self.self_attn(positions, normed, forward_batch, output_rows)
-        if output_rows is not None:
-            residual = residual.index_select(0, output_rows)
+        attn_out, residual = attend(self, positions, hidden_states, forward_batch, residual,
+                                    output_rows)
         normed, residual = self.post_attention_layernorm(attn_out, residual)
         return self.mlp(normed), residual
+
+
+def attend(layer: nn.Module, positions: torch.Tensor, hidden_states: torch.Tensor,
+           forward_batch: ForwardBatch, residual: torch.Tensor | None,
+           output_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm block's first half: ``layer.input_layernorm`` (adding the residual
+    stream), then ``layer.self_attn``; returns the attention output and the residual, both
+    at ``output_rows`` when given."""
+    if residual is None:
+        residual = hidden_states
+        normed = layer.input_layernorm(hidden_states)
+    else:
+        normed, residual = layer.input_layernorm(hidden_states, residual)
+    attn_out = layer.self_attn(positions, normed, forward_batch, output_rows)
+    if output_rows is not None:
+        residual = residual.index_select(0, output_rows)
+    return attn_out, residual
 
 
 class LlamaModel(nn.Module):
