@@ -244,9 +244,10 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         """Gemma 2 soft-caps attention scores at ``attn_logit_softcapping``."""
         return getattr(config, "attn_logit_softcapping", None)
 
-    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device,
-                 **parallel: int) -> None:
-        super().__init__(config, dtype, device, **parallel)
+    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device, *,
+                 tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> None:
+        super().__init__(config, dtype, device, tp_rank=tp_rank, tp_size=tp_size,
+                         pp_rank=pp_rank, pp_size=pp_size)
         self.final_logit_cap: float | None = getattr(config, "final_logit_softcapping", None)
 
     def build_model(self, config: Any, *, tp_rank: int, tp_size: int, pp_rank: int,
@@ -281,9 +282,10 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         """Gemma 3 does not soft-cap attention scores (transformers ignores the setting)."""
         return None
 
-    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device,
-                 **parallel: int) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device, *,
+                 tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> None:
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("Gemma 3 with use_bidirectional_attention is not supported "
                              "(only causal attention is served)")
-        super().__init__(config, dtype, device, **parallel)
+        super().__init__(config, dtype, device, tp_rank=tp_rank, tp_size=tp_size,
+                         pp_rank=pp_rank, pp_size=pp_size)

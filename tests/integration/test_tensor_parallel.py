@@ -299,6 +299,19 @@ def run_two_ranks(model_dir: Path, *, no_op_all_reduce: bool) -> list[list[int]]
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("pp_size", [1, 2])
+def test_gemma_3_on_two_ranks_gives_one_rank_s_tokens(pp_size: int, tmp_path: Path) -> None:
+    """Gemma's own layers split as Llama's do: q/k norms replicated, heads and MLP rows
+    split (TP), or its layers with their two RoPE bases and windows per stage (PP)."""
+    model = make_tiny_checkpoint(tmp_path, "gemma3", seed=3)
+    with Engine(model_path=str(model), launch_mode="thread", **ENGINE_ARGS) as engine:
+        expected = [o["output_ids"] for o in engine.generate(PROMPTS, ONE_PARITY)]
+    parallel = {"tp_size": 2} if pp_size == 1 else {"pp_size": 2}
+    with Engine(model_path=str(model), **parallel, **ENGINE_ARGS) as engine:
+        assert [o["output_ids"] for o in engine.generate(PROMPTS, ONE_PARITY)] == expected
+
+
+@pytest.mark.timeout(240)
 def test_the_all_reduce_is_what_makes_the_ranks_agree(model_dir: Path) -> None:
     reference = _greedy_tokens(ModelRunner(_runner_args(str(model_dir), 1), str(model_dir)))
     assert run_two_ranks(model_dir, no_op_all_reduce=False) == reference
