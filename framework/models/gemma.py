@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from framework.layers.attention.radix_attention import RadixAttention
 from framework.layers.embedding import VocabParallelEmbedding
 from framework.layers.norm import RMSNorm
 from framework.layers.rotary import RopeConfig, RotaryEmbedding
@@ -147,11 +146,8 @@ class GemmaAttention(LlamaAttention):
         # The q/k norms are Gemma's own (below), not Llama's.
         options = AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=False)
         super().__init__(config, stage_layer_id, options, tp_rank=tp_rank, tp_size=tp_size,
-                         rotary_emb=rotary_emb, sliding_window=window)
-        self.attn = RadixAttention(
-            self.num_heads, self.head_dim, config.query_pre_attn_scalar**-0.5,
-            self.num_kv_heads, stage_layer_id, sliding_window=window, logit_cap=logit_cap,
-        )
+                         rotary_emb=rotary_emb, sliding_window=window,
+                         scaling=config.query_pre_attn_scalar**-0.5, logit_cap=logit_cap)
         if qk_norm:
             self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)

@@ -111,6 +111,8 @@ class LlamaAttention(nn.Module):
         tp_size: int,
         rotary_emb: RotaryEmbedding | None = None,
         sliding_window: int | None = None,
+        scaling: float | None = None,
+        logit_cap: float | None = None,
     ) -> None:
         super().__init__()
         head_dim = head_dim_of(config)
@@ -144,8 +146,8 @@ class LlamaAttention(nn.Module):
         # positions are then computed once, not once per layer.
         self.rotary_emb = rotary_emb or rotary_embedding_of(config)
         self.attn = RadixAttention(
-            self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, layer_id,
-            sliding_window=sliding_window,
+            self.num_heads, head_dim, scaling or head_dim**-0.5, self.num_kv_heads, layer_id,
+            sliding_window=sliding_window, logit_cap=logit_cap,
         )
 
     def forward(
