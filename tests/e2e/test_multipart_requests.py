@@ -72,18 +72,22 @@ def test_one_part_too_long_refuses_the_whole_request(client: httpx.Client, path:
     assert {k: after[k] for k in TOUCHED} == {k: before[k] for k in TOUCHED}
 
 
-def test_leaving_a_fanned_out_stream_aborts_every_part(client: httpx.Client) -> None:
-    before = wait_until_idle(client)["aborted_requests"]
-    body = {"prompt": [SHORT_IDS, [8, 9]], "n": 2, "stream": True, **SLOW}
-    seen: set[int] = set()
-    with client.stream("POST", "/v1/completions", json=body) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                seen.update(c["index"] for c in json.loads(line[6:])["choices"])
-            if len(seen) == 4:
-                break  # every part is running; the connection closes here
-    info = wait_until_idle(client)
+def test_leaving_a_fanned_out_stream_aborts_every_part(tiny_server: ServerProcess) -> None:
+    # The tiny server's whole context (256) to generate in: a part left running is still
+    # running long after the client has gone, however loaded the machine.
+    slow = {"max_tokens": 256 - len(SHORT_IDS), "ignore_eos": True, "temperature": 0}
+    body = {"prompt": [SHORT_IDS, [8, 9]], "n": 2, "stream": True, **slow}
+    with httpx.Client(base_url=tiny_server.base_url, timeout=60) as client:
+        before = wait_until_idle(client)["aborted_requests"]
+        seen: set[int] = set()
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    seen.update(c["index"] for c in json.loads(line[6:])["choices"])
+                if len(seen) == 4:
+                    break  # every part is running; the connection closes here
+        info = wait_until_idle(client)
     assert info["kv_cache_idle_and_free"] is True, info
     assert info["num_running_reqs"] == 0, info
     assert info["aborted_requests"] == before + 4

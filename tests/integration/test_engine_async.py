@@ -51,6 +51,12 @@ def aborted(engine: Engine) -> int:
     return engine.get_server_info()["aborted_requests"]
 
 
+def held_by_the_scheduler(engine: Engine) -> bool:
+    """Whether the Scheduler has a request waiting or running."""
+    info = engine.get_server_info()
+    return info["num_running_reqs"] + info["num_waiting_reqs"] > 0
+
+
 def joined(chunks: list[dict[str, Any]]) -> tuple[str, list[int]]:
     """The text and ids of a stream's chunks, concatenated."""
     return "".join(c["text"] for c in chunks), [i for c in chunks for i in c["output_ids"]]
@@ -133,11 +139,11 @@ def test_cancelling_async_generate_aborts(engine: Engine) -> None:
 
     async def main() -> None:
         task = asyncio.ensure_future(engine.async_generate(PROMPTS[0], LONG))
-        # Cancel once the request is in flight (the manager tracks it from its send on).
+        # Cancel once the Scheduler holds the request: one cancelled before its message
+        # went out is withdrawn, and there is nothing to abort.
         deadline = time.monotonic() + 60  # a liveness bound: it is sent at once
-        while not engine.tokenizer_manager.rid_to_state:
+        while not await asyncio.to_thread(held_by_the_scheduler, engine):
             assert time.monotonic() < deadline and not task.done(), "never in flight"
-            await asyncio.sleep(0.001)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
