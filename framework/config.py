@@ -43,6 +43,13 @@ class ServerArgs:
     chat_template: str | None = _opt(None, "chat template for /v1/chat/completions: a Jinja "
                                      "file, or the template itself if it contains '{%%' "
                                      "(default: the tokenizer's)", "model")
+    tool_call_parser: str | None = _opt(None, "format of the model's tool calls, for the chat "
+                                        "API's tools: hermes, qwen25, llama3, mistral, "
+                                        "pythonic, or a plugin's (see `framework plugins`)",
+                                        "model")
+    reasoning_parser: str | None = _opt(None, "split the model's <think> reasoning into "
+                                        "reasoning_content: deepseek-r1, qwen3, or a "
+                                        "plugin's", "model")
     # server
     host: str = _opt("127.0.0.1", "HTTP host to listen on", "server")
     port: int = _opt(30000, "HTTP port to listen on; 0: a free port, named in the "
@@ -190,7 +197,9 @@ class ServerArgs:
             CODECS,
             GRAMMAR_BACKENDS,
             LOAD_BALANCERS,
+            REASONING_PARSERS,
             SCHEDULE_POLICIES,
+            TOOL_PARSERS,
             TRANSPORTS,
             UnknownPluginError,
         )
@@ -202,7 +211,11 @@ class ServerArgs:
             ("--grammar-backend", self.grammar_backend, GRAMMAR_BACKENDS, ("none",)),
             ("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES, ()),
             ("--load-balance-method", self.load_balance_method, LOAD_BALANCERS, ()),
+            ("--tool-call-parser", self.tool_call_parser, TOOL_PARSERS, ()),
+            ("--reasoning-parser", self.reasoning_parser, REASONING_PARSERS, ()),
         ):
+            if value is None:
+                continue
             try:
                 registry.check(value, also)
             except UnknownPluginError as exc:

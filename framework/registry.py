@@ -153,6 +153,12 @@ SCHEDULE_POLICIES: Registry[Any] = Registry(
 # (framework/runtime/data_parallel.py), built once per data-parallel front as ``cls()``; their
 # ``choose(loads, msg)`` returns the index of the replica that gets a new request.
 LOAD_BALANCERS: Registry[Any] = Registry("load balancer", "framework.load_balancers")
+# Tool-call parsers (``--tool-call-parser``) are ``ToolParser`` subclasses
+# (framework/tool_parsers/base.py), built once per output choice as ``cls(tools)``.
+TOOL_PARSERS: Registry[Any] = Registry("tool-call parser", "framework.tool_parsers")
+# Reasoning parsers (``--reasoning-parser``) are ``ReasoningParser`` subclasses
+# (framework/reasoning_parsers.py), built once per output choice as ``cls(thinking)``.
+REASONING_PARSERS: Registry[Any] = Registry("reasoning parser", "framework.reasoning_parsers")
 
 TRANSPORTS.register("zmq", "framework.comm.zmq:ZmqTransport")
 TRANSPORTS.register("inproc", "framework.comm.inproc:InprocTransport")
@@ -169,9 +175,17 @@ SCHEDULE_POLICIES.register("fcfs", "framework.runtime.scheduler.policy:FcfsPolic
 SCHEDULE_POLICIES.register("lpm", "framework.runtime.scheduler.policy:LpmPolicy")
 LOAD_BALANCERS.register("round_robin", "framework.runtime.data_parallel:RoundRobin")
 LOAD_BALANCERS.register("shortest_queue", "framework.runtime.data_parallel:ShortestQueue")
+TOOL_PARSERS.register("hermes", "framework.tool_parsers.hermes:HermesToolParser")
+TOOL_PARSERS.register("qwen25", "framework.tool_parsers.hermes:HermesToolParser")
+TOOL_PARSERS.register("llama3", "framework.tool_parsers.llama3:Llama3ToolParser")
+TOOL_PARSERS.register("mistral", "framework.tool_parsers.mistral:MistralToolParser")
+TOOL_PARSERS.register("pythonic", "framework.tool_parsers.pythonic:PythonicToolParser")
+REASONING_PARSERS.register("deepseek-r1", "framework.reasoning_parsers:DeepSeekR1ReasoningParser")
+REASONING_PARSERS.register("qwen3", "framework.reasoning_parsers:Qwen3ReasoningParser")
 
 REGISTRIES: tuple[Registry[Any], ...] = (TRANSPORTS, CODECS, ATTENTION_BACKENDS, GRAMMAR_BACKENDS,
-                                         SCHEDULE_POLICIES, LOAD_BALANCERS)
+                                         SCHEDULE_POLICIES, LOAD_BALANCERS, TOOL_PARSERS,
+                                         REASONING_PARSERS)
 
 
 def create_transport(name: str, **options: Any) -> Any:

@@ -58,7 +58,7 @@ def json_schema_ebnf(schema: str) -> str:
     return ebnf
 
 
-def _grammar(constraint: Constraint) -> xgr.Grammar:
+def constraint_grammar(constraint: Constraint) -> xgr.Grammar:
     """The tokenizer-free grammar of ``constraint`` (raises on invalid input).
 
     What xgrammar would not enforce is refused first (``InvalidConstraintError``), so
@@ -92,7 +92,7 @@ class XGrammarBackend(GrammarBackend):
     def validate(cls, constraint: Constraint) -> None:
         """Parse ``constraint`` without a tokenizer; ``InvalidConstraintError`` if it fails."""
         try:
-            _grammar(constraint)
+            constraint_grammar(constraint)
         except InvalidConstraintError:
             raise
         except Exception as exc:  # xgrammar raises RuntimeError and its own kinds
@@ -101,7 +101,7 @@ class XGrammarBackend(GrammarBackend):
     def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
         """The compiled grammar, masks for this tokenizer included."""
         try:
-            return self.compiler.compile_grammar(_grammar(constraint))
+            return self.compiler.compile_grammar(constraint_grammar(constraint))
         except InvalidConstraintError:
             raise
         except Exception as exc:

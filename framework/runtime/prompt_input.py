@@ -31,15 +31,19 @@ def chat_size(conversation: list[dict[str, Any]]) -> int:
     return sum(len(str(message.get("content") or "")) for message in conversation)
 
 
-def chat_template_ids(tokenizer: Any, conversation: list[dict[str, Any]]) -> list[int]:
+def chat_template_ids(tokenizer: Any, conversation: list[dict[str, Any]],
+                      tools: list[dict[str, Any]] | None = None,
+                      template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Token ids of ``conversation`` through the tokenizer's chat template, ending in the
-    assistant's turn; a missing template or one that fails is a ``RequestError``."""
+    assistant's turn; ``tools`` (OpenAI's tool definitions) and ``template_kwargs`` go
+    to the template. A missing template or one that fails is a ``RequestError``."""
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model's tokenizer has no chat template; start the "
                            "server with --chat-template FILE, or use /v1/completions")
     try:
-        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
-                                            tokenize=True)
+        ids = tokenizer.apply_chat_template(conversation, tools=tools,
+                                            add_generation_prompt=True, tokenize=True,
+                                            **(template_kwargs or {}))
     except Exception as exc:  # templates raise their own errors for bad roles
         raise RequestError(f"cannot apply the chat template: {exc}") from None
     if isinstance(ids, Mapping):  # newer transformers return a BatchEncoding

@@ -23,7 +23,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from framework.comm.transport import Transport
@@ -186,15 +186,21 @@ class TokenizerManager:
         """The tokenizer call (override to change tokenization)."""
         return list(self.tokenizer.encode(text))
 
-    async def chat_prompt_ids(self, conversation: list[dict[str, Any]]) -> list[int]:
-        """Token ids of a chat through the tokenizer's template; long chats are templated
-        off the event loop, as long texts are tokenized."""
-        return await off_loop_if_long(self.apply_chat_template, conversation,
-                                      chat_size(conversation))
+    async def chat_prompt_ids(self, conversation: list[dict[str, Any]],
+                              tools: list[dict[str, Any]] | None = None,
+                              template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """Token ids of a chat (with ``tools`` offered, and ``template_kwargs``) through the
+        tokenizer's template; long chats are templated off the event loop, as long texts
+        are tokenized."""
+        return await off_loop_if_long(
+            lambda chat: self.apply_chat_template(chat, tools, template_kwargs),
+            conversation, chat_size(conversation))
 
-    def apply_chat_template(self, conversation: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(self, conversation: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """The chat template call, ending in the assistant's turn (override to change it)."""
-        return chat_template_ids(self.tokenizer, conversation)
+        return chat_template_ids(self.tokenizer, conversation, tools, template_kwargs)
 
     async def _input_ids(self, text: str | None, input_ids: list[int] | None) -> list[int]:
         if (text is None) == (input_ids is None):

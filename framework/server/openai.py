@@ -25,6 +25,7 @@ from framework.sampling_params import (
     check_token_ids,
     check_top_logprobs_num,
 )
+from framework.server.chat_tools import ToolCallMessage, ToolDef
 
 # A string, a list of strings, token ids or lists of token ids; msgspec unions allow one list
 # type, so the list's items are checked by ``split_prompts``.
@@ -254,29 +255,50 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 class ChatMessage(msgspec.Struct):
-    """One chat message; content may be a string or a list of text parts."""
+    """One chat message; content may be a string or a list of text parts.
+
+    An assistant message may carry the ``tool_calls`` it made (then its content may be
+    null), and a ``tool`` message the ``tool_call_id`` it answers.
+    """
 
     role: str
     content: str | list[dict[str, Any]] | None = None
-    # Known but not implemented, as the request's ``tools``: a call in a message is refused.
-    tool_calls: Any = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    # Known but not implemented: OpenAI's deprecated single function call.
     function_call: Any = None
+
+    def for_template(self, index: int) -> dict[str, Any]:
+        """``messages[index]`` as the chat template reads it (``text`` checks it)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text(index)}
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        for name in ("tool_call_id", "name"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        return message
 
     def text(self, index: int) -> str:
         """The text of ``messages[index]`` (text parts joined).
 
-        A role OpenAI's API does not know, a missing content, a part other than text
-        (``image_url``, ``input_audio``, ...: this model reads text only) and a tool
-        call are refused, with ``param`` naming the field.
+        A role OpenAI's API does not know, a missing content (but for an assistant's
+        tool calls), a part other than text (``image_url``, ``input_audio``, ...: this
+        model reads text only), tool calls outside an assistant message and a
+        ``function_call`` are refused, with ``param`` naming the field.
         """
         where = f"messages[{index}]"
         if self.role not in CHAT_ROLES:
             raise FieldError(f"{where}.role", f"{where}.role must be one of "
                              f"{', '.join(CHAT_ROLES)}, got {self.role!r}")
-        for name in ("tool_calls", "function_call"):
-            if getattr(self, name) not in (None, []):
-                raise UnsupportedFieldError(f"{where}.{name}")
+        if self.function_call not in (None, []):
+            raise UnsupportedFieldError(f"{where}.function_call")
+        if self.tool_calls and self.role != "assistant":
+            raise FieldError(f"{where}.tool_calls", f"{where}.tool_calls is for assistant "
+                             f"messages, not {self.role} ones")
         if self.content is None:
+            if self.tool_calls:
+                return ""
             raise FieldError(f"{where}.content", f"{where}.content is missing; a {self.role} "
                              "message needs content (a string or a list of text parts)")
         if isinstance(self.content, str):
@@ -297,11 +319,12 @@ def _text_part(part: dict[str, Any], where: str) -> str:
     return text
 
 
-def chat_conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """``messages`` as the chat template takes them: role and text, each message checked."""
+def chat_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """``messages`` as the chat template takes them: role, text and the tool fields, each
+    message checked."""
     if not messages:
         raise FieldError("messages", "messages must not be empty")
-    return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
+    return [m.for_template(i) for i, m in enumerate(messages)]
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -312,20 +335,23 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = None
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+    # Keyword arguments for the chat template (as SGLang and vLLM take them), e.g.
+    # {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_UNSUPPORTED_SAMPLING,
-        # Without tools nothing is called, so "none" and an empty list ask for nothing.
-        "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-        "function_call": (None, "none"), "parallel_tool_calls": (None, True),
+        # OpenAI's deprecated functions: an empty list and "none" ask for nothing.
+        "functions": (None, []), "function_call": (None, "none"),
         "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     }
 

@@ -121,9 +121,14 @@ BAD_FIELDS: list[tuple[str, dict[str, Any], str, str]] = [
      "messages[1].content", "messages[1].content is missing"),
     ("/v1/chat/completions", {"messages": [*CHAT, {"role": "assistant", "content": None}]},
      "messages[1].content", "messages[1].content is missing"),
-    ("/v1/chat/completions", {"messages": [*CHAT, {"role": "assistant", "tool_calls": [
+    ("/v1/chat/completions", {"messages": [*CHAT, {"role": "user", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
-     "messages[1].tool_calls", "`messages[1].tool_calls` is not supported"),
+     "messages[1].tool_calls", "messages[1].tool_calls is for assistant messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [
+        {"type": "function", "function": {"name": "f"}}]},
+     "tools", "tool calls need the server started with --tool-call-parser"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"},
+     "tool_choice", "tool_choice needs tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"},
         {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]},

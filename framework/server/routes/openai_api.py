@@ -12,6 +12,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
+from framework.registry import REASONING_PARSERS
 from framework.runtime.fan_out import merge_streams
 from framework.runtime.incremental_decoder import DecodeFn
 from framework.runtime.request_output import RequestOutput
@@ -19,6 +20,8 @@ from framework.runtime.tokenizer_manager import PreparedRequest, RequestError, g
 from framework.sampling_params import FieldError, SamplingParams
 from framework.server import openai as oai
 from framework.server import openai_responses as oai_out
+from framework.server.chat_output import ChoiceOutput
+from framework.server.chat_tools import ChatTools, constrain, template_kwargs, thinking_on
 from framework.server.disconnect import unless_client_leaves
 from framework.server.handler import current_route
 from framework.server.request_body import parse_body
@@ -161,31 +164,52 @@ class OpenAIRoutes(RouteBase):
         body.check_unsupported()
         body.check_stream_options()
         self._check_generation()
-        prompt = await self.tm.chat_prompt_ids(oai.chat_conversation(body.messages))
-        field, max_tokens = body.requested_max_tokens()
-        params = body.sampling_params(max_tokens, self.state.model.context_len, field)
-        with body.naming_fields(field):
-            reqs = await self._prepare_all([(None, prompt)], params, body.stream,
-                                           body.top_logprobs_num())
-        self._check_context(reqs, field, max_tokens)
+        reqs, shapes = await self._chat_requests(body)
         if body.stream:
-            return self._stream_chat(body, reqs, params.n)
+            return self._stream_chat(body, reqs, shapes)
         outputs = await self._first_outputs(request, reqs)
-        decode = self._decode_fn(params)
+        decode = self._decode_fn(reqs[0].req.sampling_params)
         choices = [{
             "index": i,
-            "message": {"role": "assistant", "content": out.text},
+            "message": shapes[i].message(out.text),
             "logprobs": oai_out.chat_logprobs(out.meta_info, self.token_text, decode, 0),
-            "finish_reason": oai_out.finish_reason_name(out.meta_info),
+            "finish_reason": shapes[i].finish_reason(oai_out.finish_reason_name(out.meta_info)),
         } for i, out in enumerate(outputs)]
         return JSONResponse({
             "id": oai_out.new_id("chatcmpl"), "object": "chat.completion", "created": oai_out.now(),
             "model": self.state.model_name, "choices": choices,
-            "usage": self._usage(outputs, params.n),
+            "usage": self._usage(outputs, len(outputs)),
         })
 
+    async def _chat_requests(self, body: oai.ChatCompletionRequest
+                             ) -> tuple[list[PreparedRequest], list[ChoiceOutput]]:
+        """A chat's prepared requests (one per choice: its template rendered with the tools,
+        its constraint set) and the shaper of each choice's answer."""
+        tools = ChatTools.of(body.tools, body.tool_choice, bool(body.parallel_tool_calls),
+                             self.state.server_args.tool_call_parser)
+        kwargs = template_kwargs(body.chat_template_kwargs)
+        prompt = await self.tm.chat_prompt_ids(oai.chat_conversation(body.messages),
+                                               tools.template_tools, kwargs)
+        field, max_tokens = body.requested_max_tokens()
+        params = body.sampling_params(max_tokens, self.state.model.context_len, field)
+        thinking = thinking_on(kwargs)
+        constrain(params, tools, self.state.server_args.reasoning_parser, thinking,
+                  body.response_format is not None)
+        with body.naming_fields(field):
+            reqs = await self._prepare_all([(None, prompt)], params, body.stream,
+                                           body.top_logprobs_num())
+        self._check_context(reqs, field, max_tokens)
+        return reqs, [self._choice_output(tools, thinking) for _ in reqs]
+
+    def _choice_output(self, tools: ChatTools, thinking: bool) -> ChoiceOutput:
+        """The shaper of one choice's answer, with fresh parsers for its output."""
+        name = self.state.server_args.reasoning_parser
+        reasoning = REASONING_PARSERS.get(name)(thinking) if name is not None else None
+        return ChoiceOutput(reasoning, tools.new_parser())
+
     def _stream_chat(self, body: oai.ChatCompletionRequest, reqs: list[PreparedRequest],
-                     n: int) -> Response:
+                     shapes: list[ChoiceOutput]) -> Response:
+        n = len(reqs)  # one prompt: each request is one of its choices
         chunks = oai_out.StreamChunks(oai_out.new_id("chatcmpl"), "chat.completion.chunk",
                                       self.state.model_name, body.include_usage)
         decode = self._decode_fn(reqs[0].req.sampling_params)
@@ -206,8 +230,9 @@ class OpenAIRoutes(RouteBase):
                                                  sent_tokens.get(i, 0))
                 sent_tokens[i] = meta["completion_tokens"]
                 last[i] = out
-                yield chunk(i, {"content": out.delta}, logprobs,
-                            oai_out.finish_reason_name(meta))
+                finish = oai_out.finish_reason_name(meta)
+                yield chunk(i, shapes[i].feed(out.delta, final=finish is not None), logprobs,
+                            shapes[i].finish_reason(finish))
             if chunks.include_usage:
                 yield chunks.usage(self._usage([last[i] for i in sorted(last)], n))
 
