@@ -152,6 +152,11 @@ class ChatTools:
         return cls(specs, template_tools, parser,
                    _calls_grammar(parser, specs, specs, parallel=parallel))
 
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """The marker strings of the calls' format, when the output is parsed for calls."""
+        return TOOL_PARSERS.get(self.parser).markers if self.parser is not None else ()
+
     def new_parser(self) -> ToolParser | None:
         """A fresh parser for one choice's output (None: the output is not parsed)."""
         if self.parser is None:
@@ -204,12 +209,13 @@ def thinking_on(template_kwargs: dict[str, Any]) -> bool:
 
 
 def constrain(params: SamplingParams, tools: ChatTools, reasoning_parser: str | None,
-              thinking: bool, response_format: bool) -> None:
+              response_format: bool) -> None:
     """Put the tools' grammar into ``params``, and start an OpenAI-level constraint after
     the reasoning.
 
     A grammar of calls (``tool_choice`` required or named) excludes the request's own
-    constraint. With a reasoning parser and thinking on, the model first reasons freely;
+    constraint. With a reasoning parser (None: none, or thinking is off), the model
+    first reasons freely;
     the tools' grammar or the ``response_format`` (``response_format`` true: it is the
     request's constraint) applies from the end of its reasoning. SGLang's own fields
     (``regex``, ``ebnf``, ``json_schema``) constrain the whole output, as given.
@@ -222,7 +228,7 @@ def constrain(params: SamplingParams, tools: ChatTools, reasoning_parser: str | 
         params.ebnf = tools.grammar
     constraint = params.constraint()
     after_reasoning = tools.grammar is not None or response_format
-    if constraint is None or reasoning_parser is None or not thinking or not after_reasoning:
+    if constraint is None or reasoning_parser is None or not after_reasoning:
         return
     from framework.tool_parsers.grammar import after_reasoning_ebnf
 
@@ -234,3 +240,25 @@ def constrain(params: SamplingParams, tools: ChatTools, reasoning_parser: str | 
     for field in CONSTRAINT_FIELDS:
         setattr(params, field, None)
     params.ebnf = ebnf
+
+
+def reasoning_markers(reasoning_parser: str | None) -> tuple[str, ...]:
+    """The markers around the reasoning of ``reasoning_parser``'s models (none: None)."""
+    if reasoning_parser is None:
+        return ()
+    parser = REASONING_PARSERS.get(reasoning_parser)
+    return parser.start, parser.end
+
+
+def special_token_texts(tokenizer: Any) -> set[str]:
+    """The texts of ``tokenizer``'s special tokens: those a decode skipping them drops."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {*getattr(tokenizer, "all_special_tokens", ()),
+            *(token.content for token in added.values() if getattr(token, "special", False))}
+
+
+def keep_markers(params: SamplingParams, markers: tuple[str, ...], tokenizer: Any) -> None:
+    """Keep special tokens in the output's text when one of a parser's ``markers`` is one
+    (Mistral's ``[TOOL_CALLS]``, say): skipped, the parser would never see the call."""
+    if markers and not set(markers).isdisjoint(special_token_texts(tokenizer)):
+        params.skip_special_tokens = False

@@ -95,6 +95,9 @@ class ToolParser(ABC):
 
     #: How calls are written (None: output cannot be constrained to this format).
     call_format: CallFormat | None = None
+    #: The format's marker strings. A tokenizer may hold one as a special token, which a
+    #: decode that skips special tokens would drop: the server then keeps them.
+    markers: tuple[str, ...] = ()
 
     def __init__(self, tools: Sequence[ToolSpec]) -> None:
         self.tools = list(tools)

@@ -24,6 +24,7 @@ CLOSE = "</tool_call>"
 class HermesToolParser(SegmentedToolParser):
     """Reads ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` calls."""
 
+    markers = (OPEN, CLOSE)
     call_format = CallFormat(prefix="", separator="\n", suffix="",
                              call_begin_template=OPEN + '\n{"name": "{name}", "arguments": ',
                              call_end="}\n" + CLOSE)

@@ -23,6 +23,7 @@ PYTHON_TAG = "<|python_tag|>"
 class Llama3ToolParser(SegmentedToolParser):
     """Reads Llama 3 JSON calls at the start of the output."""
 
+    markers = (PYTHON_TAG,)
     call_format = CallFormat(prefix="", separator="; ", suffix="",
                              call_begin_template='{"name": "{name}", "parameters": ',
                              call_end="}")

@@ -23,6 +23,7 @@ MARKER = "[TOOL_CALLS]"
 class MistralToolParser(SegmentedToolParser):
     """Reads ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``."""
 
+    markers = (MARKER,)
     call_format = CallFormat(prefix=MARKER + "[", separator=", ", suffix="]",
                              call_begin_template='{"name": "{name}", "arguments": ',
                              call_end="}")

@@ -90,6 +90,7 @@ def value_end(text: str, pos: int) -> tuple[Status, int]:
 class PythonicToolParser(SegmentedToolParser):
     """Reads ``[f(a=1, b="x"), g()]`` at the start of the output."""
 
+    markers = (START_TAG, END_TAG)
     call_format = None  # arguments are Python literals, not a JSON object
 
     def _find(self, text: str, pos: int) -> int:

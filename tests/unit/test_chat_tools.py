@@ -18,6 +18,8 @@ from framework.server.chat_tools import (
     ChatTools,
     ToolDef,
     constrain,
+    keep_markers,
+    reasoning_markers,
     template_kwargs,
     thinking_on,
 )
@@ -92,13 +94,13 @@ def test_the_grammar_excludes_another_constraint_and_follows_the_reasoning() -> 
     required = ChatTools.of(tools(WEATHER), "required", False, "hermes")
     params = SamplingParams(json_schema='{"type": "object"}')
     with pytest.raises(FieldError) as refused:
-        constrain(params, required, None, True, False)
+        constrain(params, required, None, False)
     assert refused.value.param == "tool_choice"
     params = SamplingParams()
-    constrain(params, required, None, True, False)
+    constrain(params, required, None, False)
     assert params.constraint() == ("ebnf", required.grammar)
     reasoned = SamplingParams()
-    constrain(reasoned, required, "qwen3", True, False)
+    constrain(reasoned, required, "qwen3", False)
     kind, grammar = reasoned.constraint() or ("", "")
     assert kind == "ebnf" and "<think>" in grammar and grammar != required.grammar
 
@@ -107,13 +109,13 @@ def test_only_response_format_waits_for_the_reasoning() -> None:
     none = ChatTools.of(None, None, True, None)
     schema = '{"type": "object"}'
     raw = SamplingParams(json_schema=schema)
-    constrain(raw, none, "qwen3", True, False)  # SGLang's field: the whole output
+    constrain(raw, none, "qwen3", False)  # SGLang's field: the whole output
     assert raw.constraint() == ("json_schema", schema)
     formatted = SamplingParams(json_schema=schema)
-    constrain(formatted, none, "qwen3", True, True)
+    constrain(formatted, none, "qwen3", True)
     assert formatted.json_schema is None and formatted.ebnf and "think" in formatted.ebnf
     off = SamplingParams(json_schema=schema)
-    constrain(off, none, "qwen3", False, True)  # thinking off: nothing to wait for
+    constrain(off, none, None, True)  # thinking off: nothing to wait for
     assert off.constraint() == ("json_schema", schema)
 
 
@@ -184,3 +186,19 @@ def test_a_stream_gives_the_same_answer_in_openai_s_delta_shape(step: int) -> No
 
 def test_without_parsers_a_stream_is_its_text() -> None:
     assert ChoiceOutput(None, None).feed("a<tool_call>", final=False) == {"content": "a<tool_call>"}
+
+
+def test_a_marker_held_as_a_special_token_keeps_special_tokens_in_the_text() -> None:
+    from tests.model_fixtures import make_tiny_tokenizer
+
+    tokenizer = make_tiny_tokenizer()
+    hermes = ChatTools.of(tools(WEATHER), None, True, "hermes")
+    params = SamplingParams()
+    keep_markers(params, hermes.markers + reasoning_markers("qwen3"), tokenizer)
+    assert params.skip_special_tokens  # spelled in plain tokens here
+    tokenizer.add_special_tokens({"additional_special_tokens": ["</think>"]})
+    keep_markers(params, hermes.markers, tokenizer)
+    assert params.skip_special_tokens
+    keep_markers(params, reasoning_markers("qwen3"), tokenizer)
+    assert not params.skip_special_tokens
+    assert reasoning_markers(None) == () and ChatTools.of(None, None, True, None).markers == ()

@@ -21,7 +21,14 @@ from framework.sampling_params import FieldError, SamplingParams
 from framework.server import openai as oai
 from framework.server import openai_responses as oai_out
 from framework.server.chat_output import ChoiceOutput
-from framework.server.chat_tools import ChatTools, constrain, template_kwargs, thinking_on
+from framework.server.chat_tools import (
+    ChatTools,
+    constrain,
+    keep_markers,
+    reasoning_markers,
+    template_kwargs,
+    thinking_on,
+)
 from framework.server.disconnect import unless_client_leaves
 from framework.server.handler import current_route
 from framework.server.request_body import parse_body
@@ -193,8 +200,9 @@ class OpenAIRoutes(RouteBase):
         field, max_tokens = body.requested_max_tokens()
         params = body.sampling_params(max_tokens, self.state.model.context_len, field)
         thinking = thinking_on(kwargs)
-        constrain(params, tools, self.state.server_args.reasoning_parser, thinking,
-                  body.response_format is not None)
+        reasoning = self.state.server_args.reasoning_parser if thinking else None
+        constrain(params, tools, reasoning, body.response_format is not None)
+        keep_markers(params, tools.markers + reasoning_markers(reasoning), self.tm.tokenizer)
         with body.naming_fields(field):
             reqs = await self._prepare_all([(None, prompt)], params, body.stream,
                                            body.top_logprobs_num())
