@@ -153,6 +153,9 @@ SCHEDULE_POLICIES: Registry[Any] = Registry(
 # (framework/runtime/data_parallel.py), built once per data-parallel front as ``cls()``; their
 # ``choose(loads, msg)`` returns the index of the replica that gets a new request.
 LOAD_BALANCERS: Registry[Any] = Registry("load balancer", "framework.load_balancers")
+# MoE kernels are functions ``kernel(x, w13, w2, weights, ids, act, first_expert) -> [n, H]``
+# (framework/layers/moe/torch_moe.py is the reference), picked by ``FusedMoE``.
+MOE_BACKENDS: Registry[Any] = Registry("moe backend", "framework.moe_backends")
 # Tool-call parsers (``--tool-call-parser``) are ``ToolParser`` subclasses
 # (framework/tool_parsers/base.py), built once per output choice as ``cls(tools)``.
 TOOL_PARSERS: Registry[Any] = Registry("tool-call parser", "framework.tool_parsers")
@@ -175,6 +178,7 @@ SCHEDULE_POLICIES.register("fcfs", "framework.runtime.scheduler.policy:FcfsPolic
 SCHEDULE_POLICIES.register("lpm", "framework.runtime.scheduler.policy:LpmPolicy")
 LOAD_BALANCERS.register("round_robin", "framework.runtime.data_parallel:RoundRobin")
 LOAD_BALANCERS.register("shortest_queue", "framework.runtime.data_parallel:ShortestQueue")
+MOE_BACKENDS.register("torch", "framework.layers.moe.torch_moe:torch_fused_experts")
 TOOL_PARSERS.register("hermes", "framework.tool_parsers.hermes:HermesToolParser")
 TOOL_PARSERS.register("qwen25", "framework.tool_parsers.hermes:HermesToolParser")
 TOOL_PARSERS.register("llama3", "framework.tool_parsers.llama3:Llama3ToolParser")
@@ -184,8 +188,8 @@ REASONING_PARSERS.register("deepseek-r1", "framework.reasoning_parsers:DeepSeekR
 REASONING_PARSERS.register("qwen3", "framework.reasoning_parsers:Qwen3ReasoningParser")
 
 REGISTRIES: tuple[Registry[Any], ...] = (TRANSPORTS, CODECS, ATTENTION_BACKENDS, GRAMMAR_BACKENDS,
-                                         SCHEDULE_POLICIES, LOAD_BALANCERS, TOOL_PARSERS,
-                                         REASONING_PARSERS)
+                                         SCHEDULE_POLICIES, LOAD_BALANCERS, MOE_BACKENDS,
+                                         TOOL_PARSERS, REASONING_PARSERS)
 
 
 def create_transport(name: str, **options: Any) -> Any:

@@ -1,0 +1,130 @@
+"""A Mixture-of-Experts layer's experts, held as two stacked weights.
+
+``w13 [E, 2I, H]`` holds each expert's gate and up projections (gate rows first),
+``w2 [E, H, I]`` its down projection. Under tensor parallelism (``tp_size``) each
+rank holds every expert's slice of the intermediate size, and the outputs are
+partial sums over ranks; under expert parallelism (``ep_size``) each rank holds
+whole experts, its share of them (``expert_range``). The checkpoint's per-expert
+tensors (``experts.{e}.gate_proj``, Mixtral's ``w1``/``w3``/``w2``) and the stacked
+ones transformers also writes (``experts.gate_up_proj``, ``experts.down_proj``) load
+into them; a rank reads only its slices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from framework.layers.activation import GatedActivation
+from framework.layers.linear import CheckpointWeight, divide
+from framework.registry import MOE_BACKENDS
+
+#: Shard ids of the per-expert tensors: which part of the stacked weights each fills.
+GATE, UP, DOWN = "gate", "up", "down"
+#: Shard ids of transformers' stacked tensors (every expert at once).
+GATE_UP_ALL, DOWN_ALL = "gate_up_all", "down_all"
+
+
+def expert_range(num_experts: int, ep_rank: int, ep_size: int) -> tuple[int, int]:
+    """The experts ``[start, end)`` that rank ``ep_rank`` of ``ep_size`` holds."""
+    per_rank = divide(num_experts, ep_size, "experts")
+    return ep_rank * per_rank, (ep_rank + 1) * per_rank
+
+
+class FusedMoE(nn.Module):
+    """The experts of one MoE layer; ``forward(x, weights, ids)`` applies them."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
+                 activation: str = "silu", tp_rank: int = 0, tp_size: int = 1,
+                 ep_rank: int = 0, ep_size: int = 1, backend: str = "torch") -> None:
+        super().__init__()
+        if ep_size > 1 and tp_size > 1 and ep_size != tp_size:
+            raise ValueError(f"ep_size ({ep_size}) must equal tp_size ({tp_size})")
+        self.num_experts = num_experts
+        self.first_expert, end = expert_range(num_experts, ep_rank, ep_size)
+        # Expert parallelism replaces the tensor split: each rank holds whole experts.
+        self.split = 1 if ep_size > 1 else tp_size
+        self.split_rank = 0 if ep_size > 1 else tp_rank
+        self.intermediate = divide(intermediate_size, self.split, "moe intermediate size")
+        local = end - self.first_expert
+        self.w13 = nn.Parameter(torch.empty(local, 2 * self.intermediate, hidden_size),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(local, hidden_size, self.intermediate),
+                               requires_grad=False)
+        for param in (self.w13, self.w2):
+            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.act = GatedActivation(activation)
+        self.kernel = MOE_BACKENDS.get(backend)
+
+    def holds(self, expert: int) -> bool:
+        """Whether this rank holds expert ``expert``."""
+        return self.first_expert <= expert < self.first_expert + self.w13.shape[0]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``[n, H]``: the tokens' weighted expert outputs, over the experts and the slice
+        of them this rank holds (a partial sum when the layer is split over ranks)."""
+        return self.kernel(x, self.w13, self.w2, weights, ids, self.act, self.first_expert)
+
+    # ------------------------------------------------------------------ loading
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointWeight,
+                      shard_id: Any) -> None:
+        """Copy this rank's part of a checkpoint tensor.
+
+        ``shard_id``: ``(expert, GATE | UP | DOWN)`` for one expert's projection
+        (``[I, H]`` or ``[H, I]``), or ``GATE_UP_ALL`` / ``DOWN_ALL`` for transformers'
+        stacked tensors of every expert (``[E, 2I, H]``, ``[E, H, I]``).
+        """
+        if shard_id == GATE_UP_ALL:
+            for part, offset in ((GATE, 0), (UP, self.intermediate * self.split)):
+                for expert in range(self.first_expert, self.first_expert + len(param)):
+                    rows = _Rows(loaded, expert, offset, self.intermediate * self.split)
+                    self._load_one(param, rows, expert, part)
+            return
+        if shard_id == DOWN_ALL:
+            for expert in range(self.first_expert, self.first_expert + len(param)):
+                self._load_one(param, _Rows(loaded, expert), expert, DOWN)
+            return
+        expert, part = shard_id
+        if self.holds(expert):
+            self._load_one(param, loaded, expert, part)
+
+    def _load_one(self, param: nn.Parameter, loaded: Any, expert: int, part: str) -> None:
+        """One expert's gate, up or down projection, this rank's slice of it."""
+        local = expert - self.first_expert
+        size, hidden = self.intermediate, self.w13.shape[2]
+        if part == DOWN:
+            expected = (hidden, size * self.split)
+            _check(loaded, expected, f"expert {expert} down projection")
+            param.data[local].copy_(loaded.narrow(1, self.split_rank * size, size))
+            return
+        expected = (size * self.split, hidden)
+        _check(loaded, expected, f"expert {expert} {part} projection")
+        offset = 0 if part == GATE else size
+        param.data[local, offset:offset + size].copy_(
+            loaded.narrow(0, self.split_rank * size, size))
+
+
+class _Rows:
+    """Expert ``expert``'s matrix of a stacked ``[E, rows, cols]`` checkpoint tensor
+    (rows ``offset .. offset + rows``), read only as far as it is narrowed."""
+
+    def __init__(self, stacked: CheckpointWeight, expert: int, offset: int = 0,
+                 rows: int | None = None) -> None:
+        self.stacked, self.expert, self.offset = stacked, expert, offset
+        total = tuple(stacked.shape)
+        self.shape = (rows if rows is not None else total[1], total[2])
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim == 0:
+            return self.stacked[self.expert, self.offset + start:self.offset + start + length]
+        return self.stacked[self.expert, self.offset:self.offset + self.shape[0],
+                            start:start + length]
+
+
+def _check(loaded: Any, expected: tuple[int, int], what: str) -> None:
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, "
+                         f"expected {expected}")
