@@ -123,6 +123,10 @@ class ServerArgs:
     tp_size: int = _opt(1, "tensor-parallel size: ranks splitting each layer (heads, MLP "
                         "columns, vocabulary), over torch.distributed", "runtime")
     pp_size: int = _opt(1, "pipeline-parallel size: stages splitting the layers", "runtime")
+    ep_size: int = _opt(1, "expert-parallel size of Mixture-of-Experts layers: 1, or --tp-size "
+                        "to have the tensor-parallel ranks split the experts (each holding "
+                        "whole experts, the tokens exchanged all-to-all) instead of every "
+                        "expert's rows", "runtime")
     nnodes: int = _opt(1, "machines the tp_size × pp_size ranks are spread over", "runtime")
     node_rank: int = _opt(0, "this machine's index among --nnodes (node 0 serves HTTP)",
                           "runtime")
@@ -182,6 +186,8 @@ class ServerArgs:
              f"--overlap-schedule must be auto, on or off, got {self.overlap_schedule!r}"),
             (not (self.disable_overlap_schedule and self.overlap_schedule == "on"),
              "--disable-overlap-schedule contradicts --overlap-schedule on"),
+            (self.ep_size in (1, self.tp_size),
+             f"--ep-size must be 1 or equal --tp-size ({self.tp_size}), got {self.ep_size}"),
             (self.torch_threads is None or 1 <= self.torch_threads <= MAX_TORCH_THREADS,
              f"--torch-threads must be in [1, {MAX_TORCH_THREADS}], got {self.torch_threads}"),
         ])

@@ -16,6 +16,8 @@ class ParallelConfig:
 
     tp_size: int = 1
     pp_size: int = 1
+    # 1, or tp_size: the tensor-parallel ranks split the MoE layers' experts.
+    ep_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None  # rank 0's host:port, for the rendezvous
@@ -24,7 +26,7 @@ class ParallelConfig:
     def from_server_args(cls, server_args: Any) -> ParallelConfig:
         """The parallel settings of ``ServerArgs``."""
         return cls(tp_size=server_args.tp_size, pp_size=server_args.pp_size,
-                   nnodes=server_args.nnodes, node_rank=server_args.node_rank,
+                   ep_size=server_args.ep_size, nnodes=server_args.nnodes, node_rank=server_args.node_rank,
                    dist_init_addr=server_args.dist_init_addr)
 
     @property
@@ -52,6 +54,9 @@ class ParallelConfig:
         for name in ("tp_size", "pp_size", "nnodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(f"ep_size must be 1 or equal tp_size ({self.tp_size}), "
+                             f"got {self.ep_size}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.world_size % self.nnodes:

@@ -88,6 +88,21 @@ class GroupCoordinator:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def all_to_all_single(self, x: torch.Tensor, send_counts: list[int],
+                          recv_counts: list[int]) -> torch.Tensor:
+        """Rows of ``x`` sent out (``send_counts[r]`` of them, in order, to the group rank
+        ``r``); returns the rows received (``recv_counts[r]`` from rank ``r``), in rank order.
+
+        Every rank's ``send_counts`` must match the others' ``recv_counts`` (exchange the
+        counts first, with counts of one).
+        """
+        if self.size == 1:
+            return x
+        out = torch.empty(sum(recv_counts), *x.shape[1:], dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv_counts,
+                               input_split_sizes=send_counts, group=self.group)
+        return out
+
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
         """The group rank ``src``'s ``obj`` (pickled), returned on every rank."""
         if self.size == 1:

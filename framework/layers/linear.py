@@ -101,6 +101,11 @@ class TensorParallelGroup(Protocol):
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's ``x`` concatenated along ``dim``, in rank order."""
 
+    def all_to_all_single(self, x: torch.Tensor, send_counts: list[int],
+                          recv_counts: list[int]) -> torch.Tensor:
+        """Rows of ``x`` sent out (``send_counts[r]`` of them, in order, to rank ``r``);
+        returns the rows received (``recv_counts[r]`` from rank ``r``), in rank order."""
+
 
 def bound_tp_group(layer: nn.Module) -> TensorParallelGroup:
     """The group bound to ``layer``; ``NotImplementedError`` when it has none.

@@ -137,26 +137,38 @@ def streamed(client: openai.OpenAI, **kwargs: Any) -> tuple[dict[str, str], list
     return text, [calls[i] for i in sorted(calls)], finish
 
 
+def calls_made(client: openai.OpenAI, stream: bool, **args: Any
+               ) -> tuple[str | None, list[tuple[str, str]]]:
+    """The finish reason and the (name, arguments) calls of one chat, streamed or not."""
+    if stream:
+        _, calls, finish = streamed(client, **args)
+        return finish, [(c["name"], c["arguments"]) for c in calls]
+    choice = client.chat.completions.create(**args).choices[0]
+    calls = choice.message.tool_calls or []
+    assert all(c.id.startswith("call_") and c.type == "function" for c in calls)
+    return choice.finish_reason, [(c.function.name, c.function.arguments) for c in calls]
+
+
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_required_tool_choice_gives_valid_calls(client: openai.OpenAI, stream: bool) -> None:
+@pytest.mark.parametrize(("choice", "names"), [
+    ("required", {"get_weather", "get_time"}), (NAMED, {"get_time"})],
+    ids=["required", "named"])
+def test_required_and_named_choices_give_valid_calls(
+        client: openai.OpenAI, stream: bool, choice: Any, names: set[str]) -> None:
     finished = 0
     for seed in SEEDS:
         # One call each: one or more (below) may run to max_tokens on a random model.
-        args = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
-                    parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=256,
-                    extra_body=no_thinking())
-        if stream:
-            _, calls, finish = streamed(client, **args)
-            pairs = [(c["name"], c["arguments"]) for c in calls]
-        else:
-            choice = client.chat.completions.create(**args).choices[0]
-            finish = choice.finish_reason
-            pairs = [(c.function.name, c.function.arguments)
-                     for c in choice.message.tool_calls or []]
-            assert all(c.id.startswith("call_") for c in choice.message.tool_calls or [])
+        finish, pairs = calls_made(
+            client, stream, model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice,
+            parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=256,
+            extra_body=no_thinking())
         if finish == "tool_calls":
             finished += 1
-            check_calls(pairs, {"get_weather", "get_time"})
+            assert len(pairs) == 1
+            check_calls(pairs, names)
     assert finished >= 9, finished
 
 
@@ -174,28 +186,6 @@ def test_parallel_calls_are_each_valid(client: openai.OpenAI) -> None:
                                         else "length")
         counts.append(len(calls))
     assert max(counts) > 1, counts
-
-
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_a_named_tool_choice_calls_that_function(client: openai.OpenAI, stream: bool) -> None:
-    finished = 0
-    for seed in SEEDS:
-        args = dict(model="tiny", messages=ASK, tools=TOOLS, temperature=1.0, seed=seed,
-                    tool_choice={"type": "function", "function": {"name": "get_time"}},
-                    max_tokens=256, extra_body=no_thinking())
-        if stream:
-            _, calls, finish = streamed(client, **args)
-            pairs = [(c["name"], c["arguments"]) for c in calls]
-        else:
-            choice = client.chat.completions.create(**args).choices[0]
-            finish = choice.finish_reason
-            pairs = [(c.function.name, c.function.arguments)
-                     for c in choice.message.tool_calls or []]
-        if finish == "tool_calls":
-            finished += 1
-            assert len(pairs) == 1
-            check_calls(pairs, {"get_time"})
-    assert finished >= 9, finished
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

@@ -3,8 +3,11 @@
 ``w13 [E, 2I, H]`` holds each expert's gate and up projections (gate rows first),
 ``w2 [E, H, I]`` its down projection. Under tensor parallelism (``tp_size``) each
 rank holds every expert's slice of the intermediate size, and the outputs are
-partial sums over ranks; under expert parallelism (``ep_size``) each rank holds
-whole experts, its share of them (``expert_range``). The checkpoint's per-expert
+partial sums over ranks (``output_is_partial``: the caller sums them over the
+group); under expert parallelism (``ep_size``, equal to ``tp_size``) each rank holds
+whole experts, its share of them (``expert_range``), and the layer exchanges the
+tokens with the other ranks of its group (``expert_parallel``), its output complete
+on every rank. The checkpoint's per-expert
 tensors (``experts.{e}.gate_proj``, Mixtral's ``w1``/``w3``/``w2``) and the stacked
 ones transformers also writes (``experts.gate_up_proj``, ``experts.down_proj``) load
 into them; a rank reads only its slices.
@@ -18,7 +21,13 @@ import torch
 from torch import nn
 
 from framework.layers.activation import GatedActivation
-from framework.layers.linear import CheckpointWeight, divide
+from framework.layers.linear import (
+    CheckpointWeight,
+    TensorParallelGroup,
+    bound_tp_group,
+    divide,
+)
+from framework.layers.moe.expert_parallel import LocalExperts, expert_parallel_moe
 from framework.registry import MOE_BACKENDS
 
 #: Shard ids of the per-expert tensors: which part of the stacked weights each fills.
@@ -34,15 +43,24 @@ def expert_range(num_experts: int, ep_rank: int, ep_size: int) -> tuple[int, int
 
 
 class FusedMoE(nn.Module):
-    """The experts of one MoE layer; ``forward(x, weights, ids)`` applies them."""
+    """The experts of one MoE layer; ``forward(x, weights, ids)`` applies them.
+
+    With ``ep_size`` above 1 the layer needs its tensor-parallel group (``bind_tp_group``),
+    whose ranks are the expert-parallel ones: rank ``ep_rank`` of it holds
+    ``expert_range(num_experts, ep_rank, ep_size)``.
+    """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
                  activation: str = "silu", tp_rank: int = 0, tp_size: int = 1,
                  ep_rank: int = 0, ep_size: int = 1, backend: str = "torch") -> None:
         super().__init__()
-        if ep_size > 1 and tp_size > 1 and ep_size != tp_size:
-            raise ValueError(f"ep_size ({ep_size}) must equal tp_size ({tp_size})")
+        if ep_size > 1 and tp_size > 1 and (ep_size != tp_size or ep_rank != tp_rank):
+            # The experts' ranks are those of the tensor-parallel group, in its order.
+            raise ValueError(f"expert parallelism needs ep_size ({ep_size}) and ep_rank "
+                             f"({ep_rank}) equal to tp_size ({tp_size}) and tp_rank "
+                             f"({tp_rank})")
         self.num_experts = num_experts
+        self.ep_rank, self.ep_size = ep_rank, ep_size
         self.first_expert, end = expert_range(num_experts, ep_rank, ep_size)
         # Expert parallelism replaces the tensor split: each rank holds whole experts.
         self.split = 1 if ep_size > 1 else tp_size
@@ -57,15 +75,31 @@ class FusedMoE(nn.Module):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.act = GatedActivation(activation)
         self.kernel = MOE_BACKENDS.get(backend)
+        self.tp_group: TensorParallelGroup | None = None
+
+    @property
+    def output_is_partial(self) -> bool:
+        """Whether ``forward``'s output is this rank's part of a sum over the tensor-parallel
+        group (the caller all-reduces it): under tensor parallelism, not expert parallelism."""
+        return self.split > 1
 
     def holds(self, expert: int) -> bool:
         """Whether this rank holds expert ``expert``."""
         return self.first_expert <= expert < self.first_expert + self.w13.shape[0]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``[n, H]``: the tokens' weighted expert outputs, over the experts and the slice
-        of them this rank holds (a partial sum when the layer is split over ranks)."""
-        return self.kernel(x, self.w13, self.w2, weights, ids, self.act, self.first_expert)
+        """``[n, H]``: the tokens' weighted expert outputs (``weights``, ``ids``: ``[n, k]``).
+
+        Under tensor parallelism, over this rank's slice of every expert (a partial sum,
+        ``output_is_partial``); under expert parallelism, complete: the tokens go to the
+        ranks holding their experts and come back (``x`` must be the same on every rank).
+        """
+        if self.ep_size == 1:
+            return self.kernel(x, self.w13, self.w2, weights, ids, self.act,
+                               self.first_expert)
+        experts = LocalExperts(self.w13, self.w2, self.act, self.kernel, self.first_expert)
+        return expert_parallel_moe(x, weights, ids, experts, bound_tp_group(self),
+                                   self.ep_rank, self.ep_size)
 
     # ------------------------------------------------------------------ loading
 
