@@ -112,6 +112,9 @@ class ServerArgs:
                                 "`framework plugins`)", "runtime")
     disable_radix_cache: bool = _opt(False, "do not reuse the KV of shared prefixes", "runtime")
     random_seed: int = _opt(0, "seed for sampling without a per-request seed", "runtime")
+    moe_backend: str = _opt("cpu", "kernel of Mixture-of-Experts layers: cpu (native row "
+                            "kernels on a CPU, the torch reference elsewhere), torch (the "
+                            "reference), or a plugin's (see `framework plugins`)", "runtime")
     grammar_backend: str = _opt("xgrammar", "backend of structured outputs (json_schema, regex, "
                                 "ebnf, response_format), or none to refuse them (see "
                                 "`framework plugins`)", "runtime")
@@ -203,6 +206,7 @@ class ServerArgs:
             CODECS,
             GRAMMAR_BACKENDS,
             LOAD_BALANCERS,
+            MOE_BACKENDS,
             REASONING_PARSERS,
             SCHEDULE_POLICIES,
             TOOL_PARSERS,
@@ -215,6 +219,7 @@ class ServerArgs:
             ("--codec", self.codec, CODECS, ()),
             ("--attention-backend", self.attention_backend, ATTENTION_BACKENDS, ("auto",)),
             ("--grammar-backend", self.grammar_backend, GRAMMAR_BACKENDS, ("none",)),
+            ("--moe-backend", self.moe_backend, MOE_BACKENDS, ()),
             ("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES, ()),
             ("--load-balance-method", self.load_balance_method, LOAD_BALANCERS, ()),
             ("--tool-call-parser", self.tool_call_parser, TOOL_PARSERS, ()),

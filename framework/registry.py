@@ -179,6 +179,7 @@ SCHEDULE_POLICIES.register("lpm", "framework.runtime.scheduler.policy:LpmPolicy"
 LOAD_BALANCERS.register("round_robin", "framework.runtime.data_parallel:RoundRobin")
 LOAD_BALANCERS.register("shortest_queue", "framework.runtime.data_parallel:ShortestQueue")
 MOE_BACKENDS.register("torch", "framework.layers.moe.torch_moe:torch_fused_experts")
+MOE_BACKENDS.register("cpu", "framework.layers.moe.cpu_moe:cpu_fused_experts")
 TOOL_PARSERS.register("hermes", "framework.tool_parsers.hermes:HermesToolParser")
 TOOL_PARSERS.register("qwen25", "framework.tool_parsers.hermes:HermesToolParser")
 TOOL_PARSERS.register("llama3", "framework.tool_parsers.llama3:Llama3ToolParser")

@@ -9,9 +9,10 @@ tokenizer is a byte-level BPE trained on the text in this module.
 
 Architectures (short name or ``architectures`` name): ``llama``
 (``LlamaForCausalLM``), ``mistral`` (``MistralForCausalLM``), ``qwen2``
-(``Qwen2ForCausalLM``), ``qwen3`` (``Qwen3ForCausalLM``) and ``bert``
-(``BertModel``). Every model is tiny: hidden 64, 2 layers, 4 attention heads
-(2 key/value heads for the decoders), vocabulary 512.
+(``Qwen2ForCausalLM``), ``qwen3`` (``Qwen3ForCausalLM``), ``bert``
+(``BertModel``), ``gemma2``, ``gemma3``, ``phi3`` and the Mixture-of-Experts
+``qwen2_moe``, ``qwen3_moe`` and ``mixtral``. Every model is tiny: hidden 64, 2 or 3
+layers, 4 attention heads (2 key/value heads for the decoders), vocabulary 512.
 
 Tokenizer: ids 0, 1, 2 are ``<pad>``, ``<s>`` (BOS) and ``</s>`` (EOS),
 matching the configs; encoding prepends ``<s>``; a small chat template turns
@@ -148,6 +149,19 @@ _ARCHITECTURES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
                             "full_attention": {"rope_type": "default",
                                                "rope_theta": 10000.0}}}),
     "phi3": ("Phi3ForCausalLM", "Phi3Config", "Phi3ForCausalLM", {"sliding_window": 7}),
+    # Mixture-of-Experts, top-2 routing; non-default values again: Qwen2-MoE with a shared
+    # expert, one dense layer (layer 1) and unnormalized weights; Qwen3-MoE renormalizing;
+    # Mixtral with 8 experts in every layer and a sliding window.
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_hidden_layers": 3, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+        "mlp_only_layers": [1], "decoder_sparse_step": 1, "norm_topk_prob": False}),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": 16, "num_experts": 6, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", "MixtralForCausalLM", {
+        "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+        "sliding_window": 7}),
 }
 
 _BERT = {
@@ -289,6 +303,18 @@ def reference_sentence_embeddings(model_dir: Path, texts: list[str]) -> Any:
     mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
     pooled = (hidden * mask).sum(1) / mask.sum(1)
     return torch.nn.functional.normalize(pooled, dim=-1).numpy()
+
+
+def reference_model(model_dir: Path) -> Any:
+    """transformers' model of a checkpoint, in float64, for reference outputs.
+
+    MoE experts run as transformers' eager per-expert loop: its default grouped
+    matmul takes no float64.
+    """
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float64, experts_implementation="eager").eval()
 
 
 def transformers_greedy(model: Any, prompt_ids: list[int],

@@ -25,6 +25,19 @@ the embedded model's tokenizer) that both sides load from disk. The prompts
 are random words from a fixed seed, tokenized once by that tokenizer; both
 sides get the same token ids.
 
+Other models:
+
+* ``--arch mixtral`` writes a Mixtral of the shape instead: every layer a sparse
+  MoE block of ``--num-experts`` experts (each a gated MLP of ``--intermediate``),
+  ``--top-k`` of them per token; e.g. ``--arch mixtral --num-experts 8 --top-k 2
+  --layers 4 --hidden 512 --intermediate 1792``;
+* ``--model-path DIR`` runs on a checkpoint already on disk (any the Engine serves
+  and transformers loads, with its tokenizer), read as it is: its config sets the
+  shape, the shape flags are ignored.
+
+The ceilings take each layer's MLP as transformers runs it when it is not a plain
+gated MLP (a sparse MoE block: router and experts).
+
 The runs alternate (engine, transformers, ceiling, decode_ceiling, kv_read, engine, ...)
 after one warm-up call per side, and each side keeps its best run: another job on the
 machine can slow a single run badly, never speed one up.
@@ -51,6 +64,8 @@ from typing import Any, Protocol
 from framework.bench.environment import git_commit, machine_description
 
 DEFAULT_OUTPUT = "benchmarks/results/offline"
+#: Architectures of the random model: a dense Llama, or a Mixtral (sparse MoE layers).
+ARCHES = ("llama", "mixtral")
 SIDES = ("engine", "transformers", "ceiling", "decode_ceiling", "kv_read")
 CSV_COLUMNS = ("side", "output_tokens_per_s", "best_seconds")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -97,6 +112,12 @@ class OfflineBenchSettings:
     # Each side draws its own random weights (no checkpoint is written, and the two
     # sides' tokens are not compared): for shapes too large to save and load quickly.
     dummy_weights: bool = False
+    # The random model's architecture (ARCHES); for mixtral, its experts and their choice.
+    arch: str = "llama"
+    num_experts: int = 8
+    top_k: int = 2
+    # A checkpoint to run instead of a random model (its config sets the shape).
+    model_path: str | None = None
 
     @classmethod
     def quick(cls) -> OfflineBenchSettings:
@@ -140,6 +161,26 @@ class OfflineBenchSettings:
         if self.max_words < self.min_words:
             raise ValueError(f"max_words ({self.max_words}) is below min_words "
                              f"({self.min_words})")
+        if self.arch not in ARCHES:
+            raise ValueError(f"arch must be one of {', '.join(ARCHES)}, got {self.arch!r}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be 1 .. num_experts "
+                             f"({self.num_experts})")
+
+    def with_checkpoint_shape(self) -> OfflineBenchSettings:
+        """With ``model_path``: the shape fields read from its ``config.json``."""
+        if self.model_path is None:
+            return self
+        config = json.loads((Path(self.model_path) / "config.json").read_text())
+        experts = config.get("num_local_experts") or config.get("num_experts")
+        return dataclasses.replace(
+            self, layers=config["num_hidden_layers"], hidden=config["hidden_size"],
+            heads=config["num_attention_heads"],
+            kv_heads=config.get("num_key_value_heads"),
+            intermediate=config.get("moe_intermediate_size") or config["intermediate_size"],
+            vocab=config["vocab_size"],
+            arch="mixtral" if experts else "llama", num_experts=experts or self.num_experts,
+            top_k=config.get("num_experts_per_tok", self.top_k))
 
     def resolved_threads(self) -> int:
         """Torch threads of each Engine replica: the ones set, or the Scheduler's default."""
@@ -211,22 +252,37 @@ class OfflineBenchResult:
 # --------------------------------------------------------------------------- model and prompts
 
 
+def _model_classes(settings: OfflineBenchSettings) -> tuple[Any, Any, dict[str, Any]]:
+    """transformers' config and model class of the settings' ``arch``, and the config's
+    keywords of that architecture alone."""
+    if settings.arch == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        return MixtralConfig, MixtralForCausalLM, {
+            "num_local_experts": settings.num_experts, "num_experts_per_tok": settings.top_k,
+            "sliding_window": None}
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaConfig, LlamaForCausalLM, {}
+
+
 def write_model_dir(settings: OfflineBenchSettings, directory: Path) -> Path:
-    """A Llama checkpoint of the benchmark's shape, random weights from the seed, and tokenizer.
+    """A checkpoint of the benchmark's architecture and shape, random weights from the
+    seed, and tokenizer.
 
     transformers builds and saves it (``save_pretrained``, safetensors), so
     both sides read the very same weights from disk.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from framework.default_model import default_model_path
 
+    config_class, model_class, extra = _model_classes(settings)
     source = Path(default_model_path())
     for name in _TOKENIZER_FILES:
         shutil.copy(source / name, directory / name)
     reference = json.loads((source / "config.json").read_text())
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=settings.vocab or reference["vocab_size"], hidden_size=settings.hidden,
         intermediate_size=settings.intermediate_size, num_hidden_layers=settings.layers,
         num_attention_heads=settings.heads, num_key_value_heads=settings.num_kv_heads,
@@ -236,15 +292,15 @@ def write_model_dir(settings: OfflineBenchSettings, directory: Path) -> Path:
         tie_word_embeddings=False,
         # Wider than the default 0.02: peaked next-token distributions, so that a
         # greedy choice is never a near-tie that float rounding could flip.
-        initializer_range=0.1,
+        initializer_range=0.1, **extra,
     )
     if settings.dummy_weights:
         config.torch_dtype = settings.dtype
-        config.architectures = ["LlamaForCausalLM"]
+        config.architectures = [model_class.__name__]
         config.save_pretrained(directory)  # the shape alone: each side draws its weights
         return directory
     torch.manual_seed(settings.seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = model_class(config).to(torch.float32)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
 
@@ -395,7 +451,11 @@ class TransformersSide:
         else:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
             self.model.to(settings.device)
-        self.pad_id = self.model.config.pad_token_id
+        config = self.model.config
+        # A checkpoint without a pad token pads with its EOS (left of the prompts, masked).
+        eos = config.eos_token_id
+        self.pad_id = config.pad_token_id if config.pad_token_id is not None else (
+            eos[0] if isinstance(eos, list) else eos)
         self.outputs: list[list[int]] = []
 
     def _generate_batch(self, prompts: Sequence[list[int]]) -> list[list[int]]:
@@ -437,8 +497,9 @@ class CeilingSide:
 
     Per layer: input norm, q/k/v projections, the output projection (of q, in
     place of attention's result), the residual, the post-attention norm and
-    the gated MLP; then the final norm and the LM head. No embedding lookup,
-    no attention, no sampling, no scheduling.
+    the gated MLP (a sparse MoE block's router and experts, as transformers runs
+    them); then the final norm and the LM head. No embedding lookup, no attention,
+    no sampling, no scheduling.
 
     ``ceiling`` (``with_prefill``) does the matrix work of the whole job, as
     the Engine must: every prompt token through the layers (in chunks of
@@ -496,6 +557,9 @@ class CeilingSide:
                 q, x = q[keep], x[keep]
             x = x + project(attn.o_proj, q)
             h = layer.post_attention_layernorm(x)
+            if not hasattr(mlp, "gate_proj"):  # a sparse MoE block, run as transformers does
+                x = x + mlp(h.unsqueeze(0)).squeeze(0)
+                continue
             x = x + project(mlp.down_proj,
                             F.silu(project(mlp.gate_proj, h)) * project(mlp.up_proj, h))
         return x
@@ -604,15 +668,20 @@ def run_benchmark(settings: OfflineBenchSettings, output_dir: str | Path,
 
     ``engine_args``: extra ``Engine`` keywords (``launch_mode``, ``transport``,
     ...). ``model_dir``: an empty directory to write the checkpoint to and
-    keep (default: a temporary one, removed at the end).
+    keep (default: a temporary one, removed at the end); with ``settings.model_path``,
+    that checkpoint is run instead and nothing is written.
     """
+    settings = settings.with_checkpoint_shape()
     settings.check()
-    if model_dir is None:
+    if settings.model_path is not None:
+        model_dir = Path(settings.model_path)
+    elif model_dir is None:
         with tempfile.TemporaryDirectory(prefix="framework-bench-") as tmp:
             return run_benchmark(settings, output_dir, engine_args, Path(tmp))
     threads = settings.total_threads()
     with quiet_transformers(), _using_torch_threads(threads):
-        write_model_dir(settings, model_dir)
+        if settings.model_path is None:
+            write_model_dir(settings, model_dir)
         prompts = make_prompts(settings, model_dir)
         print(f"{settings.num_prompts} prompts of {min(map(len, prompts))}-"
               f"{max(map(len, prompts))} tokens, {settings.output_len} output tokens each, "
@@ -699,6 +768,26 @@ def _vocab_size(result: OfflineBenchResult) -> str:
     return f"{result.settings.vocab:,}" if result.settings.vocab else "4,096 (the tokenizer's)"
 
 
+def _model_text(settings: OfflineBenchSettings) -> str:
+    """The architecture in words (with the checkpoint's path when one was given)."""
+    name = (f"Mixtral ({settings.num_experts} experts, top-{settings.top_k})"
+            if settings.arch == "mixtral" else "Llama")
+    return f"`{settings.model_path}` ({name}-shaped)" if settings.model_path else name
+
+
+def _moe_ceiling_text(settings: OfflineBenchSettings) -> str:
+    return (", the sparse MoE blocks as transformers runs them (router and experts)"
+            if settings.arch == "mixtral" else "")
+
+
+def _weights_text(settings: OfflineBenchSettings) -> str:
+    if settings.dummy_weights:
+        return "dummy random weights drawn by each side"
+    if settings.model_path:
+        return "the checkpoint's weights"
+    return f"random weights (seed {settings.seed}) saved as safetensors"
+
+
 def _device_name(device: str) -> str:
     """``CPU``, or the CUDA device's name."""
     if device != "cuda":
@@ -732,12 +821,9 @@ def render_markdown(result: OfflineBenchResult) -> str:
         f"- Machine: {machine_description()}",
         f"- Python {platform.python_version()}, commit {git_commit()}",
         f"- Run: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- Model: Llama, {s.layers} layers, hidden {s.hidden}, {s.heads} heads "
+        f"- Model: {_model_text(s)}, {s.layers} layers, hidden {s.hidden}, {s.heads} heads "
         f"({s.num_kv_heads} key/value), intermediate {s.intermediate_size}, vocabulary "
-        f"{_vocab_size(result)}, "
-        + ("dummy random weights drawn by each side" if s.dummy_weights else
-           f"random weights (seed {s.seed}) saved as safetensors")
-        + f", {s.dtype}, {_device_name(s.device)}",
+        f"{_vocab_size(result)}, {_weights_text(s)}, {s.dtype}, {_device_name(s.device)}",
         f"- Workload: {s.num_prompts} prompts of {s.min_words}-{s.max_words} random words "
         f"({min(lengths)}-{max(lengths)} tokens, {sum(lengths):,} in all), {s.output_len} "
         "greedy output tokens each",
@@ -746,7 +832,8 @@ def render_markdown(result: OfflineBenchResult) -> str:
         f"- engine: one `Engine.generate` call with every prompt, attention backend "
         f"`{result.attention_backend}`, linear backend `{result.linear_backend}`; transformers: "
         f"`generate` in left-padded batches of {s.hf_batch_size}; ceiling: linear layers (on "
-        f"the Engine's linear backend), norms and LM head only, on every prompt token (chunks "
+        f"the Engine's linear backend){_moe_ceiling_text(s)}, norms and LM head only, on "
+        "every prompt token (chunks "
         "of 2,048 rows; past the last layer's q/k/v projections, only each request's last "
         f"row of a chunk, as in the Engine), then {s.output_len - 1} steps of "
         f"{s.num_prompts} rows; decode_ceiling: the same on {s.output_len} steps of "
@@ -789,7 +876,11 @@ def render_markdown(result: OfflineBenchResult) -> str:
 # flag name -> (settings field, type, help)
 _FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--layers": ("layers", int, "decoder layers of the random Llama"),
-    "--hidden": ("hidden", int, "hidden size (the MLP is 3× as wide)"),
+    "--hidden": ("hidden", int, "hidden size"),
+    "--intermediate": ("intermediate", int, "width of the MLP, or of each expert (default: "
+                       "3 × hidden)"),
+    "--num-experts": ("num_experts", int, "experts per layer (--arch mixtral)"),
+    "--top-k": ("top_k", int, "experts each token is routed to (--arch mixtral)"),
     "--num-prompts": ("num_prompts", int, "prompts, all generated for at once"),
     "--output-len": ("output_len", int, "greedy output tokens per prompt"),
     "--hf-batch-size": ("hf_batch_size", int, "prompts per transformers generate call"),
@@ -815,6 +906,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--llama3-8b", action="store_true",
                        help="Llama-3-8B's shape with dummy weights in bfloat16 on a CUDA GPU "
                             "(flags given explicitly still apply)")
+    parser.add_argument("--arch", default=None, choices=ARCHES,
+                        help="architecture of the random model (default: llama)")
+    parser.add_argument("--model-path", default=None, metavar="DIR",
+                        help="run this checkpoint (with its tokenizer) instead of a random "
+                             "model; its config sets the shape")
     parser.add_argument("--attention-backend", default=None, metavar="NAME",
                         help="the Engine's attention backend (default: the server's default)")
     parser.add_argument("--linear-backend", default=None, choices=("auto", "onednn", "torch"),
@@ -828,7 +924,8 @@ def settings_from_args(args: argparse.Namespace) -> OfflineBenchSettings:
     """The defaults (or the quick ones), with every flag given on the command line."""
     base = (OfflineBenchSettings.quick() if args.quick else
             OfflineBenchSettings.llama3_8b() if args.llama3_8b else OfflineBenchSettings())
-    given = {name: getattr(args, name) for name, _, _ in _FLAGS.values()
+    given = {name: getattr(args, name) for name in [*(n for n, _, _ in _FLAGS.values()),
+                                                    "arch", "model_path"]
              if getattr(args, name) is not None}
     return dataclasses.replace(base, **given)
 

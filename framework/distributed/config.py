@@ -26,8 +26,8 @@ class ParallelConfig:
     def from_server_args(cls, server_args: Any) -> ParallelConfig:
         """The parallel settings of ``ServerArgs``."""
         return cls(tp_size=server_args.tp_size, pp_size=server_args.pp_size,
-                   ep_size=server_args.ep_size, nnodes=server_args.nnodes, node_rank=server_args.node_rank,
-                   dist_init_addr=server_args.dist_init_addr)
+                   ep_size=server_args.ep_size, nnodes=server_args.nnodes,
+                   node_rank=server_args.node_rank, dist_init_addr=server_args.dist_init_addr)
 
     @property
     def world_size(self) -> int:

@@ -152,9 +152,10 @@ class ParallelContext:
     """This process's place among the scheduler ranks, and its groups.
 
     ``tp``: the ranks of this pipeline stage (all-reduce, all-gather of
-    logits); ``pp``: the stages this rank's slice passes through (send/recv);
-    ``control``: every rank, over gloo (what each step runs); ``heartbeat``:
-    every rank, over gloo, with ``--nnodes`` above 1 (see ``start_heartbeat``).
+    logits, the all-to-all of expert parallelism); ``pp``: the stages this
+    rank's slice passes through (send/recv); ``control``: every rank, over
+    gloo (what each step runs); ``heartbeat``: every rank, over gloo, with
+    ``--nnodes`` above 1 (see ``start_heartbeat``).
     """
 
     config: ParallelConfig

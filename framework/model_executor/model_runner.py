@@ -61,7 +61,7 @@ from framework.model_executor.weight_loader import (
     load_model,
     load_weights,
 )
-from framework.registry import ATTENTION_BACKENDS
+from framework.registry import ATTENTION_BACKENDS, MOE_BACKENDS
 
 if TYPE_CHECKING:
     from framework.config import ServerArgs
@@ -173,6 +173,9 @@ class ModelRunner:
         self.parallel = parallel
         self.tp_rank = tp_rank if parallel is None else parallel.tp_rank
         self.tp_size = server_args.tp_size
+        # Expert parallelism: the tensor-parallel ranks split the MoE layers' experts.
+        self.ep_size = server_args.ep_size
+        self.ep_rank = self.tp_rank if self.ep_size > 1 else 0
         self.device = resolve_device(server_args.device, self.tp_rank) if parallel is None \
             else parallel.device
         self.model_config = ModelConfig.from_pretrained(
@@ -206,9 +209,12 @@ class ModelRunner:
             tp_size=self.tp_size,
             pp_rank=self.pp_rank,
             pp_size=self.pp_size,
+            ep_rank=self.ep_rank,
+            ep_size=self.ep_size,
         )
         if parallel is not None:
             bind_tp_group(self.model, parallel.tp)
+        bind_attribute(self.model, "moe_kernel", MOE_BACKENDS.get(server_args.moe_backend))
         self._pack_linear_weights()
         # The native CPU kernels the layers (and the greedy sampler) run, or None.
         self._cpu_ops = bind_cpu_layer_ops(self.model, self.device, self.dtype)

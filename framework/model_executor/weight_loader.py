@@ -135,21 +135,25 @@ def check_load_format(load_format: str) -> None:
 
 def create_model(
     model_config: ModelConfig, device: torch.device, *, tp_rank: int = 0, tp_size: int = 1,
-    pp_rank: int = 0, pp_size: int = 1,
+    pp_rank: int = 0, pp_size: int = 1, ep_rank: int = 0, ep_size: int = 1,
 ) -> nn.Module:
     """An instance of the model class with uninitialized weights on ``device``.
 
     Options the class does not take are not passed; ``tp_size > 1`` needs a
-    class that takes ``tp_size``, ``pp_size > 1`` one that takes ``pp_size``.
+    class that takes ``tp_size``, ``pp_size > 1`` one that takes ``pp_size``,
+    ``ep_size > 1`` one that takes ``ep_size`` (a Mixture-of-Experts model).
     """
     model_cls = get_model_class(model_config.architecture)
     accepted = inspect.signature(model_cls).parameters
     options = {"tp_rank": tp_rank, "tp_size": tp_size, "pp_rank": pp_rank, "pp_size": pp_size,
-               "model_dir": model_config.model_path}
+               "ep_rank": ep_rank, "ep_size": ep_size, "model_dir": model_config.model_path}
     if tp_size > 1 and "tp_size" not in accepted:
         raise ValueError(f"{model_config.architecture} does not support tensor parallelism")
     if pp_size > 1 and "pp_size" not in accepted:
         raise ValueError(f"{model_config.architecture} does not support pipeline parallelism")
+    if ep_size > 1 and "ep_size" not in accepted:
+        raise ValueError(f"{model_config.architecture} has no experts to split "
+                         "(--ep-size is for Mixture-of-Experts models)")
     kwargs = {name: value for name, value in options.items() if name in accepted}
     model = model_cls(model_config.hf_config, model_config.dtype, device, **kwargs)
     return model.eval()
@@ -200,6 +204,8 @@ def load_model(
     tp_size: int = 1,
     pp_rank: int = 0,
     pp_size: int = 1,
+    ep_rank: int = 0,
+    ep_size: int = 1,
 ) -> nn.Module:
     """Build the model on ``device`` and fill its weights (this pipeline stage's share).
 
@@ -211,6 +217,6 @@ def load_model(
     if load_format != "dummy":
         find_safetensors_files(model_config.model_path)  # fail before building the model
     model = create_model(model_config, device, tp_rank=tp_rank, tp_size=tp_size,
-                         pp_rank=pp_rank, pp_size=pp_size)
+                         pp_rank=pp_rank, pp_size=pp_size, ep_rank=ep_rank, ep_size=ep_size)
     load_weights(model, model_config.model_path, load_format, seed=seed)
     return model

@@ -29,6 +29,9 @@ MODEL_ARCHITECTURES.register("BertModel", "framework.models.bert:BertModel")
 for _name in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
     MODEL_ARCHITECTURES.register(_name, f"framework.models.gemma:{_name}")
 MODEL_ARCHITECTURES.register("Phi3ForCausalLM", "framework.models.phi3:Phi3ForCausalLM")
+for _name in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+    MODEL_ARCHITECTURES.register(_name, f"framework.models.qwen_moe:{_name}")
+MODEL_ARCHITECTURES.register("MixtralForCausalLM", "framework.models.mixtral:MixtralForCausalLM")
 
 
 def supported_architectures() -> list[str]:

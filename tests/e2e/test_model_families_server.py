@@ -1,8 +1,9 @@
-"""Gemma 2, Gemma 3 and Phi-3 served over HTTP: greedy tokens and logprobs equal
-transformers', with prompts and outputs longer than the layers' sliding window, prompts
+"""Gemma 2, Gemma 3, Phi-3 and the Mixture-of-Experts Qwen2-MoE, Qwen3-MoE and Mixtral
+served over HTTP: greedy tokens and logprobs equal transformers', with prompts and
+outputs longer than the layers' sliding window (where the fixture has one), prompts
 prefilled in chunks, and prompts sent again with a new ending answered from the prefix
-cache (the fixtures are in ``tests/model_fixtures.py``; the Engine's test of the same,
-with every attention backend, is ``tests/integration/test_model_families.py``)."""
+cache (the fixtures are in ``tests/model_fixtures.py``; the Engine's tests of the same are
+``tests/integration/test_model_families.py`` and ``tests/integration/test_moe_models.py``)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,9 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import torch
 import transformers
 
-from tests.model_fixtures import transformers_greedy
+from tests.model_fixtures import reference_model, transformers_greedy
 from tests.server_harness import SharedPool, wait_until_idle
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog",
@@ -33,7 +33,7 @@ def _generate(client: httpx.Client, prompts: list[str]) -> list[dict[str, Any]]:
     return answer.json()
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "qwen2_moe", "qwen3_moe", "mixtral"])
 def test_greedy_tokens_match_transformers_past_the_window(
         arch: str, tiny_checkpoint: Callable[..., Path], shared: SharedPool) -> None:
     checkpoint = tiny_checkpoint(arch, seed=3)
@@ -44,8 +44,7 @@ def test_greedy_tokens_match_transformers_past_the_window(
         assert wait_until_idle(client)["kv_cache_idle_and_free"] is True
     assert all(out["meta_info"]["cached_tokens"] > 6 for out in again)
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint,
-                                                              dtype=torch.float64).eval()
+    model = reference_model(checkpoint)
     for prompt, out in zip(PROMPTS + AGAIN, first + again, strict=True):
         ref_ids, ref_logprobs = transformers_greedy(model, tokenizer.encode(prompt), NEW_TOKENS)
         assert out["output_ids"] == ref_ids, prompt

@@ -312,6 +312,24 @@ def test_gemma_3_on_two_ranks_gives_one_rank_s_tokens(pp_size: int, tmp_path: Pa
 
 
 @pytest.mark.timeout(240)
+def test_a_mixture_of_experts_on_two_ranks_gives_one_rank_s_tokens(tmp_path: Path) -> None:
+    """Qwen2-MoE (a shared expert, a dense layer): each rank holds half of every expert's
+    intermediate rows and of the shared expert's, the router whole; one all-reduce per
+    sparse block sums the experts' and the shared expert's partial outputs."""
+    model = make_tiny_checkpoint(tmp_path, "qwen2_moe", seed=3)
+    with Engine(model_path=str(model), launch_mode="thread", **ENGINE_ARGS) as engine:
+        expected = [o["output_ids"] for o in engine.generate(PROMPTS, ONE_PARITY)]
+        whole = engine.get_server_info()
+    with Engine(model_path=str(model), tp_size=2, **ENGINE_ARGS) as engine:
+        outputs = [o["output_ids"] for o in engine.generate(PROMPTS, ONE_PARITY)]
+        info = engine.get_server_info()
+    assert outputs == expected
+    for rank in (0, 1):  # every matrix split but the small replicated routers and norms
+        held = info[f"param_bytes_rank_{rank}"]
+        assert 0.5 * whole["param_bytes_rank_0"] < held <= 0.52 * whole["param_bytes_rank_0"]
+
+
+@pytest.mark.timeout(240)
 def test_the_all_reduce_is_what_makes_the_ranks_agree(model_dir: Path) -> None:
     reference = _greedy_tokens(ModelRunner(_runner_args(str(model_dir), 1), str(model_dir)))
     assert run_two_ranks(model_dir, no_op_all_reduce=False) == reference

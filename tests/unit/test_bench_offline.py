@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -249,6 +250,39 @@ def test_data_parallel_replicas_share_the_threads_the_other_sides_get(
     assert "summed over its 2 replicas" in report
 
 
+def test_a_mixtral_shape_runs_and_its_checkpoint_runs_again_by_path(tmp_path: Path) -> None:
+    """``arch="mixtral"`` writes a sparse-MoE checkpoint both sides agree on; ``model_path``
+    runs that checkpoint as it is, its config overriding the shape settings."""
+    settings = dataclasses.replace(OfflineBenchSettings.quick(), arch="mixtral", num_experts=4,
+                                   top_k=2, intermediate=96, repeats=1, num_prompts=8,
+                                   output_len=6)
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    engine_args = {"launch_mode": "thread", "transport": "inproc"}
+    result = run_benchmark(settings, tmp_path / "out", model_dir=model_dir,
+                           engine_args=engine_args)
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"]
+    assert (config["num_local_experts"], config["num_experts_per_tok"],
+            config["intermediate_size"]) == (4, 2, 96)
+    assert result.identical_outputs() >= 3
+    report = (tmp_path / "out" / "offline.md").read_text()
+    assert "Mixtral (4 experts, top-2), 2 layers, hidden 64" in report
+    written = sorted(p.name for p in model_dir.iterdir())
+    by_path = dataclasses.replace(OfflineBenchSettings.quick(), layers=7, hidden=256,
+                                  model_path=str(model_dir), repeats=1, num_prompts=8,
+                                  output_len=6)
+    again = run_benchmark(by_path, tmp_path / "again", engine_args=engine_args)
+    assert sorted(p.name for p in model_dir.iterdir()) == written  # read, not rewritten
+    assert (again.settings.layers, again.settings.hidden, again.settings.arch,
+            again.settings.num_experts, again.settings.intermediate) == (2, 64, "mixtral", 4, 96)
+    assert again.transformers_outputs == result.transformers_outputs
+    assert again.identical_outputs() >= 3
+    report = (tmp_path / "again" / "offline.md").read_text()
+    assert f"`{model_dir}` (Mixtral (4 experts, top-2)-shaped), 2 layers" in report
+    assert "the checkpoint's weights" in report
+
+
 def test_cli_knows_the_benchmark_and_applies_flags_over_quick() -> None:
     parser = build_parser()
     args = parser.parse_args(["bench", "offline", "--quick", "--repeats", "1",
@@ -260,6 +294,13 @@ def test_cli_knows_the_benchmark_and_applies_flags_over_quick() -> None:
                                                 "--repeats", "2"]))
     assert (gpu.layers, gpu.hidden, gpu.kv_heads, gpu.vocab, gpu.dtype, gpu.device,
             gpu.dummy_weights, gpu.repeats) == (32, 4096, 8, 128256, "bfloat16", "cuda", True, 2)
+    moe = settings_from_args(parser.parse_args([
+        "bench", "offline", "--arch", "mixtral", "--num-experts", "8", "--top-k", "2",
+        "--layers", "4", "--hidden", "512", "--intermediate", "1792"]))
+    assert moe == OfflineBenchSettings(arch="mixtral", num_experts=8, top_k=2, layers=4,
+                                       hidden=512, intermediate=1792)
+    by_path = settings_from_args(parser.parse_args(["bench", "offline", "--model-path", "m"]))
+    assert by_path == OfflineBenchSettings(model_path="m")
     defaults = parser.parse_args(["bench", "offline"])
     assert defaults.output == "benchmarks/results/offline"
     assert settings_from_args(defaults) == OfflineBenchSettings(
@@ -270,7 +311,9 @@ def test_cli_knows_the_benchmark_and_applies_flags_over_quick() -> None:
 @pytest.mark.parametrize(("change", "field"), [({"hidden": 30}, "hidden"),
                                                ({"repeats": 0}, "repeats"),
                                                ({"torch_threads": 0}, "torch_threads"),
-                                               ({"dp_size": 0}, "dp_size")])
+                                               ({"dp_size": 0}, "dp_size"),
+                                               ({"arch": "gpt2"}, "arch"),
+                                               ({"top_k": 9}, "top_k")])
 def test_impossible_settings_are_refused_by_name(change: dict[str, int], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(OfflineBenchSettings(), **change).check()

@@ -7,10 +7,9 @@ partial sums over ranks (``output_is_partial``: the caller sums them over the
 group); under expert parallelism (``ep_size``, equal to ``tp_size``) each rank holds
 whole experts, its share of them (``expert_range``), and the layer exchanges the
 tokens with the other ranks of its group (``expert_parallel``), its output complete
-on every rank. The checkpoint's per-expert
-tensors (``experts.{e}.gate_proj``, Mixtral's ``w1``/``w3``/``w2``) and the stacked
-ones transformers also writes (``experts.gate_up_proj``, ``experts.down_proj``) load
-into them; a rank reads only its slices.
+on every rank. Each expert's checkpoint tensors (``experts.{e}.gate_proj``,
+Mixtral's ``w1``/``w3``/``w2``; the models cut transformers' stacked tensors into
+them) load into them; a rank reads only its slices.
 """
 
 from __future__ import annotations
@@ -32,8 +31,6 @@ from framework.registry import MOE_BACKENDS
 
 #: Shard ids of the per-expert tensors: which part of the stacked weights each fills.
 GATE, UP, DOWN = "gate", "up", "down"
-#: Shard ids of transformers' stacked tensors (every expert at once).
-GATE_UP_ALL, DOWN_ALL = "gate_up_all", "down_all"
 
 
 def expert_range(num_experts: int, ep_rank: int, ep_size: int) -> tuple[int, int]:
@@ -52,7 +49,7 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
                  activation: str = "silu", tp_rank: int = 0, tp_size: int = 1,
-                 ep_rank: int = 0, ep_size: int = 1, backend: str = "torch") -> None:
+                 ep_rank: int = 0, ep_size: int = 1, backend: str = "cpu") -> None:
         super().__init__()
         if ep_size > 1 and tp_size > 1 and (ep_size != tp_size or ep_rank != tp_rank):
             # The experts' ranks are those of the tensor-parallel group, in its order.
@@ -74,7 +71,9 @@ class FusedMoE(nn.Module):
         for param in (self.w13, self.w2):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.act = GatedActivation(activation)
-        self.kernel = MOE_BACKENDS.get(backend)
+        #: The MoE kernel (a ``MOE_BACKENDS`` entry; ``--moe-backend`` rebinds it): the
+        #: ``cpu`` one hands blocks off a CPU to the torch reference.
+        self.moe_kernel = MOE_BACKENDS.get(backend)
         self.tp_group: TensorParallelGroup | None = None
 
     @property
@@ -95,32 +94,19 @@ class FusedMoE(nn.Module):
         ranks holding their experts and come back (``x`` must be the same on every rank).
         """
         if self.ep_size == 1:
-            return self.kernel(x, self.w13, self.w2, weights, ids, self.act,
+            return self.moe_kernel(x, self.w13, self.w2, weights, ids, self.act,
                                self.first_expert)
-        experts = LocalExperts(self.w13, self.w2, self.act, self.kernel, self.first_expert)
+        experts = LocalExperts(self.w13, self.w2, self.act, self.moe_kernel, self.first_expert)
         return expert_parallel_moe(x, weights, ids, experts, bound_tp_group(self),
                                    self.ep_rank, self.ep_size)
 
     # ------------------------------------------------------------------ loading
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointWeight,
-                      shard_id: Any) -> None:
-        """Copy this rank's part of a checkpoint tensor.
-
-        ``shard_id``: ``(expert, GATE | UP | DOWN)`` for one expert's projection
-        (``[I, H]`` or ``[H, I]``), or ``GATE_UP_ALL`` / ``DOWN_ALL`` for transformers'
-        stacked tensors of every expert (``[E, 2I, H]``, ``[E, H, I]``).
-        """
-        if shard_id == GATE_UP_ALL:
-            for part, offset in ((GATE, 0), (UP, self.intermediate * self.split)):
-                for expert in range(self.first_expert, self.first_expert + len(param)):
-                    rows = _Rows(loaded, expert, offset, self.intermediate * self.split)
-                    self._load_one(param, rows, expert, part)
-            return
-        if shard_id == DOWN_ALL:
-            for expert in range(self.first_expert, self.first_expert + len(param)):
-                self._load_one(param, _Rows(loaded, expert), expert, DOWN)
-            return
+                      shard_id: tuple[int, str]) -> None:
+        """Copy this rank's part of one expert's projection: ``shard_id`` is
+        ``(expert, GATE | UP | DOWN)``, ``loaded`` its ``[I, H]`` or ``[H, I]`` matrix.
+        An expert another rank holds is skipped unread."""
         expert, part = shard_id
         if self.holds(expert):
             self._load_one(param, loaded, expert, part)
@@ -139,23 +125,6 @@ class FusedMoE(nn.Module):
         offset = 0 if part == GATE else size
         param.data[local, offset:offset + size].copy_(
             loaded.narrow(0, self.split_rank * size, size))
-
-
-class _Rows:
-    """Expert ``expert``'s matrix of a stacked ``[E, rows, cols]`` checkpoint tensor
-    (rows ``offset .. offset + rows``), read only as far as it is narrowed."""
-
-    def __init__(self, stacked: CheckpointWeight, expert: int, offset: int = 0,
-                 rows: int | None = None) -> None:
-        self.stacked, self.expert, self.offset = stacked, expert, offset
-        total = tuple(stacked.shape)
-        self.shape = (rows if rows is not None else total[1], total[2])
-
-    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        if dim == 0:
-            return self.stacked[self.expert, self.offset + start:self.offset + start + length]
-        return self.stacked[self.expert, self.offset:self.offset + self.shape[0],
-                            start:start + length]
 
 
 def _check(loaded: Any, expected: tuple[int, int], what: str) -> None:

@@ -21,14 +21,7 @@ def torch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     expert outside them adds nothing (another rank holds it). Returns ``[n, H]`` in
     ``x``'s dtype.
     """
-    top_k = ids.shape[1]
-    local = ids.reshape(-1) - first_expert
-    held = (local >= 0) & (local < w13.shape[0])
-    choices = torch.nonzero(held).squeeze(1)
-    experts = local[choices]
-    order = torch.argsort(experts, stable=True)
-    choices, experts = choices[order], experts[order]
-    tokens = choices // top_k
+    choices, experts, tokens = sort_by_expert(ids, first_expert, w13.shape[0])
     rows = x.index_select(0, tokens)
     out_rows = torch.empty_like(rows)
     counts = torch.bincount(experts, minlength=w13.shape[0]).tolist()
@@ -44,3 +37,20 @@ def torch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     out = torch.zeros_like(x)
     out.index_add_(0, tokens, (out_rows.float() * scale).to(x.dtype))
     return out
+
+
+def sort_by_expert(ids: torch.Tensor, first_expert: int,
+                   num_local: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, choice) pairs that name one of the ``num_local`` experts held from
+    ``first_expert`` on, sorted by expert (stable: by token within one).
+
+    Returns their flat indices into ``ids`` ``[n, top_k]``, their local expert and their
+    token, each ``[R]``.
+    """
+    local = ids.reshape(-1) - first_expert
+    held = (local >= 0) & (local < num_local)
+    choices = torch.nonzero(held).squeeze(1)
+    experts = local[choices]
+    order = torch.argsort(experts, stable=True)
+    choices, experts = choices[order], experts[order]
+    return choices, experts, choices // ids.shape[1]

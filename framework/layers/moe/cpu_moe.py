@@ -1,0 +1,76 @@
+"""The CPU MoE kernel: the reference's sort by expert, with each expert's block of rows
+multiplied the way that is quickest for its size and dtype.
+
+Measured per expert on Mixtral-like shapes (hidden 512, intermediate 1,792), on one
+thread of an AVX2 server core (``docs/benchmarks.md``, "The MoE kernels on a CPU"):
+
+* a block of a few rows (a decode step) is a walk through the expert's weights, and the
+  native ``linear_rows`` kernel (bound to the activation as ``act.cpu_ops``) does it
+  ``NATIVE_ROWS`` rows at a time up to twice faster than a GEMM call in float32 and
+  up to six times in bfloat16;
+* without native bfloat16 dot products (no AVX512-BF16, no AMX), torch's bfloat16 GEMM
+  takes time in proportion to the rows, some 8× float32's on a block of hundreds of
+  rows: a larger bfloat16 block is multiplied in float32 (the expert's weights
+  converted for the call, which costs less than one row of the bfloat16 product);
+* everything else takes ``F.linear``.
+
+Each token's weighted outputs are summed in float32. Off the CPU, the reference kernel
+runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from framework.layers.activation import GatedActivation
+from framework.layers.linear_kernel import NATIVE_ROWS
+from framework.layers.moe.torch_moe import sort_by_expert, torch_fused_experts
+
+#: Rows up to which an expert's block goes through ``linear_rows`` (``NATIVE_ROWS`` at a
+#: time), per dtype: past them one GEMM call on the block is faster.
+NATIVE_BLOCK_ROWS = {torch.float32: 2 * NATIVE_ROWS, torch.bfloat16: 8 * NATIVE_ROWS}
+
+
+def bfloat16_gemm_is_native() -> bool:
+    """Whether this CPU multiplies bfloat16 at full speed (AVX512-BF16 or AMX)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+_BF16_GEMM = bfloat16_gemm_is_native()
+
+
+def cpu_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      weights: torch.Tensor, ids: torch.Tensor, act: GatedActivation,
+                      first_expert: int = 0) -> torch.Tensor:
+    """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` for each token ``t``, as
+    ``torch_fused_experts`` (same arguments, same result up to float rounding)."""
+    if x.device.type != "cpu":
+        return torch_fused_experts(x, w13, w2, weights, ids, act, first_expert)
+    choices, experts, tokens = sort_by_expert(ids, first_expert, w13.shape[0])
+    rows = x.index_select(0, tokens)
+    out_rows = torch.empty(rows.shape, dtype=torch.float32)
+    counts = torch.bincount(experts, minlength=w13.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            block = slice(start, start + count)
+            out_rows[block] = _expert_mlp(rows[block], w13[expert], w2[expert], act)
+            start += count
+    scale = weights.reshape(-1).index_select(0, choices).unsqueeze(1)
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    out.index_add_(0, tokens, out_rows.mul_(scale))
+    return out.to(x.dtype)
+
+
+def _expert_mlp(block: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                act: GatedActivation) -> torch.Tensor:
+    """One expert's gated MLP on its block of rows ``[m, H]``."""
+    ops = act.cpu_ops
+    if (ops is not None and block.dtype == w13.dtype
+            and len(block) <= NATIVE_BLOCK_ROWS.get(block.dtype, 0)):
+        return torch.cat([ops.linear_rows(act(ops.linear_rows(rows, w13, None)), w2, None)
+                          for rows in block.split(NATIVE_ROWS)])
+    if block.dtype == torch.bfloat16 and not _BF16_GEMM:
+        block, w13, w2 = block.float(), w13.float(), w2.float()
+    return F.linear(act(F.linear(block, w13)), w2)
