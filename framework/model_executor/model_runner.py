@@ -48,6 +48,7 @@ from framework.layers.linear_kernel import (
     pack_linear_weights,
     resolve_linear_backend,
 )
+from framework.layers.moe.experts import FusedMoE, pack_expert_weights
 from framework.layers.sampler import Sampler, StepSample, sample_step
 from framework.mem_cache.memory_pool import (
     KVCachePools,
@@ -114,6 +115,9 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     packed = {id(m.packed_weight): m.packed_weight for m in matmul_modules(model)
               if m.packed_weight is not None}  # a tied head and embedding share one
+    for experts in model.modules():
+        if isinstance(experts, FusedMoE) and experts.packed is not None:
+            packed.update((id(w), w) for ws in experts.packed for w in ws)
     return params, params + sum(w.numel() * w.element_size() for w in packed.values())
 
 
@@ -249,6 +253,7 @@ class ModelRunner:
         """With the onednn linear backend, pack the weights just loaded (a no-op otherwise)."""
         if self.linear_backend == "onednn":
             pack_linear_weights(matmul_modules(self.model))
+            pack_expert_weights([m for m in self.model.modules() if isinstance(m, FusedMoE)])
 
     def _decide_kv_cache_tokens(self) -> int:
         config = self.model_config

@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from framework.layers.activation import GatedActivation
-from framework.layers.moe import cpu_moe
+from framework.layers.linear_kernel import onednn_available, pack_weight
+from framework.layers.moe import FusedMoE, cpu_moe
+from framework.layers.moe.experts import pack_expert_weights
 from framework.layers.moe.router import select_experts
 from framework.registry import MOE_BACKENDS
 from tests.unit.test_attention_cpu import kernels
@@ -182,3 +184,37 @@ def test_cpu_kernel_multiplies_large_bfloat16_blocks_in_float32_without_native_b
     monkeypatch.setattr(cpu_moe, "_BF16_GEMM", True)
     run("cpu", case, native=True)
     assert seen == [torch.bfloat16, torch.bfloat16]
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN to pack for")
+@pytest.mark.parametrize("tokens", [12, 60, 200])  # packed blocks, a mix, GEMM blocks
+def test_cpu_kernel_on_packed_expert_weights_matches_the_float64_loop(
+        tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    case = make_case(tokens, 4, 2)
+    packed = ([pack_weight(w) for w in case["w13"]], [pack_weight(w) for w in case["w2"]])
+    used: list[int] = []
+    real = cpu_moe.linear
+
+    def counting(x: torch.Tensor, *args: object) -> torch.Tensor:
+        used.append(len(x))
+        return real(x, *args)
+
+    monkeypatch.setattr(cpu_moe, "linear", counting)
+    with torch.inference_mode():
+        out = cpu_moe.cpu_fused_experts(case["x"], case["w13"], case["w2"], case["weights"],
+                                        case["ids"], GatedActivation("silu"), 0, packed=packed)
+    torch.testing.assert_close(out.double(), expected(case), atol=2e-4, rtol=2e-4)
+    # Only (and, at 12 tokens, every one of) the blocks below PACKED_BLOCK_ROWS went
+    # through the packed weights.
+    assert all(rows < cpu_moe.PACKED_BLOCK_ROWS for rows in used)
+    assert bool(used) == (tokens < 200)
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN to pack for")
+def test_fused_moe_packs_every_expert_s_weights_for_the_onednn_backend() -> None:
+    layer = FusedMoE(4, 16, 24)
+    for param in (layer.w13, layer.w2):
+        torch.nn.init.normal_(param)
+    pack_expert_weights([layer])
+    assert layer.packed is not None
+    assert [len(ws) for ws in layer.packed] == [4, 4]

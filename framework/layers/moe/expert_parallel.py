@@ -45,6 +45,8 @@ class LocalExperts:
     act: GatedActivation
     kernel: MoEKernel
     first_expert: int
+    #: The experts' weights packed for oneDNN (``FusedMoE.packed``), or None.
+    packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     @property
     def count(self) -> int:
@@ -55,7 +57,7 @@ class LocalExperts:
         """Each row through the one expert it names, unweighted: ``[R, H]``."""
         ones = torch.ones(len(rows), 1, dtype=torch.float32, device=rows.device)
         return self.kernel(rows, self.w13, self.w2, ones, expert_ids.unsqueeze(1), self.act,
-                           self.first_expert)
+                           self.first_expert, packed=self.packed)
 
 
 def expert_parallel_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

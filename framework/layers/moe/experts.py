@@ -26,6 +26,7 @@ from framework.layers.linear import (
     bound_tp_group,
     divide,
 )
+from framework.layers.linear_kernel import pack_weight
 from framework.layers.moe.expert_parallel import LocalExperts, expert_parallel_moe
 from framework.registry import MOE_BACKENDS
 
@@ -37,6 +38,13 @@ def expert_range(num_experts: int, ep_rank: int, ep_size: int) -> tuple[int, int
     """The experts ``[start, end)`` that rank ``ep_rank`` of ``ep_size`` holds."""
     per_rank = divide(num_experts, ep_size, "experts")
     return ep_rank * per_rank, (ep_rank + 1) * per_rank
+
+
+def pack_expert_weights(modules: list[FusedMoE]) -> None:
+    """Pack (again) every expert's weights of ``modules`` for oneDNN (after every load, as
+    ``pack_linear_weights`` does for the linear layers)."""
+    for module in modules:
+        module.packed = ([pack_weight(w) for w in module.w13], [pack_weight(w) for w in module.w2])
 
 
 class FusedMoE(nn.Module):
@@ -74,6 +82,9 @@ class FusedMoE(nn.Module):
         #: The MoE kernel (a ``MOE_BACKENDS`` entry; ``--moe-backend`` rebinds it): the
         #: ``cpu`` one hands blocks off a CPU to the torch reference.
         self.moe_kernel = MOE_BACKENDS.get(backend)
+        #: Each expert's ``w13`` and ``w2`` in the linear backend's packed layout (oneDNN's,
+        #: ``pack_expert_weights``), or None: the kernels multiply the weights as they are.
+        self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self.tp_group: TensorParallelGroup | None = None
 
     @property
@@ -95,8 +106,9 @@ class FusedMoE(nn.Module):
         """
         if self.ep_size == 1:
             return self.moe_kernel(x, self.w13, self.w2, weights, ids, self.act,
-                               self.first_expert)
-        experts = LocalExperts(self.w13, self.w2, self.act, self.moe_kernel, self.first_expert)
+                                   self.first_expert, packed=self.packed)
+        experts = LocalExperts(self.w13, self.w2, self.act, self.moe_kernel, self.first_expert,
+                               self.packed)
         return expert_parallel_moe(x, weights, ids, experts, bound_tp_group(self),
                                    self.ep_rank, self.ep_size)
 

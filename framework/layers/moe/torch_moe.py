@@ -13,13 +13,14 @@ from framework.layers.activation import GatedActivation
 
 def torch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         weights: torch.Tensor, ids: torch.Tensor, act: GatedActivation,
-                        first_expert: int = 0) -> torch.Tensor:
+                        first_expert: int = 0, packed: object = None) -> torch.Tensor:
     """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` for each token ``t``.
 
     ``w13 [E, 2I, H]`` holds each expert's gate and up rows, ``w2 [E, H, I]`` its down
     projection, for experts ``first_expert .. first_expert + E - 1``; a choice of an
     expert outside them adds nothing (another rank holds it). Returns ``[n, H]`` in
-    ``x``'s dtype.
+    ``x``'s dtype. ``packed`` (the experts' weights in a backend's layout, which a kernel
+    may use) is not read here: the reference multiplies the weights as they are.
     """
     choices, experts, tokens = sort_by_expert(ids, first_expert, w13.shape[0])
     rows = x.index_select(0, tokens)
