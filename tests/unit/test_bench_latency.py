@@ -54,7 +54,7 @@ def test_a_quick_run_splits_the_client_time_per_token(quick_run: LatencyBenchRes
     assert best.scheduler_ms == pytest.approx(best.step_ms - best.forward_ms)
     assert best.between_steps_ms == pytest.approx(best.client_ms - best.step_ms)
     # The default --stream-interval is 2: a text output every other decode token at most
-    # (fewer were counted once on a loaded machine, not yet explained: see the notes).
+    # (a loaded machine has counted fewer).
     assert 0 < best.outputs_per_token <= 0.75
     assert best.first_token_ms > 0
 
