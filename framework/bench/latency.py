@@ -24,7 +24,10 @@ prefill is over then) and again after the last, so the per-token figures are the
 growth of the counters over the decode steps between, one token each. That first read
 is one ``get_server_info`` call while the request runs, which the Scheduler answers
 at the start of a step (a few tenths of a millisecond in one step of over a hundred).
-The prefix cache is flushed before each request. Each model keeps its run with the
+The output path's figures and the outputs per token are taken over the whole request
+instead (per decode step of it): that mid-stream call reads the Scheduler's counters
+and the TokenizerManager's at two moments, and outputs applied between them would be
+counted on the wrong side. The prefix cache is flushed before each request. Each model keeps its run with the
 lowest client time per token: another job on the machine can slow a run down, never
 speed it up.
 """
@@ -141,21 +144,28 @@ class Breakdown:
 
     @classmethod
     def of(cls, client_tokens: int, client_seconds: float, counters: Counters,
-           first_token_seconds: float) -> Breakdown:
-        """Per-token figures: the client's ``client_seconds`` over ``client_tokens``, and the
-        counters' growth over their decode steps (one token each)."""
+           whole: Counters, first_token_seconds: float) -> Breakdown:
+        """Per-token figures: the client's ``client_seconds`` over ``client_tokens``, the
+        Scheduler's counters' growth over their decode steps (one token each), and the
+        output path's over the ``whole`` request.
+
+        The output path's sums come from the whole request, between two quiet moments:
+        a snapshot taken mid-stream reads the Scheduler's counters and the manager's at two
+        moments, and the outputs applied in between would fall on the wrong side.
+        """
         per = 1e3 / counters.decode_steps
         step = counters.step_seconds * per
         client = client_seconds * 1e3 / client_tokens
+        per_whole = 1e3 / whole.decode_steps
         return cls(
             client_ms=client, step_ms=step, forward_ms=counters.forward_seconds * per,
             scheduler_ms=(counters.step_seconds - counters.forward_seconds) * per,
             between_steps_ms=client - step,
-            scheduler_to_detokenizer_ms=counters.scheduler_to_detokenizer_seconds * per,
-            detokenize_ms=counters.detokenize_seconds * per,
-            detokenizer_to_manager_ms=counters.detokenizer_to_manager_seconds * per,
-            manager_ms=counters.manager_seconds * per,
-            outputs_per_token=counters.outputs / counters.decode_steps,
+            scheduler_to_detokenizer_ms=whole.scheduler_to_detokenizer_seconds * per_whole,
+            detokenize_ms=whole.detokenize_seconds * per_whole,
+            detokenizer_to_manager_ms=whole.detokenizer_to_manager_seconds * per_whole,
+            manager_ms=whole.manager_seconds * per_whole,
+            outputs_per_token=whole.outputs / whole.decode_steps,
             first_token_ms=first_token_seconds * 1e3,
         )
 
@@ -223,13 +233,13 @@ class StreamTimer:
 
     def run(self, output_len: int) -> Breakdown:
         """One measured request of ``output_len`` tokens."""
-        times, counts, decode, _ = self.stream(output_len)
+        times, counts, decode, whole = self.stream(output_len)
         if decode.extend_steps or decode.decode_steps < 1:
             raise RuntimeError(f"{decode.extend_steps} prefill and {decode.decode_steps} decode "
                                "steps after the first chunk: the Engine ran something else "
                                "meanwhile, or the stream was too short")
         # The client's time per token: from the chunk with the first token to the last.
-        return Breakdown.of(counts[-1] - counts[1], times[-1] - times[1], decode,
+        return Breakdown.of(counts[-1] - counts[1], times[-1] - times[1], decode, whole,
                             times[1] - times[0])
 
     def info(self) -> dict[str, Any]:
