@@ -27,9 +27,9 @@ at the start of a step (a few tenths of a millisecond in one step of over a hund
 The output path's figures and the outputs per token are taken over the whole request
 instead (per decode step of it): that mid-stream call reads the Scheduler's counters
 and the TokenizerManager's at two moments, and outputs applied between them would be
-counted on the wrong side. The prefix cache is flushed before each request. Each model keeps its run with the
-lowest client time per token: another job on the machine can slow a run down, never
-speed it up.
+counted on the wrong side. The prefix cache is flushed before each request. Each model
+keeps its run with the lowest client time per token: another job on the machine can
+slow a run down, never speed it up.
 """
 
 from __future__ import annotations
