@@ -15,6 +15,13 @@ from framework.runtime.request_input import RequestError
 A = TypeVar("A")
 T = TypeVar("T")
 
+#: A chat as templates read it: OpenAI's messages as dicts.
+Chat = list[dict[str, Any]]
+#: OpenAI's tool definitions for the template, or None.
+Tools = list[dict[str, Any]] | None
+#: More variables for the template (``chat_template_kwargs``), or None.
+TemplateKwargs = Mapping[str, Any] | None
+
 # Inputs longer than this (in characters) are tokenized in a worker thread.
 INLINE_TOKENIZE_CHARS = 2048
 
@@ -31,9 +38,8 @@ def chat_size(conversation: list[dict[str, Any]]) -> int:
     return sum(len(str(message.get("content") or "")) for message in conversation)
 
 
-def chat_template_ids(tokenizer: Any, conversation: list[dict[str, Any]],
-                      tools: list[dict[str, Any]] | None = None,
-                      template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+def chat_template_ids(tokenizer: Any, conversation: Chat, tools: Tools = None,
+                      template_kwargs: TemplateKwargs = None) -> list[int]:
     """Token ids of ``conversation`` through the tokenizer's chat template, ending in the
     assistant's turn; ``tools`` (OpenAI's tool definitions) and ``template_kwargs`` go
     to the template. A missing template or one that fails is a ``RequestError``."""

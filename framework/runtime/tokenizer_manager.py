@@ -23,7 +23,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from framework.comm.transport import Transport
@@ -47,7 +47,14 @@ from framework.runtime.data_parallel import (
 from framework.runtime.fan_out import gather_or_cancel, prepare_each_choice
 from framework.runtime.metrics import make_metrics
 from framework.runtime.output_path import OutputPathStats
-from framework.runtime.prompt_input import chat_size, chat_template_ids, off_loop_if_long
+from framework.runtime.prompt_input import (
+    Chat,
+    TemplateKwargs,
+    Tools,
+    chat_size,
+    chat_template_ids,
+    off_loop_if_long,
+)
 from framework.runtime.receive_loops import start_receive_loops, stop_receive_loops
 from framework.runtime.request_checks import (
     check_model_kind,
@@ -186,19 +193,16 @@ class TokenizerManager:
         """The tokenizer call (override to change tokenization)."""
         return list(self.tokenizer.encode(text))
 
-    async def chat_prompt_ids(self, conversation: list[dict[str, Any]],
-                              tools: list[dict[str, Any]] | None = None,
-                              template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
-        """Token ids of a chat (with ``tools`` offered, and ``template_kwargs``) through the
-        tokenizer's template; long chats are templated off the event loop, as long texts
-        are tokenized."""
+    async def chat_prompt_ids(self, conversation: Chat, tools: Tools = None,
+                              template_kwargs: TemplateKwargs = None) -> list[int]:
+        """Token ids of a chat (``tools`` offered, ``template_kwargs`` set) through the
+        template; long chats are templated off the event loop, as long texts tokenized."""
         return await off_loop_if_long(
             lambda chat: self.apply_chat_template(chat, tools, template_kwargs),
             conversation, chat_size(conversation))
 
-    def apply_chat_template(self, conversation: list[dict[str, Any]],
-                            tools: list[dict[str, Any]] | None = None,
-                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    def apply_chat_template(self, conversation: Chat, tools: Tools = None,
+                            template_kwargs: TemplateKwargs = None) -> list[int]:
         """The chat template call, ending in the assistant's turn (override to change it)."""
         return chat_template_ids(self.tokenizer, conversation, tools, template_kwargs)
 
@@ -333,10 +337,9 @@ class TokenizerManager:
     def abort_nowait(self, rid: str, reason: str = "aborted by the client") -> None:
         """Ask the Scheduler to abort ``rid`` and free its slots; returns at once.
 
-        Never awaits nor waits for room in the channel, so it also works from a
-        ``finally`` of a cancelled task (a client that disconnected): the abort
-        is queued behind what was handed over before it and goes out as soon as
-        the channel takes it (at once from a thread without an event loop).
+        Never awaits nor waits for room in the channel, so it also works from a ``finally``
+        of a cancelled task (a client that disconnected): the abort is queued behind what
+        was handed over before it and goes out as soon as the channel takes it.
         """
         self.outbox.put_nowait(AbortReq(rid=rid, reason=reason))
 
