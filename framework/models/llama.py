@@ -265,15 +265,22 @@ class LlamaModel(nn.Module):
         # among the stage's layers.
         rotary_emb = rotary_embedding_of(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, layer_id - self.start_layer, options, tp_rank=tp_rank,
-                              tp_size=tp_size, rotary_emb=rotary_emb,
-                              sliding_window=sliding_window_of(config, layer_id))
+            self.make_layer(config, layer_id, options, tp_rank=tp_rank, tp_size=tp_size,
+                            rotary_emb=rotary_emb)
             if self.start_layer <= layer_id < self.end_layer else nn.Identity()
             for layer_id in range(config.num_hidden_layers)
         )
         self.norm: RMSNorm | None = None
         if self.is_last_stage:
             self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def make_layer(self, config: Any, layer_id: int, options: AttentionOptions, *,
+                   tp_rank: int, tp_size: int, rotary_emb: RotaryEmbedding) -> nn.Module:
+        """Decoder layer ``layer_id`` of the checkpoint, one this stage holds (a family
+        with other layers, or other MLPs, builds its own)."""
+        return LlamaDecoderLayer(config, layer_id - self.start_layer, options, tp_rank=tp_rank,
+                                 tp_size=tp_size, rotary_emb=rotary_emb,
+                                 sliding_window=sliding_window_of(config, layer_id))
 
     def set_stage(self, config: Any, pp_rank: int, pp_size: int) -> None:
         """Which layers this pipeline stage holds, and whether it is the first or the last."""

@@ -44,7 +44,6 @@ import torch
 from torch import nn
 
 from framework.layers.activation import GatedActivation
-from framework.layers.embedding import VocabParallelEmbedding
 from framework.layers.linear import (
     CheckpointWeight,
     ColumnParallelLinear,
@@ -57,6 +56,7 @@ from framework.layers.linear_kernel import linear
 from framework.layers.moe import FusedMoE, select_experts
 from framework.layers.moe.experts import DOWN, GATE, UP
 from framework.layers.norm import RMSNorm
+from framework.layers.rotary import RotaryEmbedding
 from framework.models.llama import (
     AttentionOptions,
     LlamaAttention,
@@ -64,7 +64,6 @@ from framework.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
     LlamaModel,
-    rotary_embedding_of,
     sliding_window_of,
 )
 
@@ -186,35 +185,23 @@ class MoeDecoderLayer(LlamaDecoderLayer):
 
 
 class MoeModel(LlamaModel):
-    """Embedding, decoder layers with each layer's MLP from ``make_mlp``, final norm.
-
-    Built here rather than by ``LlamaModel.__init__``, which would make every
-    layer a dense MLP first; the stage layout, ``holds`` and ``forward`` are Llama's.
-    """
+    """Llama's stack with each layer's MLP from ``make_mlp``: a sparse MoE block or a
+    dense MLP (made once, where Llama's layers would make a dense one first)."""
 
     def __init__(self, config: Any, options: AttentionOptions,
                  make_mlp: Callable[[int], nn.Module], *, tp_rank: int, tp_size: int,
                  pp_rank: int = 0, pp_size: int = 1) -> None:
-        nn.Module.__init__(self)
-        self.set_stage(config, pp_rank, pp_size)
-        self.embed_tokens: VocabParallelEmbedding | None = None
-        if self.is_first_stage:
-            self.embed_tokens = VocabParallelEmbedding(
-                config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
-        rotary_emb = rotary_embedding_of(config)  # one for all layers: angles once per step
+        self._make_mlp = make_mlp  # read by make_layer, which LlamaModel.__init__ calls
+        super().__init__(config, options, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
+                         pp_size=pp_size)
 
-        def layer(layer_id: int) -> nn.Module:
-            if not self.start_layer <= layer_id < self.end_layer:
-                return nn.Identity()  # another stage's: keeps the checkpoint's layer numbers
-            attention = LlamaAttention(
-                config, layer_id - self.start_layer, options, tp_rank=tp_rank, tp_size=tp_size,
-                rotary_emb=rotary_emb, sliding_window=sliding_window_of(config, layer_id))
-            return MoeDecoderLayer(config, attention, make_mlp(layer_id))
-
-        self.layers = nn.ModuleList(layer(i) for i in range(config.num_hidden_layers))
-        self.norm: RMSNorm | None = None
-        if self.is_last_stage:
-            self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    def make_layer(self, config: Any, layer_id: int, options: AttentionOptions, *,
+                   tp_rank: int, tp_size: int, rotary_emb: RotaryEmbedding) -> nn.Module:
+        """Llama's attention with this layer's MLP."""
+        attention = LlamaAttention(
+            config, layer_id - self.start_layer, options, tp_rank=tp_rank, tp_size=tp_size,
+            rotary_emb=rotary_emb, sliding_window=sliding_window_of(config, layer_id))
+        return MoeDecoderLayer(config, attention, self._make_mlp(layer_id))
 
 
 class ExpertMatrix:
@@ -338,10 +325,10 @@ class MoeForCausalLM(LlamaForCausalLM):
         match = _EXPERT_WEIGHT.match(name)
         if match is None or match["proj"] not in _EXPERT_PROJECTIONS:
             return LlamaForCausalLM._stacked_target(name)
-        expert = int(match["expert"])
-        if expert >= self.moe_spec(self.config).num_experts:
+        expert, experts = int(match["expert"]), self.moe_spec(self.config).num_experts
+        if expert >= experts:
             raise ValueError(f"checkpoint weight {name!r} names expert {expert}, but the model "
-                             f"has {self.moe_spec(self.config).num_experts} experts")
+                             f"has {experts} experts")
         param, part = _EXPERT_PROJECTIONS[match["proj"]]
         return f"{match['prefix']}.{param}", (expert, part)
 
