@@ -130,14 +130,18 @@ class ServerArgs:
                         "to have the tensor-parallel ranks split the experts (each holding "
                         "whole experts, the tokens exchanged all-to-all) instead of every "
                         "expert's rows", "runtime")
-    nnodes: int = _opt(1, "machines the tp_size × pp_size ranks are spread over", "runtime")
+    nnodes: int = _opt(1, "machines the dp_size × tp_size × pp_size ranks are spread over, "
+                       "in order", "runtime")
     node_rank: int = _opt(0, "this machine's index among --nnodes (node 0 serves HTTP)",
                           "runtime")
     dist_init_addr: str | None = _opt(None, "host:port where the ranks meet (rank 0's "
-                                      "machine; a private network only); default: a free "
-                                      "port on 127.0.0.1, one node", "runtime")
+                                      "machine; a private network only); the replicas of "
+                                      "other nodes reach node 0's front on the ports after "
+                                      "it; default: a free port on 127.0.0.1, one node",
+                                      "runtime")
     dp_size: int = _opt(1, "data-parallel size: scheduler replicas, each holding the whole "
-                        "model, behind one HTTP front", "runtime")
+                        "model (over --tp-size × --pp-size ranks of its own), behind one "
+                        "HTTP front", "runtime")
     load_balance_method: str = _opt("round_robin", "how the front picks the replica of each "
                                     "request with --dp-size above 1: round_robin (in turn), "
                                     "shortest_queue (the one with the fewest tokens in "
@@ -307,6 +311,10 @@ class PortArgs:
     embedding_output: str  # Scheduler → TokenizerManager: BatchEmbeddingOutput
     rpc: str  # TokenizerManager/Engine ↔ Scheduler: flush cache, weights, info
     metrics: str  # Scheduler → main: SchedulerMetrics
+    # The front (the TokenizerManager and the Detokenizer) binds every channel and the
+    # Scheduler connects, even its input and RPC server: a replica on another node reaches
+    # node 0, which cannot name it.
+    front_binds: bool = False
 
     CHANNELS = (
         "scheduler_input",
@@ -325,6 +333,20 @@ class PortArgs:
         return cls(workdir, **{
             name: transport.make_address(workdir, name, tcp_host) for name in cls.CHANNELS
         })
+
+    @classmethod
+    def on_node_0(cls, host: str, first_port: int) -> PortArgs:
+        """``tcp://`` addresses on node 0's ``host``, ports ``first_port`` onwards, for a
+        replica whose Scheduler runs on another node (``front_binds``).
+
+        Every node computes the same addresses from the same arguments, with no
+        exchange; the ports must be free on node 0.
+        """
+        workdir = tempfile.mkdtemp(prefix="framework-")
+        atexit.register(shutil.rmtree, workdir, True)
+        shown = f"[{host}]" if ":" in host else host
+        return cls(workdir, **{name: f"tcp://{shown}:{first_port + i}"
+                               for i, name in enumerate(cls.CHANNELS)}, front_binds=True)
 
     def cleanup(self) -> None:
         """Remove the private directory and everything in it."""

@@ -299,26 +299,49 @@ class Transport(ABC):
     def make_address(self, workdir: str, name: str, tcp_host: str | None = None) -> str:
         """An address for the channel ``name``: under ``workdir``, or on ``tcp_host``."""
 
+    # Reversed raw ends (optional): the same ends with the other side bound, for a channel
+    # whose usual binder is on a machine the other side cannot name (a replica's ranks on
+    # another node connect to the front's machine).
+    def bound_pipe_sender(self, address: str) -> PipeSender:
+        """Bind a raw sender at ``address``."""
+        raise TransportError(f"the {self.name} transport cannot bind a sender")
+
+    def connected_pipe_receiver(self, address: str) -> PipeReceiver:
+        """Connect a raw receiver to ``address``."""
+        raise TransportError(f"the {self.name} transport cannot connect a receiver")
+
+    def bound_rpc_client(self, address: str) -> RawRpcClient:
+        """Bind a raw RPC client at ``address``."""
+        raise TransportError(f"the {self.name} transport cannot bind an RPC client")
+
+    def connected_rpc_server(self, address: str) -> RawRpcServer[Any]:
+        """Connect a raw RPC server to ``address``."""
+        raise TransportError(f"the {self.name} transport cannot connect an RPC server")
+
     # Typed ends: a codec on a raw end.
-    def sender(self, address: str, codec: Codec) -> Sender:
-        """A message sender connected to ``address``."""
+    def sender(self, address: str, codec: Codec, *, bind: bool = False) -> Sender:
+        """A message sender connected to ``address`` (bound there with ``bind``)."""
         self.check_codec(address, codec)
-        return Sender(self.pipe_sender(address), codec)
+        return Sender(self.bound_pipe_sender(address) if bind else self.pipe_sender(address),
+                      codec)
 
-    def receiver(self, address: str, codec: Codec) -> Receiver:
-        """A message receiver bound at ``address``."""
+    def receiver(self, address: str, codec: Codec, *, bind: bool = True) -> Receiver:
+        """A message receiver bound at ``address`` (connected to it without ``bind``)."""
         self.check_codec(address, codec)
-        return Receiver(self.pipe_receiver(address), codec)
+        raw = self.pipe_receiver(address) if bind else self.connected_pipe_receiver(address)
+        return Receiver(raw, codec)
 
-    def client(self, address: str, codec: Codec) -> RpcClient:
-        """A message RPC client connected to ``address``."""
+    def client(self, address: str, codec: Codec, *, bind: bool = False) -> RpcClient:
+        """A message RPC client connected to ``address`` (bound there with ``bind``)."""
         self.check_codec(address, codec)
-        return RpcClient(self.rpc_client(address), codec)
+        return RpcClient(self.bound_rpc_client(address) if bind else self.rpc_client(address),
+                         codec)
 
-    def server(self, address: str, codec: Codec) -> RpcServer:
-        """A message RPC server bound at ``address``."""
+    def server(self, address: str, codec: Codec, *, bind: bool = True) -> RpcServer:
+        """A message RPC server bound at ``address`` (connected to it without ``bind``)."""
         self.check_codec(address, codec)
-        return RpcServer(self.rpc_server(address), codec)
+        raw = self.rpc_server(address) if bind else self.connected_rpc_server(address)
+        return RpcServer(raw, codec)
 
     def check_codec(self, address: str, codec: Codec) -> None:
         """Refuse a local-only codec on a network address unless explicitly allowed."""

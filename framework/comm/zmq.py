@@ -171,7 +171,8 @@ class ZmqPipeSender(PipeSender):
 
 
 class ZmqPipeReceiver(PipeReceiver):
-    """PULL socket bound at the address; removes its ipc socket file on close."""
+    """PULL socket, bound at the address (or connected); a bound one removes its ipc socket
+    file on close."""
 
     def __init__(self, end: _ZmqEnd) -> None:
         self._end = end
@@ -331,6 +332,18 @@ class ZmqTransport(Transport):
 
     def rpc_server(self, address: str) -> ZmqRpcServer:
         return ZmqRpcServer(self._open(zmq.ROUTER, address, bind=True))
+
+    def bound_pipe_sender(self, address: str) -> ZmqPipeSender:
+        return ZmqPipeSender(self._open(zmq.PUSH, address, bind=True))
+
+    def connected_pipe_receiver(self, address: str) -> ZmqPipeReceiver:
+        return ZmqPipeReceiver(self._open(zmq.PULL, address, bind=False))
+
+    def bound_rpc_client(self, address: str) -> ZmqRpcClient:
+        return ZmqRpcClient(self._open(zmq.DEALER, address, bind=True))
+
+    def connected_rpc_server(self, address: str) -> ZmqRpcServer:
+        return ZmqRpcServer(self._open(zmq.ROUTER, address, bind=False))
 
     def make_address(self, workdir: str, name: str, tcp_host: str | None = None) -> str:
         if tcp_host is not None:

@@ -16,6 +16,8 @@ class ParallelConfig:
 
     tp_size: int = 1
     pp_size: int = 1
+    # Replicas of the whole model, each of tp_size × pp_size ranks.
+    dp_size: int = 1
     # 1, or tp_size: the tensor-parallel ranks split the MoE layers' experts.
     ep_size: int = 1
     nnodes: int = 1
@@ -26,32 +28,56 @@ class ParallelConfig:
     def from_server_args(cls, server_args: Any) -> ParallelConfig:
         """The parallel settings of ``ServerArgs``."""
         return cls(tp_size=server_args.tp_size, pp_size=server_args.pp_size,
-                   ep_size=server_args.ep_size, nnodes=server_args.nnodes,
-                   node_rank=server_args.node_rank, dist_init_addr=server_args.dist_init_addr)
+                   dp_size=server_args.dp_size, ep_size=server_args.ep_size,
+                   nnodes=server_args.nnodes, node_rank=server_args.node_rank,
+                   dist_init_addr=server_args.dist_init_addr)
 
     @property
     def world_size(self) -> int:
-        """Scheduler ranks over every node."""
+        """Scheduler ranks of one replica: the ranks one copy of the model is split over."""
         return self.tp_size * self.pp_size
 
     @property
+    def total_ranks(self) -> int:
+        """Scheduler ranks of every replica, over every node."""
+        return self.dp_size * self.world_size
+
+    @property
     def is_parallel(self) -> bool:
-        """Whether more than one rank serves the model (and torch.distributed is needed)."""
+        """Whether more than one rank serves one copy of the model."""
         return self.world_size > 1
 
     @property
+    def uses_distributed(self) -> bool:
+        """Whether the ranks join torch.distributed: a replica split over ranks, or ranks on
+        several nodes (which watch each other through it and learn their channels from it)."""
+        return self.is_parallel or self.nnodes > 1
+
+    @property
     def ranks_per_node(self) -> int:
-        """Scheduler ranks each node runs."""
-        return self.world_size // self.nnodes
+        """Scheduler ranks each node runs (of every replica)."""
+        return self.total_ranks // self.nnodes
 
     def local_ranks(self) -> range:
         """The global ranks this node runs."""
         start = self.node_rank * self.ranks_per_node
         return range(start, start + self.ranks_per_node)
 
+    def global_rank(self, replica: int, rank: int) -> int:
+        """The global rank of ``rank`` of ``replica``: replica after replica."""
+        return replica * self.world_size + rank
+
+    def place(self, global_rank: int) -> tuple[int, int]:
+        """``(replica, rank in the replica)`` of a global rank."""
+        return divmod(global_rank, self.world_size)
+
+    def node_of(self, global_rank: int) -> int:
+        """The node that runs ``global_rank``."""
+        return global_rank // self.ranks_per_node
+
     def check(self) -> None:
         """Refuse settings that cannot work, naming the field (a ``ValueError``)."""
-        for name in ("tp_size", "pp_size", "nnodes"):
+        for name in ("tp_size", "pp_size", "dp_size", "nnodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.ep_size not in (1, self.tp_size):
@@ -59,9 +85,9 @@ class ParallelConfig:
                              f"got {self.ep_size}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
-        if self.world_size % self.nnodes:
-            raise ValueError(f"nnodes ({self.nnodes}) must divide tp_size × pp_size "
-                             f"({self.world_size})")
+        if self.total_ranks % self.nnodes:
+            raise ValueError(f"nnodes ({self.nnodes}) must divide dp_size × tp_size × pp_size "
+                             f"({self.total_ranks})")
         if self.nnodes > 1 and self.dist_init_addr is None:
             raise ValueError("dist_init_addr (rank 0's host:port) is required with nnodes > 1")
         if self.dist_init_addr is not None:

@@ -7,10 +7,12 @@ this process to them and returns a ``ParallelContext`` holding its groups,
 which is handed explicitly to the ``ModelRunner`` and its layers (there is no
 module-level state here).
 
-Rank layout: global rank ``pp_rank * tp_size + tp_rank``. The ranks of one
-pipeline stage form a tensor-parallel group; the ranks with the same
-``tp_rank`` across stages form a pipeline group. Node ``k`` runs the global
-ranks ``[k * per_node, (k + 1) * per_node)``.
+Rank layout: a replica's rank ``pp_rank * tp_size + tp_rank``, and global rank
+``replica * tp_size * pp_size`` plus that (``--dp-size`` replicas, one after
+another). The ranks of one pipeline stage of a replica form a tensor-parallel
+group; its ranks with the same ``tp_rank`` across stages form a pipeline
+group; all its ranks form its control group. Node ``k`` runs the global ranks
+``[k * per_node, (k + 1) * per_node)``.
 
 The device groups use NCCL on CUDA and gloo on CPU; control messages
 (what each step runs) always travel over a gloo group of all ranks, whose
@@ -111,6 +113,11 @@ class GroupCoordinator:
         dist.broadcast_object_list(box, src=self.ranks[src], group=self.group)
         return box[0]
 
+    def barrier(self) -> None:
+        """Wait until every rank of the group gets here."""
+        if self.size > 1:
+            dist.barrier(group=self.group)
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (pickled), in rank order."""
         if self.size == 1:
@@ -151,10 +158,11 @@ class GroupCoordinator:
 class ParallelContext:
     """This process's place among the scheduler ranks, and its groups.
 
-    ``tp``: the ranks of this pipeline stage (all-reduce, all-gather of
-    logits, the all-to-all of expert parallelism); ``pp``: the stages this
-    rank's slice passes through (send/recv); ``control``: every rank, over
-    gloo (what each step runs); ``heartbeat``: every rank, over gloo, with
+    ``rank`` is global (over every replica). ``tp``: the ranks of this
+    pipeline stage (all-reduce, all-gather of logits, the all-to-all of
+    expert parallelism); ``pp``: the stages this rank's slice passes through
+    (send/recv); ``control``: every rank of this replica, over gloo (what each
+    step runs); ``heartbeat``: every rank of every replica, over gloo, with
     ``--nnodes`` above 1 (see ``start_heartbeat``).
     """
 
@@ -177,16 +185,23 @@ class ParallelContext:
         return self.pp.rank
 
     @property
+    def replica_rank(self) -> int:
+        """This rank's index among its replica's ranks."""
+        return self.control.rank
+
+    @property
     def is_driver(self) -> bool:
-        """Whether this is global rank 0, the one whose Scheduler owns the sockets."""
-        return self.rank == 0
+        """Whether this is its replica's rank 0, the one whose Scheduler owns the sockets."""
+        return self.control.is_first
 
 
 def init_parallel(config: ParallelConfig, rank: int, device: torch.device) -> ParallelContext:
     """Join global rank ``rank`` to the others at ``config.dist_init_addr``; build its groups.
 
-    Blocks until every rank has joined. Every rank creates every group, in
-    the same order, as ``torch.distributed.new_group`` requires.
+    Every rank of every replica joins one world; each replica's tensor,
+    pipeline and control groups hold its own ranks only. Blocks until every
+    rank has joined. Every rank creates every group, in the same order, as
+    ``torch.distributed.new_group`` requires.
     """
     config.check()
     if config.dist_init_addr is None:
@@ -196,21 +211,24 @@ def init_parallel(config: ParallelConfig, rank: int, device: torch.device) -> Pa
         torch.cuda.set_device(device)
     backend = backend_for(device)
     dist.init_process_group(backend, init_method=f"tcp://{_format_host(host)}:{port}",
-                            world_size=config.world_size, rank=rank, timeout=_INIT_TIMEOUT)
-    tp_size, pp_size = config.tp_size, config.pp_size
-    tp_groups = [list(range(stage * tp_size, (stage + 1) * tp_size)) for stage in range(pp_size)]
-    pp_groups = [list(range(tp_rank, config.world_size, tp_size)) for tp_rank in range(tp_size)]
-    tp = _pick_group(tp_groups, rank, backend, _INIT_TIMEOUT)
-    pp = _pick_group(pp_groups, rank, backend, _INIT_TIMEOUT)
-    everyone = list(range(config.world_size))
-    control = GroupCoordinator(
-        dist.new_group(everyone, backend="gloo", timeout=_CONTROL_TIMEOUT), everyone, rank)
+                            world_size=config.total_ranks, rank=rank, timeout=_INIT_TIMEOUT)
+    tp_size, pp_size, size = config.tp_size, config.pp_size, config.world_size
+    replicas = [list(range(config.global_rank(r, 0), config.global_rank(r, size)))
+                for r in range(config.dp_size)]
+    tp = _pick_group([ranks[stage * tp_size:(stage + 1) * tp_size] for ranks in replicas
+                      for stage in range(pp_size)], rank, backend, _INIT_TIMEOUT)
+    pp = _pick_group([ranks[tp_rank::tp_size] for ranks in replicas
+                      for tp_rank in range(tp_size)], rank, backend, _INIT_TIMEOUT)
+    control = _pick_group(replicas, rank, "gloo", _CONTROL_TIMEOUT)
     heartbeat = None
     if config.nnodes > 1:  # one node's launcher sees every rank's process itself
+        everyone = list(range(config.total_ranks))
         heartbeat = GroupCoordinator(
             dist.new_group(everyone, backend="gloo", timeout=_HEARTBEAT_TIMEOUT), everyone, rank)
-    logger.info("rank %d of %d joined (tp rank %d of %d, pp stage %d of %d, %s)", rank,
-                config.world_size, tp.rank, tp.size, pp.rank, pp.size, backend)
+    replica, _ = config.place(rank)
+    logger.info("rank %d of %d joined (replica %d of %d, tp rank %d of %d, pp stage %d of %d, "
+                "%s)", rank, config.total_ranks, replica, config.dp_size, tp.rank, tp.size,
+                pp.rank, pp.size, backend)
     return ParallelContext(config, rank, device, tp, pp, control, heartbeat)
 
 

@@ -268,7 +268,8 @@ class ModelRunner:
         extra = getattr(backend, "extra_kv_copies", 0.0)
         # Every scheduler rank of this machine (each data-parallel replica's ranks too)
         # sizes its pool from the same host memory.
-        local_ranks = 1 if self.parallel is None else self.parallel.config.ranks_per_node
+        local_ranks = (self.server_args.dp_size if self.parallel is None
+                       else self.parallel.config.ranks_per_node)
         tokens = decide_max_total_tokens(
             max_total_tokens=self.server_args.max_total_tokens,
             mem_fraction=self.server_args.mem_fraction,
@@ -276,7 +277,7 @@ class ModelRunner:
             context_len=config.context_len,
             max_running_requests=self.server_args.max_running_requests,
             device=self.device,
-            ranks_sharing_memory=local_ranks * self.server_args.dp_size,
+            ranks_sharing_memory=local_ranks,
         )
         if self.parallel is None:
             return tokens
@@ -338,7 +339,7 @@ class ModelRunner:
         return info
 
     def _announces(self) -> bool:
-        """Whether this runner drives other ranks (it is global rank 0 of several)."""
+        """Whether this runner drives other ranks (it is its replica's rank 0 of several)."""
         return (self.parallel is not None and self.parallel.is_driver
                 and self.parallel.config.is_parallel)
 
@@ -366,8 +367,8 @@ class ModelRunner:
             try:
                 output = self._forward(batch, sampling)
             except Exception as exc:
-                logger.exception("rank %d: a model step failed", self.parallel.rank)
-                raise RankStepFailed(self.parallel.rank, exc) from exc
+                logger.exception("rank %d: a model step failed", self.parallel.replica_rank)
+                raise RankStepFailed(self.parallel.replica_rank, exc) from exc
         if output.sample is not None:
             output.sample.checked()  # every rank is done with the step: it can be contained
         return output

@@ -64,7 +64,7 @@ def build_component(spec: ComponentSpec, server_args: ServerArgs, port_args: Por
 def _build_scheduler(cls: type, spec: ComponentSpec, server_args: ServerArgs,
                      port_args: PortArgs, transport: Any) -> RunningComponent:
     parallel = ParallelConfig.from_server_args(server_args)
-    if parallel.is_parallel:
+    if parallel.uses_distributed:
         return _build_parallel_rank(cls, spec, parallel, server_args, port_args, transport)
     scheduler = cls(server_args, port_args, transport)
     return _scheduler_component(scheduler, spec)
@@ -90,7 +90,8 @@ def _scheduler_component(scheduler: Any, spec: ComponentSpec) -> RunningComponen
 def _build_parallel_rank(cls: type, spec: ComponentSpec, parallel: ParallelConfig,
                          server_args: ServerArgs, port_args: PortArgs,
                          transport: Any) -> RunningComponent:
-    """Join the other ranks; global rank 0 runs the Scheduler, the others follow its steps."""
+    """Join the other ranks; each replica's rank 0 runs its Scheduler, the replica's other
+    ranks follow its steps."""
     import torch
 
     from framework.distributed.parallel_state import (
@@ -101,16 +102,15 @@ def _build_parallel_rank(cls: type, spec: ComponentSpec, parallel: ParallelConfi
     from framework.distributed.step_sync import Follower
     from framework.model_executor.model_runner import ModelRunner, resolve_device
 
-    local_index = spec.rank - parallel.local_ranks().start  # the GPU of this rank on its node
+    rank = parallel.global_rank(spec.replica, spec.rank)
+    local_index = rank - parallel.local_ranks().start  # the GPU of this rank on its node
     device = resolve_device(server_args.device, local_index)
     if device.type == "cuda" and torch.cuda.device_count() < parallel.ranks_per_node:
         # NCCL refuses two ranks on one GPU.
         raise ValueError(f"{parallel.ranks_per_node} scheduler ranks per node need as many "
                          f"GPUs; this node has {torch.cuda.device_count()}")
-    context = init_parallel(parallel, spec.rank, device)
+    context = init_parallel(parallel, rank, device)
     runner = ModelRunner(server_args, server_args.resolved_model_path(), parallel=context)
-    if context.heartbeat is not None:
-        start_heartbeat(context.heartbeat, _exit_on_lost_rank)
     if context.is_driver:
         from framework.runtime.scheduler.worker import ModelRunnerWorker
 
@@ -124,11 +124,18 @@ def _build_parallel_rank(cls: type, spec: ComponentSpec, parallel: ParallelConfi
             destroy_parallel()
 
         component.close = close_all
-        return component
-    follower = Follower(context.control, runner, runner.pools.req_to_token_pool.req_to_token)
-    info = {"rank": spec.rank, "pid": os.getpid(), "torch_threads": torch.get_num_threads()}
-    return RunningComponent(info, follower.run, lambda: None, destroy_parallel,
-                            exit_on_sigterm=True)
+    else:
+        follower = Follower(context.control, runner,
+                            runner.pools.req_to_token_pool.req_to_token)
+        info = {"rank": spec.rank, "pid": os.getpid(), "torch_threads": torch.get_num_threads()}
+        component = RunningComponent(info, follower.run, lambda: None, destroy_parallel,
+                                     exit_on_sigterm=True)
+    if context.heartbeat is not None:
+        # Every replica's Scheduler has its channels before any node reports ready: node 0's
+        # front then never sends to a replica of another node that has not connected.
+        context.heartbeat.barrier()
+        start_heartbeat(context.heartbeat, _exit_on_lost_rank)
+    return component
 
 
 def _exit_on_lost_rank(reason: str) -> NoReturn:

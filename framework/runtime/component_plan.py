@@ -1,13 +1,15 @@
 """Which components a node starts, the class each runs and the torch threads each gets.
 
 Each scheduler rank runs torch on ``--torch-threads`` threads, by default
-``max(1, (usable cores - 1) // (ranks × replicas))``: one core is left to the
-HTTP process and the Detokenizers, which use one torch thread each, so that
-the processes of one machine do not oversubscribe its cores.
+``max(1, (usable cores - 1) // ranks of this node)`` (the ranks of every
+replica it runs): one core is left to the HTTP process and the Detokenizers,
+which use one torch thread each, so that the processes of one machine do not
+oversubscribe its cores.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -56,7 +58,7 @@ class ComponentSpec:
     # In messages and logs: "scheduler", "scheduler rank 1", "detokenizer",
     # "scheduler replica 1", "detokenizer replica 1"
     name: str
-    rank: int
+    rank: int  # among its replica's ranks
     torch_threads: int
     replica: int = 0  # which data-parallel replica (whose channels) it belongs to
 
@@ -80,30 +82,27 @@ def torch_threads_per_rank(cores: int, num_ranks: int) -> int:
     return max(1, (cores - 1) // num_ranks)
 
 
-def num_scheduler_ranks(server_args: ServerArgs) -> int:
-    """How many scheduler processes this node starts: its share of the TP×PP ranks."""
-    return ParallelConfig.from_server_args(server_args).ranks_per_node
-
-
 def plan_components(server_args: ServerArgs, num_ranks: int | None = None,
                     cores: int | None = None) -> list[ComponentSpec]:
-    """The components to start: for each replica, every scheduler rank, then its Detokenizer."""
-    ranks = num_scheduler_ranks(server_args) if num_ranks is None else num_ranks
-    replicas = server_args.dp_size
+    """The components this node starts: its scheduler ranks, replica by replica, each
+    replica's Detokenizer (on node 0) after its ranks.
+
+    ``num_ranks`` stands for the ranks of one replica (default: tp_size × pp_size).
+    """
+    parallel = ParallelConfig.from_server_args(server_args)
+    if num_ranks is not None:
+        parallel = dataclasses.replace(parallel, tp_size=num_ranks, pp_size=1)
+    mine = [parallel.place(g) for g in parallel.local_ranks()]
     threads = server_args.torch_threads
     if threads is None:
-        threads = torch_threads_per_rank(usable_cores() if cores is None else cores,
-                                         ranks * replicas)
+        threads = torch_threads_per_rank(usable_cores() if cores is None else cores, len(mine))
+    one_name = parallel.world_size == parallel.nnodes == 1
     specs = []
-    # Ranks are global: node k runs the k-th run of ``ranks`` consecutive ones.
-    first = server_args.node_rank * ranks
-    for replica in range(replicas):
-        suffix = "" if replicas == 1 else f" replica {replica}"
-        specs += [
-            ComponentSpec("scheduler", f"scheduler{suffix}" if ranks == server_args.nnodes == 1
-                          else f"scheduler{suffix} rank {rank}", rank, threads, replica)
-            for rank in range(first, first + ranks)
-        ]
+    for replica in range(parallel.dp_size):
+        suffix = "" if parallel.dp_size == 1 else f" replica {replica}"
+        specs += [ComponentSpec("scheduler", f"scheduler{suffix}" if one_name
+                                else f"scheduler{suffix} rank {rank}", rank, threads, replica)
+                  for r, rank in mine if r == replica]
         if server_args.node_rank > 0:
             continue  # only node 0 turns token ids into text
         # A Detokenizer does no heavy torch work: one thread keeps it off the schedulers'

@@ -69,14 +69,17 @@ class ReplicaChannels:
     @classmethod
     def open(cls, index: int, transport: Transport, port_args: PortArgs,
              codec: str) -> ReplicaChannels:
-        """Bind the receivers (the replica's components connect to them) and connect the rest."""
+        """Bind the receivers (the replica's components connect to them) and connect the rest
+        (bind them too for a replica on another node: ``PortArgs.front_binds``)."""
+        binds = port_args.front_binds
         recv_from_detokenizer = transport.receiver(port_args.tokenizer_input, create_codec(codec))
         recv_from_scheduler = transport.receiver(port_args.embedding_output, create_codec(codec))
         recv_metrics = transport.receiver(port_args.metrics, create_codec(codec))
         return cls(
             index=index,
-            send_to_scheduler=transport.sender(port_args.scheduler_input, create_codec(codec)),
-            rpc=transport.client(port_args.rpc, create_codec(codec)),
+            send_to_scheduler=transport.sender(port_args.scheduler_input, create_codec(codec),
+                                               bind=binds),
+            rpc=transport.client(port_args.rpc, create_codec(codec), bind=binds),
             recv_from_detokenizer=recv_from_detokenizer,
             recv_from_scheduler=recv_from_scheduler,
             recv_metrics=recv_metrics,

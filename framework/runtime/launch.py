@@ -24,9 +24,13 @@ and the parent learns of a dead child through its process sentinel. With
 the calling process, which the ``inproc`` transport needs.
 
 With ``--dp-size N`` there are N replicas, each with its own scheduler
-rank(s), its own Detokenizer and its own channels (one ``PortArgs`` per
-replica, see ``framework/runtime/data_parallel.py``); they are named
-"scheduler replica k" and "detokenizer replica k" in logs and errors.
+rank(s) (``--tp-size`` × ``--pp-size`` of them, in process groups of their
+own), its own Detokenizer and its own channels (one ``PortArgs`` per replica,
+see ``framework/runtime/data_parallel.py``); they are named "scheduler replica
+k [rank j]" and "detokenizer replica k" in logs and errors. With ``--nnodes``
+the ranks of every replica are spread over the nodes in order; a replica whose
+rank 0 runs on another node reaches node 0's front over ``tcp://``
+(``replica_channels``).
 
 How many components, and the torch threads of each, are planned in
 ``component_plan.py``; ``component_build.py`` builds a component where it runs
@@ -48,7 +52,7 @@ from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
 from framework.config import LAUNCH_MODES, PortArgs, ServerArgs
-from framework.distributed.config import ParallelConfig
+from framework.distributed.config import ParallelConfig, split_host_port
 from framework.model_executor.model_dir import check_model_dir
 from framework.registry import create_transport
 from framework.runtime.component_handles import (
@@ -116,13 +120,42 @@ def check_launch_args(server_args: ServerArgs) -> None:
 def _check_parallel_args(server_args: ServerArgs) -> None:
     parallel = ParallelConfig.from_server_args(server_args)
     parallel.check()
-    if not parallel.is_parallel:
+    if not parallel.uses_distributed:
         return
     if server_args.launch_mode != "process":
-        raise ValueError("tp_size or pp_size above 1 needs launch_mode 'process': each rank "
-                         "is a process of its own")
-    if server_args.dp_size > 1:
-        raise ValueError("dp_size above 1 cannot be combined with tp_size or pp_size above 1")
+        raise ValueError("tp_size or pp_size above 1, or nnodes above 1, needs launch_mode "
+                         "'process': each rank is a process of its own")
+    if remote_replicas(parallel) and (server_args.transport != "zmq"
+                                      or server_args.curve_key_dir is None):
+        raise ValueError("replicas on nodes other than 0 need the zmq transport and "
+                         "curve_key_dir (the same CURVE keys on every node): their channels "
+                         "cross machines over tcp://")
+
+
+def remote_replicas(parallel: ParallelConfig) -> list[int]:
+    """The replicas whose rank 0 (the one with channels) runs on a node other than 0."""
+    return [r for r in range(parallel.dp_size) if parallel.node_of(parallel.global_rank(r, 0))]
+
+
+def replica_channels(server_args: ServerArgs, transport: Any) -> list[PortArgs]:
+    """Each replica's channel addresses, the same on every node.
+
+    A replica served from node 0 gets fresh private ones (``ipc://``, or
+    ``tcp://`` on the loopback with ``use_tcp``); one served from another node
+    gets ``tcp://`` ports on node 0's host after ``dist_init_addr``'s
+    (``PortArgs.on_node_0``), which every node computes alike.
+    """
+    parallel = ParallelConfig.from_server_args(server_args)
+    remote = remote_replicas(parallel)
+    tcp_host = "127.0.0.1" if server_args.use_tcp else None
+    out = []
+    for replica in range(server_args.dp_size):
+        if replica in remote:
+            host, port = split_host_port(server_args.dist_init_addr or "")
+            out.append(PortArgs.on_node_0(host, port + 1 + replica * len(PortArgs.CHANNELS)))
+        else:
+            out.append(PortArgs.create(transport, tcp_host=tcp_host))
+    return out
 
 
 def _check_crosses_processes(transport: Any, name: str) -> None:
@@ -156,7 +189,8 @@ def run_ranks_only(server_args: ServerArgs) -> int:
     """Run this node's scheduler ranks (``--node-rank`` above 0) until stopped or one ends.
 
     A node other than 0 serves no HTTP and runs no TokenizerManager or
-    Detokenizer: its ranks follow the steps of rank 0, on node 0. Returns 0
+    Detokenizer: its ranks follow the steps of their replica's rank 0, and a
+    replica's rank 0 that runs here talks to node 0's front. Returns 0
     after SIGINT or SIGTERM, 1 when a rank ended (node 0's going down ends them).
     """
     set_torch_threads(1, own_process=True, needs_torch=False)
@@ -173,8 +207,8 @@ def run_ranks_only(server_args: ServerArgs) -> int:
     reason: str | None = None
     try:
         tree.start()
-        logger.info("node %d: scheduler ranks %s are following node 0", server_args.node_rank,
-                    ", ".join(str(spec.rank) for spec in tree.specs))
+        logger.info("node %d runs %s", server_args.node_rank,
+                    ", ".join(spec.name for spec in tree.specs))
         reason = tree.wait_for_death()
     except _StopRequested:
         pass
@@ -212,17 +246,15 @@ class ComponentTree:
         if server_args.launch_mode == "process":
             _check_crosses_processes(self.transport, server_args.transport)
         self.specs = plan_components(server_args, num_ranks)
-        if ParallelConfig.from_server_args(server_args).is_parallel \
+        if ParallelConfig.from_server_args(server_args).uses_distributed \
                 and server_args.dist_init_addr is None:
             # One node: the ranks meet on a port of the loopback interface.
             from framework.comm.zmq import free_tcp_port
 
             server_args = server_args.replace(dist_init_addr=f"127.0.0.1:{free_tcp_port()}")
             self.server_args = server_args
-        tcp_host = "127.0.0.1" if server_args.use_tcp else None
         # Each replica has channels of its own: no address has two senders.
-        self.replica_port_args = [PortArgs.create(self.transport, tcp_host=tcp_host)
-                                  for _ in range(server_args.dp_size)]
+        self.replica_port_args = replica_channels(server_args, self.transport)
         self.port_args = self.replica_port_args[0]
         self.handles: list[ProcessHandle | ThreadHandle] = []
         # Each scheduler's ready message, by (replica, rank).

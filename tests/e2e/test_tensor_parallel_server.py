@@ -130,3 +130,79 @@ def test_two_nodes_on_one_machine_serve_and_a_lost_node_ends_node_0(
         node1_log.close()
         if server is not None:
             server.stop(signal.SIGKILL)
+
+
+@pytest.mark.timeout(300)
+def test_two_replicas_of_two_stages_serve_one_rank_s_tokens(
+    model_dir: Path, tmp_path: Path, reference: list[list[int]]
+) -> None:
+    server = start_server(model_dir, tmp_path, "--dp-size", "2", "--pp-size", "2",
+                          "--dtype", "float32")
+    try:
+        children = server.children()
+        with httpx.Client(base_url=server.base_url, timeout=120) as client:
+            response = client.post("/generate", json={"text": PROMPTS * 2,
+                                                      "sampling_params": GREEDY})
+            assert response.status_code == 200, response.text
+            assert [o["output_ids"] for o in response.json()] == reference * 2
+            info = wait_until_idle(client)
+        assert info["dp_size"] == 2 and info["kv_cache_idle_and_free"] is True, info
+        for replica in info["replicas"]:
+            assert replica["pp_size"] == 2 and replica["load"]["routed_requests"] > 0
+            assert replica["pid_rank_0"] != replica["pid_rank_1"]
+    finally:
+        code = server.stop()
+    assert code == 0, server.log()
+    assert still_running(children) == []
+
+
+def _curve_keys(directory: Path) -> Path:
+    """Keys both nodes share: their replicas' channels cross machines over tcp://."""
+    zmq_auth = pytest.importorskip("zmq.auth")
+    directory.mkdir()
+    for name in ("server", "client"):
+        zmq_auth.create_certificates(str(directory), name)
+    return directory
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_on_each_of_two_nodes_serves_and_a_killed_rank_ends_both_nodes(
+    model_dir: Path, tmp_path: Path, reference: list[list[int]]
+) -> None:
+    """``--dp-size 2 --tp-size 2 --nnodes 2``: replica 0 on node 0, replica 1 on node 1,
+    whose rank 0 reaches node 0's front over CURVE-secured tcp:// with the msgpack codec."""
+    nodes = ("--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_tcp_port()}",
+             "--dp-size", "2", "--curve-key-dir", str(_curve_keys(tmp_path / "keys")),
+             "--codec", "msgpack", *TP2)
+    node1_log_path = tmp_path / "node1.log"
+    with node1_log_path.open("w") as node1_log:
+        node1 = subprocess.Popen(
+            [sys.executable, "-m", "framework.cli", "serve", "--model-path", str(model_dir),
+             "--log-level", "warning", "--node-rank", "1", *nodes],
+            stdout=node1_log, stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    server = None
+    try:
+        server = start_server(model_dir, tmp_path, "--node-rank", "0", *nodes)
+        children = server.children() + child_pids(node1.pid)
+        with httpx.Client(base_url=server.base_url, timeout=120) as client:
+            response = client.post("/generate", json={"text": PROMPTS * 2,
+                                                      "sampling_params": GREEDY})
+            assert response.status_code == 200, response.text
+            assert [o["output_ids"] for o in response.json()] == reference * 2
+            replicas = wait_until_idle(client)["replicas"]
+        assert all(r["load"]["routed_requests"] == len(PROMPTS) for r in replicas)
+        on_node1 = child_pids(node1.pid)
+        assert replicas[1]["pid_rank_0"] in on_node1 and replicas[0]["pid_rank_0"] not in on_node1
+        os.kill(replicas[1]["pid_rank_1"], signal.SIGKILL)
+        assert node1.wait(timeout=60) != 0
+        assert server.proc.wait(timeout=60) != 0
+        assert ("the scheduler replica 1 rank 1 process exited unexpectedly with code -9"
+                in node1_log_path.read_text()), node1_log_path.read_text()
+        assert "lost contact with" in server.log(), server.log()
+        assert still_running(children) == []
+    finally:
+        node1.kill()
+        node1.wait(10)
+        if server is not None:
+            server.stop(signal.SIGKILL)

@@ -405,3 +405,30 @@ def test_ranks_that_find_different_free_memory_size_their_pools_alike(model_dir:
     finally:
         _end_two_ranks(ranks, results)
     assert sizes == [(0, 700, 700), (1, 700, 700)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("split", ["tp_size", "pp_size"])
+def test_two_replicas_of_two_ranks_each_give_one_rank_s_tokens(
+    model_dir: Path, one_rank: dict[str, Any], split: str
+) -> None:
+    """``--dp-size 2`` with ``--tp-size 2`` or ``--pp-size 2``: four ranks in two groups."""
+    with Engine(model_path=str(model_dir), dp_size=2, **{split: 2}, **ENGINE_ARGS) as engine:
+        # Twice the prompts: round robin sends every other request to each replica.
+        outputs = [o["output_ids"] for o in engine.generate(PROMPTS * 2, GREEDY)]
+        info = engine.get_server_info()
+        ready = dict(engine.components.scheduler_infos)
+    assert outputs == one_rank["outputs"] * 2
+    assert sorted(ready) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert len({payload["pid"] for payload in ready.values()}) == 4
+    whole = one_rank["info"]
+    assert info["dp_size"] == 2 and info["kv_cache_idle_and_free"] is True, info
+    for replica in info["replicas"]:
+        assert replica[split] == 2
+        assert replica["load"]["routed_requests"] == len(PROMPTS)  # both replicas served
+        held = [replica[f"param_bytes_rank_{rank}"] for rank in (0, 1)]
+        assert "param_bytes_rank_2" not in replica
+        if split == "tp_size":  # every matrix split, the norms replicated: a little over half
+            assert all(0.45 <= h / whole["param_bytes_rank_0"] <= 0.55 for h in held)
+        else:  # each stage holds its layers (the embedding and the head at either end)
+            assert sum(held) >= whole["param_bytes_rank_0"] > max(held)

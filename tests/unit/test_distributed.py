@@ -66,11 +66,50 @@ def test_the_plan_starts_one_scheduler_per_rank_of_this_node() -> None:
         (1, "scheduler rank 1")]
 
 
-def test_launch_refuses_ranks_as_threads_and_ranks_with_replicas() -> None:
+def test_replicas_of_several_ranks_are_planned_replica_after_replica() -> None:
+    specs = plan_components(ServerArgs(dp_size=2, tp_size=2), cores=9)
+    assert [(s.kind, s.replica, s.rank, s.name, s.torch_threads) for s in specs] == [
+        ("scheduler", 0, 0, "scheduler replica 0 rank 0", 2),
+        ("scheduler", 0, 1, "scheduler replica 0 rank 1", 2),
+        ("detokenizer", 0, 0, "detokenizer replica 0", 1),
+        ("scheduler", 1, 0, "scheduler replica 1 rank 0", 2),
+        ("scheduler", 1, 1, "scheduler replica 1 rank 1", 2),
+        ("detokenizer", 1, 0, "detokenizer replica 1", 1),
+    ]
+    # Two nodes: a replica on each; node 0 turns both replicas' tokens into text.
+    nodes = {"dp_size": 2, "tp_size": 2, "nnodes": 2, "dist_init_addr": "127.0.0.1:1"}
+    node0 = plan_components(ServerArgs(**nodes), cores=9)
+    node1 = plan_components(ServerArgs(**nodes, node_rank=1), cores=9)
+    assert [s.name for s in node0] == ["scheduler replica 0 rank 0", "scheduler replica 0 rank 1",
+                                       "detokenizer replica 0", "detokenizer replica 1"]
+    assert [(s.name, s.torch_threads) for s in node1] == [
+        ("scheduler replica 1 rank 0", 4), ("scheduler replica 1 rank 1", 4)]
+    # A replica split over nodes: its rank 1 follows from node 1.
+    split = plan_components(ServerArgs(dp_size=3, tp_size=2, nnodes=2, node_rank=1,
+                                       dist_init_addr="127.0.0.1:1"), cores=9)
+    assert [s.name for s in split] == ["scheduler replica 1 rank 1", "scheduler replica 2 rank 0",
+                                       "scheduler replica 2 rank 1"]
+
+
+def test_the_rank_layout_puts_each_replica_s_ranks_together() -> None:
+    config = ParallelConfig(tp_size=2, pp_size=2, dp_size=3, nnodes=2,
+                            dist_init_addr="127.0.0.1:1")
+    config.check()
+    assert (config.world_size, config.total_ranks, config.ranks_per_node) == (4, 12, 6)
+    assert config.global_rank(2, 1) == 9 and config.place(9) == (2, 1)
+    assert [config.node_of(config.global_rank(r, 0)) for r in range(3)] == [0, 0, 1]
+    assert ParallelConfig(dp_size=2, nnodes=2, dist_init_addr="h:1").uses_distributed
+    assert not ParallelConfig(dp_size=2).uses_distributed
+    with pytest.raises(ValueError, match=r"nnodes \(2\) must divide dp_size × tp_size × "
+                                         r"pp_size \(3\)"):
+        ParallelConfig(dp_size=3, nnodes=2, dist_init_addr="h:1").check()
+
+
+def test_launch_refuses_ranks_as_threads_and_remote_replicas_without_shared_keys() -> None:
     with pytest.raises(ValueError, match="needs launch_mode 'process'"):
         ComponentTree(ServerArgs(tp_size=2, launch_mode="thread"))
-    with pytest.raises(ValueError, match="dp_size above 1 cannot be combined"):
-        ComponentTree(ServerArgs(tp_size=2, dp_size=2))
+    with pytest.raises(ValueError, match="need the zmq transport and curve_key_dir"):
+        ComponentTree(ServerArgs(dp_size=2, nnodes=2, dist_init_addr="127.0.0.1:1"))
     with pytest.raises(ValueError, match="node_rank must be in"):
         ComponentTree(ServerArgs(node_rank=1))
 

@@ -142,3 +142,40 @@ def test_the_server_drops_a_request_without_a_call_id(rpc_pair: Any) -> None:
         assert reply == FlushCacheReqOutput(success=True, message="after")
     finally:
         stranger.close()
+
+
+def test_reversed_ends_carry_messages_and_calls_over_curve_tcp() -> None:
+    """The front binds a sender and an RPC client; the far Scheduler connects its receiver
+    and its RPC server (``PortArgs.front_binds``, a replica on another node)."""
+    transport = ZmqTransport()
+    push, rpc = (transport.make_address("", name, "127.0.0.1") for name in ("push", "rpc"))
+    codec = create_codec("msgpack")
+    sender = transport.sender(push, codec, bind=True)
+    client = transport.client(rpc, codec, bind=True)
+    receiver = transport.receiver(push, codec, bind=False)
+    server = transport.server(rpc, codec, bind=False)
+    try:
+        sender.send_nowait(_call("pushed"))
+        assert receiver.wait(_LIVENESS_S)
+        assert receiver.recv_nowait() == _call("pushed")
+
+        def answer_one() -> None:
+            token, msg = _next_request(server)
+            server.reply(token, _answer(msg))
+
+        thread = threading.Thread(target=answer_one)
+        thread.start()
+        assert client.call_blocking(_call("called"), timeout=_LIVENESS_S) == FlushCacheReqOutput(
+            success=True, message="called")
+        thread.join(_LIVENESS_S)
+    finally:
+        for end in (sender, client, receiver, server):
+            end.close()
+
+
+def test_a_transport_without_reversed_ends_says_so() -> None:
+    from framework.comm.inproc import InprocTransport
+    from framework.comm.transport import TransportError
+
+    with pytest.raises(TransportError, match="the inproc transport cannot bind a sender"):
+        InprocTransport().sender("inproc://x", create_codec("msgpack"), bind=True)

@@ -117,9 +117,12 @@ class Scheduler:
 
     def _open_channels(self, transport: Transport, port_args: PortArgs) -> None:
         codec = self.server_args.codec
+        # A replica on another node connects to the front's machine (``front_binds``).
+        binds = not port_args.front_binds
         self.recv_from_tokenizer: Receiver = transport.receiver(
-            port_args.scheduler_input, create_codec(codec))
-        self.rpc_server: RpcServer = transport.server(port_args.rpc, create_codec(codec))
+            port_args.scheduler_input, create_codec(codec), bind=binds)
+        self.rpc_server: RpcServer = transport.server(port_args.rpc, create_codec(codec),
+                                                      bind=binds)
         self.send_to_detokenizer: Sender = transport.sender(
             port_args.detokenizer_input, create_codec(codec))
         self.send_to_tokenizer: Sender = transport.sender(
