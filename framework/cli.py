@@ -37,6 +37,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_server(ServerArgs.from_cli_args(args))
 
 
+def _cmd_router(args: argparse.Namespace) -> int:
+    from framework.router.args import RouterArgs
+    from framework.router.main import run
+
+    return run(RouterArgs.from_cli_args(args))
+
+
 # ``framework bench NAME``: the module holding its ``add_cli_args`` and ``run_from_cli``,
 # and its help line (in the order the help lists them).
 _BENCHMARKS: dict[str, tuple[str, str]] = {
@@ -81,6 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     ServerArgs.add_cli_args(serve)
     serve.set_defaults(handler=_cmd_serve)
+
+    router = sub.add_parser(
+        "router", help="route requests across several OpenAI-compatible servers",
+        description="Send each request to one of several servers: by prompt prefix "
+                    "(cache_aware), in turn, or to the least loaded; see docs/router.md.",
+    )
+    from framework.router.args import RouterArgs
+
+    RouterArgs.add_cli_args(router)
+    router.set_defaults(handler=_cmd_router)
 
     plugins = sub.add_parser("plugins", help="list registered transports, codecs, attention "
                              "and grammar backends, schedule policies, load balancers and "

@@ -332,6 +332,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict[str, 
     done = [r for r in records if r.success]
     input_tokens = sum(r.prompt_tokens or 0 for r in done)
     output_tokens = sum(r.completion_tokens or 0 for r in done)
+    cached_tokens = sum(r.cached_tokens or 0 for r in done)
     itl = itl_samples(done)
     per_second = 1.0 / duration_s if duration_s > 0 else 0.0
     return {
@@ -345,7 +346,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict[str, 
         "output_tokens": output_tokens,
         "target_input_tokens": sum(r.input_len for r in done),
         "target_output_tokens": sum(r.output_len for r in done),
-        "cached_tokens": sum(r.cached_tokens or 0 for r in done),
+        "cached_tokens": cached_tokens,
+        # The share of prompt tokens the server's prefix cache already held.
+        "cache_hit_rate": cached_tokens / input_tokens if input_tokens else 0.0,
         "request_throughput": len(done) * per_second,
         "input_throughput": input_tokens * per_second,
         "output_throughput": output_tokens * per_second,
@@ -654,7 +657,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"in {s['duration_s']:.2f} s (at most {s['max_in_flight']} in flight)",
         f"tokens: {s['input_tokens']} input (target {s['target_input_tokens']}), "
         f"{s['output_tokens']} output (target {s['target_output_tokens']}), "
-        f"{s['cached_tokens']} cached",
+        f"{s['cached_tokens']} cached (cache hit rate {s['cache_hit_rate']:.1%})",
         f"throughput: {s['request_throughput']:.2f} req/s, {s['input_throughput']:.1f} input "
         f"tok/s, {s['output_throughput']:.1f} output tok/s",
         f"{'ms':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
@@ -712,6 +715,9 @@ def render_markdown(summary: dict[str, Any]) -> str:
         f"| requests | {s['request_throughput']:,.2f} |",
         f"| input tokens | {s['input_throughput']:,.1f} |",
         f"| output tokens | {s['output_throughput']:,.1f} |",
+        "",
+        f"Prefix cache: {s['cached_tokens']:,} of {s['input_tokens']:,} prompt tokens cached "
+        f"(hit rate {s['cache_hit_rate']:.1%}).",
         "",
         "| latency (ms) | mean | p50 | p90 | p99 |",
         "|---|---:|---:|---:|---:|",
