@@ -162,6 +162,14 @@ TOOL_PARSERS: Registry[Any] = Registry("tool-call parser", "framework.tool_parse
 # Reasoning parsers (``--reasoning-parser``) are ``ReasoningParser`` subclasses
 # (framework/reasoning_parsers.py), built once per output choice as ``cls(thinking)``.
 REASONING_PARSERS: Registry[Any] = Registry("reasoning parser", "framework.reasoning_parsers")
+# LoRA kernels are functions ``kernel(x, a, b, scalings, batch) -> [n, out]``: the sum of each
+# row's adapter product, for the rows' slots in ``batch`` (framework/lora/ops.py).
+LORA_BACKENDS: Registry[Any] = Registry("lora backend", "framework.lora_backends")
+# Quantized-linear kernels are classes built once per layer kind as ``cls()``; ``prepare``
+# repacks a loaded ``QuantizedWeight`` once and ``apply(weight, x, bias)`` multiplies by it
+# (framework/layers/quantization/).
+QUANT_LINEAR_BACKENDS: Registry[Any] = Registry(
+    "quantized linear backend", "framework.quantized_linear_backends")
 
 TRANSPORTS.register("zmq", "framework.comm.zmq:ZmqTransport")
 TRANSPORTS.register("inproc", "framework.comm.inproc:InprocTransport")
@@ -187,10 +195,16 @@ TOOL_PARSERS.register("mistral", "framework.tool_parsers.mistral:MistralToolPars
 TOOL_PARSERS.register("pythonic", "framework.tool_parsers.pythonic:PythonicToolParser")
 REASONING_PARSERS.register("deepseek-r1", "framework.reasoning_parsers:DeepSeekR1ReasoningParser")
 REASONING_PARSERS.register("qwen3", "framework.reasoning_parsers:Qwen3ReasoningParser")
+LORA_BACKENDS.register("torch", "framework.lora.ops:torch_lora_delta")
+LORA_BACKENDS.register("cpu", "framework.lora.ops:cpu_lora_delta")
+QUANT_LINEAR_BACKENDS.register(
+    "torch", "framework.layers.quantization.torch_kernels:TorchQuantLinear")
+QUANT_LINEAR_BACKENDS.register("cpu", "framework.layers.quantization.cpu_kernels:CpuQuantLinear")
 
 REGISTRIES: tuple[Registry[Any], ...] = (TRANSPORTS, CODECS, ATTENTION_BACKENDS, GRAMMAR_BACKENDS,
                                          SCHEDULE_POLICIES, LOAD_BALANCERS, MOE_BACKENDS,
-                                         TOOL_PARSERS, REASONING_PARSERS)
+                                         TOOL_PARSERS, REASONING_PARSERS, LORA_BACKENDS,
+                                         QUANT_LINEAR_BACKENDS)
 
 
 def create_transport(name: str, **options: Any) -> Any:

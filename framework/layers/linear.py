@@ -370,7 +370,18 @@ class RowParallelLinear(LinearBase):
         """Apply the layer: this rank's partial product, summed over the ranks."""
         if self.tp_size == 1:
             return linear(x, self.weight, self.bias, self.packed_weight, self.cpu_ops)
-        out = bound_tp_group(self).all_reduce(
-            linear(x, self.weight, None, self.packed_weight, self.cpu_ops))
+        return self.reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's product ``x_local W_local^T``: no bias, not yet summed over ranks.
+
+        A layer that adds to the output before the sum (a LoRA delta of this
+        rank's input columns) computes this, adds, then calls ``reduce``.
+        """
+        return linear(x, self.weight, None, self.packed_weight, self.cpu_ops)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``partial`` over the group, plus the bias."""
+        out = partial if self.tp_size == 1 else bound_tp_group(self).all_reduce(partial)
         # The bias is added once, after the sum, not once per rank.
         return out if self.bias is None else out + self.bias

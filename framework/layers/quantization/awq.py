@@ -1,0 +1,101 @@
+"""AWQ 4-bit weights in the AutoAWQ GEMM checkpoint layout.
+
+A layer ``[out, in]`` is stored as:
+
+* ``qweight`` int32 ``[in, out/8]``: eight 4-bit values along the output dim per int32,
+  interleaved: nibbles 0..7 (from the lowest bits) hold output columns
+  ``0, 2, 4, 6, 1, 3, 5, 7`` of their group of eight;
+* ``qzeros`` int32 ``[groups, out/8]``: the zero points, packed the same way (no offset);
+* ``scales`` float16 ``[groups, out]``.
+
+``w[o, i] = (q[i, o] - zero[i // group_size, o]) * scale[i // group_size, o]``.
+
+The writer quantizes asymmetrically, as AutoAWQ does, over each group's range widened
+to include 0 (so the zero point is an integer in 0..15 and every value lies within half
+a step of the grid).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from framework.layers.quantization.weights import (
+    QuantizedWeight,
+    effective_group_size,
+    pack_int4,
+    round_scale_up_to_half,
+    unpack_int4,
+)
+
+#: The output column that nibble ``j`` of an AWQ int32 holds (within its group of eight).
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+#: The smallest scale written: a float16 normal, so an all-zero group still divides.
+MIN_SCALE = 2.0**-14
+
+
+@dataclass
+class AwqWeight(QuantizedWeight):
+    """An AWQ checkpoint's tensors (``qweight``, ``qzeros``, ``scales``)."""
+
+    format: ClassVar[str] = "awq"
+
+    @classmethod
+    def from_checkpoint(cls, tensors: dict[str, torch.Tensor], group_size: int) -> AwqWeight:
+        """Check a layer's checkpoint tensors and wrap them.
+
+        Raises:
+            ValueError: a missing tensor or shapes that do not fit together.
+        """
+        missing = {"qweight", "qzeros", "scales"} - tensors.keys()
+        if missing:
+            raise ValueError(f"AWQ weight lacks {sorted(missing)}")
+        qweight = tensors["qweight"]
+        in_features, out_features = qweight.shape[0], qweight.shape[1] * 8
+        groups = in_features // effective_group_size(group_size, in_features)
+        if (tensors["scales"].shape != (groups, out_features)
+                or tensors["qzeros"].shape != (groups, out_features // 8)):
+            raise ValueError(f"AWQ tensors do not fit a [{out_features}, {in_features}] weight "
+                             f"with {groups} groups")
+        packed = {name: tensors[name] for name in ("qweight", "qzeros", "scales")}
+        return cls(packed, (out_features, in_features), group_size)
+
+    def int_weight(self) -> torch.Tensor:
+        """The 4-bit values ``q`` as int32 ``[in, out]`` (the checkpoint's orientation)."""
+        return unpack_int4(self.tensors["qweight"], AWQ_ORDER)
+
+    def zeros(self) -> torch.Tensor:
+        """The zero points ``[groups, out]``."""
+        return unpack_int4(self.tensors["qzeros"], AWQ_ORDER)
+
+    def dequantize(self) -> torch.Tensor:
+        """``(q - zero) * scale`` per group, as float32 ``[out, in]``."""
+        size = effective_group_size(self.group_size, self.in_features)
+        q = self.int_weight().float()
+        zeros = self.zeros().float().repeat_interleave(size, 0)
+        scales = self.tensors["scales"].float().repeat_interleave(size, 0)
+        return ((q - zeros) * scales).t().contiguous()
+
+
+def quantize_awq(weight: torch.Tensor, group_size: int = 128) -> dict[str, torch.Tensor]:
+    """Quantize a float ``[out, in]`` weight to AWQ GEMM checkpoint tensors (round to nearest).
+
+    Args:
+        weight: the float matrix; ``out`` a multiple of 8.
+        group_size: input rows per group, ``-1`` for one group.
+    """
+    out_features, in_features = weight.shape
+    size = effective_group_size(group_size, in_features)
+    groups = weight.float().t().reshape(in_features // size, size, out_features)
+    low = groups.amin(dim=1).clamp(max=0)
+    high = groups.amax(dim=1).clamp(min=0)
+    scales = round_scale_up_to_half(((high - low) / 15).clamp(min=MIN_SCALE))
+    zeros = torch.round(-low / scales.float()).clamp(0, 15)
+    q = (torch.round(groups / scales.float()[:, None]) + zeros[:, None]).clamp(0, 15)
+    return {
+        "qweight": pack_int4(q.reshape(in_features, out_features), AWQ_ORDER),
+        "qzeros": pack_int4(zeros, AWQ_ORDER),
+        "scales": scales,
+    }

@@ -1,0 +1,243 @@
+"""Quantized-linear kernels for a CPU, keeping the weights in their quantized bytes.
+
+``prepare`` repacks a loaded weight once; ``apply`` multiplies by it. Two ways run:
+
+* torch's packed weight-only kernels (``packed_ops``, the default on an AVX-512 build of
+  torch's CPU kernels, for which they are vectorised): ``torch._weight_int8pack_mm`` for
+  int8 and ``torch._weight_int4pack_mm_for_cpu`` for 4-bit GPTQ and AWQ. On an AVX2 core
+  they measure 10-25x (one row) and 30-100x (64 rows) slower than a float32 ``F.linear``
+  of the same shape (1024-2816 features).
+* Otherwise each call widens the weight to float32 a block of output rows at a time (at
+  most ``UPCAST_ELEMENTS`` elements, so a large head never needs its whole float32 copy)
+  and runs ``F.linear`` on the blocks. On the same AVX2 core a product then takes
+  1.0-1.2x a float32 product's time for int8 at 64 rows and 2.5-4.5x at one row; 4-bit
+  and FP8 1.4-1.6x at 64 rows and 5-14x at one row: the widening is the cost, which only
+  a kernel that widens in registers would avoid.
+
+FP8 always takes the second way (torch has no weight-only FP8 kernel for a CPU, and its
+FP8 → float cast is scalar, 20-50x slower than a float32 product): an E4M3 byte placed in
+the bits of a float16 (sign to bit 15, the rest from bit 7) is the same number times
+2^-8, and float16 → float32 is one vector instruction, so the weight is widened in a few
+integer passes and the 2^8 goes into the channel scales. E4M3's NaN encodings (which a
+checkpoint does not hold) would read as ±480.
+
+4-bit weights with act-order (GPTQ ``desc_act``) have their input rows sorted by group
+once at ``prepare`` (groups then contiguous) and each call reorders ``x``'s columns the
+same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from framework.layers.quantization.awq import AwqWeight
+from framework.layers.quantization.fp8 import Fp8Weight
+from framework.layers.quantization.gptq import GptqWeight
+from framework.layers.quantization.int8 import Int8Weight
+from framework.layers.quantization.torch_kernels import SUPPORTED_FORMATS, check_format
+from framework.layers.quantization.weights import QuantizedWeight
+
+#: Most weight elements widened to float32 at once (16 MiB).
+UPCAST_ELEMENTS = 1 << 22
+#: Group sizes ``_weight_int4pack_mm_for_cpu`` takes, largest first.
+INT4PACK_GROUP_SIZES = (256, 128, 64, 32)
+#: ``_convert_weight_to_int4pack_for_cpu`` needs the output features in multiples of this.
+INT4PACK_OUT_MULTIPLE = 16
+#: float16 bits of an E4M3 byte read as ``2^-8`` times its value: 2^8 restores it.
+FP8_VIA_HALF_FACTOR = 256.0
+#: ``x << 7`` of a sign-extended byte sets bits 15 and 14 for a negative one; this keeps
+#: bit 15 (the sign) and clears bit 14 (int16 -16385 is 0xBFFF).
+_CLEAR_BIT_14 = -16385
+
+
+def packed_ops_fast() -> bool:
+    """Whether torch's packed int8/int4 CPU kernels are vectorised here (an AVX-512 build)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+@dataclass
+class CpuInt4Weight(QuantizedWeight):
+    """A 4-bit weight repacked for this CPU, its input rows sorted by group.
+
+    Packed for torch's kernel: ``packed`` and ``scales_and_zeros`` ``[in/gs, out, 2]`` with
+    ``w = (q - 8) * scale + zero`` (``zero = (8 - zero point) * scale``). Otherwise
+    ``nibbles`` uint8 ``[out, in/2]`` (even input rows in the low nibble), ``scales`` and
+    ``zero_scales`` (``zero point * scale``) ``[out, groups, 1]``. ``perm`` (when there)
+    is the input row at each sorted position.
+    """
+
+    format: ClassVar[str] = "cpu_int4"
+
+    def sorted_matrix(self, rows: slice) -> torch.Tensor:
+        """Float32 rows ``rows`` of the nibble-held matrix, its input rows in sorted order."""
+        nibbles = self.tensors["nibbles"][rows]
+        q = torch.stack([nibbles & 0xF, nibbles >> 4], dim=-1).view(
+            nibbles.shape[0], -1, self.group_size).float()
+        q.mul_(self.tensors["scales"][rows]).sub_(self.tensors["zero_scales"][rows])
+        return q.view(nibbles.shape[0], self.in_features)
+
+    def packed_matrix(self) -> torch.Tensor:
+        """The float32 matrix held in torch's int4 layout, its input rows in sorted order.
+
+        That layout is torch's own, so it is read back through torch's kernel: unit rows
+        ``x = e_i`` give column ``i``, a block of inputs at a time.
+        """
+        block = max(1, UPCAST_ELEMENTS // self.in_features)
+        columns = []
+        for start in range(0, self.in_features, block):
+            count = min(block, self.in_features - start)
+            unit = torch.zeros(count, self.in_features)
+            unit[torch.arange(count), torch.arange(start, start + count)] = 1
+            columns.append(torch._weight_int4pack_mm_for_cpu(
+                unit, self.tensors["packed"], self.group_size, self.tensors["scales_and_zeros"]))
+        return torch.cat(columns).t()
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix ``[out, in]`` in the original input order."""
+        if "packed" in self.tensors:
+            sorted_matrix = self.packed_matrix()
+        else:
+            sorted_matrix = self.sorted_matrix(slice(None))
+        perm = self.tensors.get("perm")
+        if perm is None:
+            return sorted_matrix
+        matrix = torch.empty_like(sorted_matrix)
+        matrix[:, perm] = sorted_matrix
+        return matrix
+
+
+@dataclass
+class CpuFp8Weight(QuantizedWeight):
+    """E4M3 bytes ``bits`` (int8 view, no copy) and float32 ``scale`` ``[out]`` (times 2^8)."""
+
+    format: ClassVar[str] = "cpu_fp8"
+
+    def rows_unscaled(self, rows: slice) -> torch.Tensor:
+        """Float32 rows ``rows`` of the weight without their channel scales."""
+        widened = self.tensors["bits"][rows].to(torch.int16)
+        return ((widened << 7) & _CLEAR_BIT_14).view(torch.float16).float()
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix ``[out, in]``."""
+        return self.rows_unscaled(slice(None)) * self.tensors["scale"][:, None]
+
+
+def _sorted_int4(weight: GptqWeight | AwqWeight) -> tuple[torch.Tensor, ...]:
+    """``(q [out, in], zero points, scales [groups, out], perm or None, group size)``.
+
+    Raises:
+        ValueError: a ``g_idx`` whose groups are not runs of one size once sorted.
+    """
+    q = weight.int_weight().t()
+    groups = weight.tensors["scales"].shape[0]
+    size = weight.in_features // groups
+    if isinstance(weight, AwqWeight):
+        return q, weight.zeros().float(), weight.tensors["scales"].float(), None, size
+    g_idx = weight.tensors["g_idx"].long()
+    perm = torch.argsort(g_idx, stable=True)
+    if not torch.equal(g_idx[perm], torch.arange(weight.in_features) // size):
+        raise ValueError(f"GPTQ g_idx does not split the {weight.in_features} input rows into "
+                         f"{groups} groups of {size}")
+    if torch.equal(perm, torch.arange(weight.in_features)):
+        perm = None
+    else:
+        q = q[:, perm]
+    return q, weight.zeros().float(), weight.tensors["scales"].float(), perm, size
+
+
+def _int4pack_group(size: int, out_features: int) -> int | None:
+    """The group size torch's int4 kernel can run this weight with, if any."""
+    if out_features % INT4PACK_OUT_MULTIPLE:
+        return None
+    return next((g for g in INT4PACK_GROUP_SIZES if size % g == 0), None)
+
+
+def _prepare_int4(weight: GptqWeight | AwqWeight, packed_ops: bool) -> CpuInt4Weight:
+    """Repack GPTQ or AWQ into torch's int4 layout, or into nibbles for widening."""
+    q, zeros, scales, perm, size = _sorted_int4(weight)
+    tensors = {} if perm is None else {"perm": perm}
+    kernel_group = _int4pack_group(size, weight.out_features) if packed_ops else None
+    if kernel_group is not None:
+        repeat = size // kernel_group
+        kernel_zeros = ((8 - zeros) * scales).repeat_interleave(repeat, 0)
+        tensors["scales_and_zeros"] = torch.stack(
+            [scales.repeat_interleave(repeat, 0), kernel_zeros], dim=-1).contiguous()
+        tensors["packed"] = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        return CpuInt4Weight(tensors, weight.shape, kernel_group)
+    tensors["nibbles"] = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous()
+    tensors["scales"] = scales.t().contiguous()[..., None]
+    tensors["zero_scales"] = (zeros * scales).t().contiguous()[..., None]
+    return CpuInt4Weight(tensors, weight.shape, size)
+
+
+def _blocked_linear(x: torch.Tensor, weight: QuantizedWeight,
+                    rows_of: Callable[[slice], torch.Tensor]) -> torch.Tensor:
+    """``x @ w.T`` with ``w`` widened by ``rows_of`` a block of output rows at a time."""
+    out_features = weight.out_features
+    block = max(1, UPCAST_ELEMENTS // weight.in_features)
+    if out_features <= block:
+        return F.linear(x, rows_of(slice(None)))
+    return torch.cat([F.linear(x, rows_of(slice(start, start + block)))
+                      for start in range(0, out_features, block)], dim=1)
+
+
+class CpuQuantLinear:
+    """Weight-only quantized products on a CPU, in float32 (see the module's notes)."""
+
+    def __init__(self, packed_ops: bool | None = None) -> None:
+        """``packed_ops``: use torch's packed int8/int4 kernels (default: with AVX-512)."""
+        self.packed_ops = packed_ops_fast() if packed_ops is None else packed_ops
+
+    def prepare(self, weight: QuantizedWeight) -> QuantizedWeight:
+        """Repack a loaded GPTQ, AWQ, FP8 or int8 weight for ``apply``."""
+        check_format("cpu", weight, SUPPORTED_FORMATS)
+        if isinstance(weight, GptqWeight | AwqWeight):
+            return _prepare_int4(weight, self.packed_ops)
+        if isinstance(weight, Fp8Weight):
+            scale = (weight.channel_scales() * FP8_VIA_HALF_FACTOR).contiguous()
+            bits = weight.tensors["weight"].view(torch.int8)
+            return CpuFp8Weight({"bits": bits, "scale": scale}, weight.shape)
+        tensors = dict(weight.tensors, scale=weight.tensors["scale"].float().contiguous())
+        return Int8Weight(tensors, weight.shape)
+
+    def apply(self, weight: QuantizedWeight, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Multiply ``x`` ``[n, in]`` by a prepared weight: ``[n, out]`` in ``x``'s dtype.
+
+        Raises:
+            ValueError: a weight that did not come from ``prepare``.
+        """
+        x32 = x.float().contiguous()
+        if isinstance(weight, CpuInt4Weight):
+            y = self._apply_int4(weight, x32)
+        elif isinstance(weight, CpuFp8Weight):
+            y = _blocked_linear(x32, weight, weight.rows_unscaled) * weight.tensors["scale"]
+        elif isinstance(weight, Int8Weight):
+            y = self._apply_int8(weight, x32)
+        else:
+            raise ValueError(f"the cpu quantized-linear kernel multiplies weights from its "
+                             f"prepare(), not {weight.format!r} ones")
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
+
+    def _apply_int8(self, weight: Int8Weight, x: torch.Tensor) -> torch.Tensor:
+        qweight, scale = weight.tensors["qweight"], weight.tensors["scale"]
+        if self.packed_ops:
+            return torch._weight_int8pack_mm(x, qweight, scale)
+        return _blocked_linear(x, weight, lambda rows: qweight[rows].float()) * scale
+
+    def _apply_int4(self, weight: CpuInt4Weight, x: torch.Tensor) -> torch.Tensor:
+        perm = weight.tensors.get("perm")
+        if perm is not None:
+            x = x.index_select(1, perm)
+        if "packed" in weight.tensors:
+            return torch._weight_int4pack_mm_for_cpu(
+                x, weight.tensors["packed"], weight.group_size,
+                weight.tensors["scales_and_zeros"])
+        return _blocked_linear(x, weight, weight.sorted_matrix)

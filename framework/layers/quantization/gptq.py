@@ -1,0 +1,131 @@
+"""GPTQ 4-bit weights in the AutoGPTQ / GPTQModel v1 checkpoint layout.
+
+A layer ``[out, in]`` is stored as:
+
+* ``qweight`` int32 ``[in/8, out]``: eight 4-bit values along the input dim per int32,
+  input row ``8r + j`` in nibble ``j`` (from the lowest bits);
+* ``qzeros`` int32 ``[groups, out/8]``: the zero points packed along the output dim the
+  same way, each stored as ``zero - 1`` (the v1 convention, read back with ``+ 1``);
+* ``scales`` float16 ``[groups, out]``;
+* ``g_idx`` int32 ``[in]``: the group of each input row.
+
+``w[o, i] = (q[i, o] - zero[g_idx[i], o]) * scale[g_idx[i], o]``.
+
+The writer quantizes symmetrically (GPTQ's default ``sym=True``): each group's scale is
+``2 * amax / 15`` and its zero 8, so every value lies within half a step of the grid and
+the stored zero, 7, never meets v1's wrap of a zero of 0. With act-order it follows
+AutoGPTQ's ``desc_act``: input rows are taken in an order ``perm`` (most important
+first), the ``k``-th of them joins group ``k // group_size``, and ``qweight`` keeps the
+rows in their original order, so ``g_idx[i] = position of i in perm // group_size``.
+Without calibration data the default order is by descending column norm of the weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from framework.layers.quantization.weights import (
+    QuantizedWeight,
+    effective_group_size,
+    pack_int4,
+    round_scale_up_to_half,
+    unpack_int4,
+)
+
+#: The zero point of symmetric 4-bit quantization (the middle of 0..15).
+SYMMETRIC_ZERO = 8
+#: The smallest scale written: a float16 normal, so an all-zero group still divides.
+MIN_SCALE = 2.0**-14
+
+
+@dataclass
+class GptqWeight(QuantizedWeight):
+    """A GPTQ checkpoint's tensors (``qweight``, ``qzeros``, ``scales``, ``g_idx``)."""
+
+    format: ClassVar[str] = "gptq"
+
+    @classmethod
+    def from_checkpoint(cls, tensors: dict[str, torch.Tensor], group_size: int) -> GptqWeight:
+        """Check a layer's checkpoint tensors and wrap them (``g_idx`` made if absent).
+
+        Raises:
+            ValueError: a missing tensor or shapes that do not fit together.
+        """
+        missing = {"qweight", "qzeros", "scales"} - tensors.keys()
+        if missing:
+            raise ValueError(f"GPTQ weight lacks {sorted(missing)}")
+        qweight = tensors["qweight"]
+        in_features, out_features = qweight.shape[0] * 8, qweight.shape[1]
+        size = effective_group_size(group_size, in_features)
+        g_idx = tensors.get("g_idx")
+        if g_idx is None:
+            g_idx = torch.arange(in_features, dtype=torch.int32) // size
+        groups = tensors["scales"].shape[0]
+        if (tensors["scales"].shape != (groups, out_features)
+                or tensors["qzeros"].shape != (groups, out_features // 8)
+                or g_idx.shape != (in_features,)
+                or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+            raise ValueError(f"GPTQ tensors do not fit a [{out_features}, {in_features}] weight "
+                             f"with {groups} groups")
+        packed = {"qweight": qweight, "qzeros": tensors["qzeros"], "scales": tensors["scales"],
+                  "g_idx": g_idx.to(torch.int32)}
+        return cls(packed, (out_features, in_features), group_size)
+
+    def int_weight(self) -> torch.Tensor:
+        """The 4-bit values ``q`` as int32 ``[in, out]`` (the checkpoint's orientation)."""
+        return unpack_int4(self.tensors["qweight"].t().contiguous()).t()
+
+    def zeros(self) -> torch.Tensor:
+        """The zero points ``[groups, out]`` (stored value + 1)."""
+        return unpack_int4(self.tensors["qzeros"]) + 1
+
+    def dequantize(self) -> torch.Tensor:
+        """``(q - zero[g_idx]) * scale[g_idx]`` as float32 ``[out, in]``."""
+        g_idx = self.tensors["g_idx"].long()
+        q = self.int_weight().float()
+        zeros = self.zeros().float()[g_idx]
+        scales = self.tensors["scales"].float()[g_idx]
+        return ((q - zeros) * scales).t().contiguous()
+
+
+def act_order_g_idx(perm: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``g_idx`` for input rows quantized in the order ``perm``: rank in ``perm`` // size."""
+    rank = torch.empty_like(perm)
+    rank[perm] = torch.arange(perm.numel(), dtype=perm.dtype)
+    return (rank // group_size).to(torch.int32)
+
+
+def quantize_gptq(weight: torch.Tensor, group_size: int = 128, act_order: bool = False,
+                  perm: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Quantize a float ``[out, in]`` weight to GPTQ v1 checkpoint tensors (round to nearest).
+
+    Args:
+        weight: the float matrix; ``out`` and ``in`` multiples of 8.
+        group_size: input rows per group, ``-1`` for one group.
+        act_order: group the rows in the order ``perm`` instead of their own.
+        perm: the act-order row order (default: descending column norm of ``weight``).
+    """
+    out_features, in_features = weight.shape
+    size = effective_group_size(group_size, in_features)
+    if not act_order:
+        perm = torch.arange(in_features)
+    elif perm is None:
+        perm = weight.float().norm(dim=0).argsort(descending=True, stable=True)
+    g_idx = act_order_g_idx(perm, size)
+    w = weight.float().t()  # [in, out], the checkpoint's orientation
+    groups = in_features // size
+    # Group k is the rows perm[k * size : (k + 1) * size].
+    amax = w[perm].abs().reshape(groups, size, out_features).amax(dim=1)
+    scales = round_scale_up_to_half((2 * amax / 15).clamp(min=MIN_SCALE))
+    row_scales = scales.float()[g_idx.long()]
+    q = (torch.round(w / row_scales) + SYMMETRIC_ZERO).clamp(0, 15)
+    zeros = torch.full((groups, out_features), SYMMETRIC_ZERO - 1)
+    return {
+        "qweight": pack_int4(q.t().contiguous()).t().contiguous(),
+        "qzeros": pack_int4(zeros),
+        "scales": scales,
+        "g_idx": g_idx,
+    }

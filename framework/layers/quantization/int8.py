@@ -1,0 +1,62 @@
+"""int8 weight-only quantization: symmetric, one scale per output channel.
+
+A layer ``[out, in]`` is held as ``qweight`` int8 ``[out, in]`` and ``scale`` float32
+``[out]``, made online from a float weight: ``scale = amax / 127`` and
+``qweight = round(w / scale)``. ``w = qweight * scale[:, None]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from framework.layers.quantization.weights import QuantizedWeight
+
+#: The largest magnitude written (symmetric: -128 is left unused).
+INT8_MAX = 127
+#: The smallest scale written, so an all-zero row still divides.
+MIN_SCALE = 2.0**-30
+
+
+@dataclass
+class Int8Weight(QuantizedWeight):
+    """An int8 ``qweight`` ``[out, in]`` with its float ``scale`` ``[out]``."""
+
+    format: ClassVar[str] = "int8"
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> Int8Weight:
+        """Check ``qweight`` and ``scale`` and wrap them.
+
+        Raises:
+            ValueError: a missing tensor, or a dtype or shape that does not fit.
+        """
+        missing = {"qweight", "scale"} - tensors.keys()
+        if missing:
+            raise ValueError(f"int8 weight lacks {sorted(missing)}")
+        qweight, scale = tensors["qweight"], tensors["scale"]
+        if qweight.dtype != torch.int8 or qweight.dim() != 2:
+            raise ValueError(f"int8 qweight must be a 2-D int8, got {qweight.dtype} "
+                             f"{tuple(qweight.shape)}")
+        if tuple(scale.shape) != (qweight.shape[0],):
+            raise ValueError(f"int8 scale must be [{qweight.shape[0]}], got {tuple(scale.shape)}")
+        return cls({"qweight": qweight, "scale": scale}, (qweight.shape[0], qweight.shape[1]))
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> Int8Weight:
+        """Quantize a float ``[out, in]`` weight (``quantize_int8``) and wrap the result."""
+        return cls.from_tensors(quantize_int8(weight))
+
+    def dequantize(self) -> torch.Tensor:
+        """``qweight * scale`` as float32 ``[out, in]``."""
+        return self.tensors["qweight"].float() * self.tensors["scale"].float()[:, None]
+
+
+def quantize_int8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Quantize a float ``[out, in]`` weight to int8 with a float32 scale per output channel."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / INT8_MAX).clamp(min=MIN_SCALE)
+    qweight = torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return {"qweight": qweight, "scale": scale}
