@@ -56,6 +56,8 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
                 "one stream: ms per output token, split into forward, Scheduler and output path"),
     "serving": ("framework.bench.serving",
                 "load an OpenAI-compatible server with streaming requests"),
+    "speculative": ("framework.bench.speculative",
+                    "output tokens/s with speculative decoding (ngram) vs without"),
     "structured": ("framework.bench.structured",
                    "output tokens/s with JSON-schema constraints vs without"),
     "soak": ("framework.bench.soak",

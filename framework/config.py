@@ -107,6 +107,15 @@ class ServerArgs:
                                  choices=("auto", "on", "off"))
     disable_overlap_schedule: bool = _opt(False, "the same as --overlap-schedule off",
                                           "runtime")
+    speculative_algorithm: str | None = _opt(
+        None, "speculative decoding: ngram drafts each decode step's next tokens from the "
+        "request's own prompt and output (prompt lookup) and the model verifies them in one "
+        "forward (docs/speculative_decoding.md)", "runtime", choices=("ngram",))
+    speculative_num_draft_tokens: int = _opt(
+        3, "most tokens drafted per request and step (3 keeps a verify step's rows per "
+        "request within the CPU's few-row product kernel)", "runtime")
+    speculative_ngram_max: int = _opt(4, "longest tail of the request's tokens ngram matches "
+                                      "against its earlier tokens", "runtime")
     schedule_policy: str = _opt("fcfs", "order of admission: fcfs (first come first served), "
                                 "lpm (longest cached prefix first), or a plugin's (see "
                                 "`framework plugins`)", "runtime")
@@ -193,6 +202,19 @@ class ServerArgs:
              f"--overlap-schedule must be auto, on or off, got {self.overlap_schedule!r}"),
             (not (self.disable_overlap_schedule and self.overlap_schedule == "on"),
              "--disable-overlap-schedule contradicts --overlap-schedule on"),
+            (self.speculative_algorithm in (None, "ngram"),
+             f"--speculative-algorithm must be ngram, got {self.speculative_algorithm!r}"),
+            (self.speculative_num_draft_tokens >= 1,
+             f"--speculative-num-draft-tokens must be at least 1, got "
+             f"{self.speculative_num_draft_tokens}"),
+            (self.speculative_ngram_max >= 1,
+             f"--speculative-ngram-max must be at least 1, got {self.speculative_ngram_max}"),
+            (self.speculative_algorithm is None or self.overlap_schedule != "on",
+             "--speculative-algorithm runs without overlap scheduling: leave out "
+             "--overlap-schedule on"),
+            (self.speculative_algorithm is None or self.pp_size == 1,
+             "--speculative-algorithm does not combine with --pp-size above 1 (the last "
+             "stage samples one token per request)"),
             (self.ep_size in (1, self.tp_size),
              f"--ep-size must be 1 or equal --tp-size ({self.tp_size}), got {self.ep_size}"),
             (self.torch_threads is None or 1 <= self.torch_threads <= MAX_TORCH_THREADS,

@@ -58,7 +58,8 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int] | None = None
     req_pool_indices_cpu: list[int] | None = None
     # [m] int64, EXTEND only: packed rows whose logits are wanted as well, for the
-    # logprobs of prompt tokens (the model returns them after the B last-token rows).
+    # logprobs of prompt tokens, then for verifying drafted tokens (speculative decoding);
+    # the model returns them after the B last-token rows.
     prompt_logprob_rows: torch.Tensor | None = None
     # EXTEND only: the last ``decode_tail`` requests are running requests decoding one
     # token each, in the same step as the prefills before them (a mixed step).

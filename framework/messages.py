@@ -362,6 +362,10 @@ class SchedulerMetrics(Message):
     gen_throughput: float
     cache_hit_rate: float
     timestamp: float
+    #: Speculative decoding since start: tokens a request gains per verify step, and
+    #: accepted over drafted tokens (0.0 without speculation).
+    spec_accept_length: float = 0.0
+    spec_acceptance_rate: float = 0.0
 
 
 # --------------------------------------------------------------------------- catalogue

@@ -32,6 +32,7 @@ from framework.messages import (
 )
 from framework.runtime.scheduler import ModelWorker, Scheduler, StepResult, WorkerBatch
 from framework.sampling_params import SamplingParams
+from framework.speculative.verifier import DraftVerifier
 from tests.model_fixtures import EOS_TOKEN_ID, TINY_VOCAB_SIZE, make_tiny_tokenizer
 
 CPU = torch.device("cpu")
@@ -42,6 +43,25 @@ def next_token(tokens: list[int], vocab: int = TINY_VOCAB_SIZE) -> int:
     digest = hashlib.blake2b(str(tokens).encode(), digest_size=4).digest()
     value = int.from_bytes(digest, "little")
     return EOS_TOKEN_ID if value % 16 == 0 else 3 + value % (vocab - 3)
+
+
+@dataclass(frozen=True)
+class FakeModelProposer:
+    """Drafts what the fake model will answer for ``right`` tokens, then ``wrong`` tokens
+    it will not: verify steps then accept some drafts and reject others."""
+
+    right: int = 2
+    wrong: int = 1
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        seq, draft = list(tokens), []
+        for j in range(min(limit, self.right + self.wrong)):
+            token = next_token(seq)
+            if j >= self.right:
+                token = 3 + (token - 2) % (TINY_VOCAB_SIZE - 3)  # any other token
+            draft.append(token)
+            seq.append(token)
+        return draft
 
 
 @dataclass
@@ -75,6 +95,7 @@ class FakeModelWorker(ModelWorker):
         self.fail_if = fail_if
         self.calls: list[ForwardCall] = []
         self.sampler = Sampler()
+        self.verifier = DraftVerifier()
 
     def forward_step(self, batch: WorkerBatch) -> StepResult:
         assert batch.sampling is not None, "the fake model generates text"
@@ -82,10 +103,14 @@ class FakeModelWorker(ModelWorker):
         logits, prompt_logits = self.forward(batch.forward_batch)
         forward_seconds = time.perf_counter() - started
         sample = sample_step(self.sampler, logits, prompt_logits, batch.sampling)
+        if batch.drafts is not None:  # a verify step: the logits at the drafts decide
+            return self.verifier.result(logits, prompt_logits, batch.sampling, batch.drafts,
+                                        sample, forward_seconds)
         return StepResult.one_token_each(sample, forward_seconds)
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The next-token logits of each request, and those at its prompt-logprob rows."""
+        """The next-token logits of each request, and those at its prompt-logprob rows (and
+        a verify step's draft rows)."""
         batch.fill_cpu_lengths()
         req_to_token = self.pools.req_to_token_pool.req_to_token
         self.slot_tokens[batch.out_cache_loc] = batch.input_ids

@@ -347,6 +347,9 @@ def total_metrics(reports: Sequence[SchedulerMetrics]) -> SchedulerMetrics:
         # Each report's window rate; their mean is as good a summary as one window allows.
         cache_hit_rate=sum(m.cache_hit_rate for m in reports) / max(len(reports), 1),
         timestamp=max((m.timestamp for m in reports), default=0.0),
+        spec_accept_length=sum(m.spec_accept_length for m in reports) / max(len(reports), 1),
+        spec_acceptance_rate=sum(m.spec_acceptance_rate for m in reports)
+        / max(len(reports), 1),
     )
 
 

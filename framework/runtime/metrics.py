@@ -121,6 +121,13 @@ class RequestMetrics:
         self.cache_hit_rate = Gauge(PREFIX + "cache_hit_rate",
                                     "Cached over admitted prompt tokens in the last report window",
                                     registry=reg)
+        self.spec_accept_length = Gauge(
+            PREFIX + "spec_accept_length",
+            "Speculative decoding: tokens a request gains per verify step, since start",
+            registry=reg)
+        self.spec_acceptance_rate = Gauge(
+            PREFIX + "spec_acceptance_rate",
+            "Speculative decoding: accepted over drafted tokens, since start", registry=reg)
         self.gen_throughput = Gauge(PREFIX + "gen_throughput",
                                     "Generated tokens per second in the last report window",
                                     registry=reg)
@@ -197,6 +204,8 @@ class RequestMetrics:
         self.token_usage.set(metrics.token_usage)
         self.cache_hit_rate.set(metrics.cache_hit_rate)
         self.gen_throughput.set(metrics.gen_throughput)
+        self.spec_accept_length.set(metrics.spec_accept_length)
+        self.spec_acceptance_rate.set(metrics.spec_acceptance_rate)
 
     def replica_metrics(self, index: int, metrics: SchedulerMetrics) -> None:
         """Copy data-parallel replica ``index``'s own load report into its labelled gauges."""

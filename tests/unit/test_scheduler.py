@@ -31,6 +31,7 @@ from framework.runtime.scheduler.output import token_id_output
 from framework.runtime.scheduler.policy import SchedulePolicy
 from framework.sampling_params import SamplingParams
 from tests.fake_worker import (
+    FakeModelProposer,
     FakeModelWorker,
     SchedulerHarness,
     prompt,
@@ -50,6 +51,23 @@ def test_batched_requests_match_the_reference(harness_factory, overlap: str) -> 
     outcomes = h.run()
     for rid, ids in prompts.items():
         assert outcomes[rid].output_ids == reference_output(ids, 12), rid
+    h.assert_idle_invariant()
+
+
+def test_speculative_steps_match_the_reference_and_free_rejected_drafts(
+        harness_factory) -> None:
+    h = harness_factory(speculative_algorithm="ngram", speculative_num_draft_tokens=4)
+    # Drafts right for two tokens, then wrong: every step accepts and rejects some.
+    h.scheduler.drafter.proposer = FakeModelProposer(right=2, wrong=1)
+    prompts = {f"r{i}": prompt(i, 5 + 3 * i) for i in range(4)}
+    for rid, ids in prompts.items():
+        h.submit(rid, ids, max_new_tokens=10, **GREEDY)
+    outcomes = h.run()
+    for rid, ids in prompts.items():
+        assert outcomes[rid].output_ids == reference_output(ids, 10), rid
+    stats = h.scheduler.stats
+    assert h.scheduler.steps["verify"] > 0
+    assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens
     h.assert_idle_invariant()
 
 
@@ -475,17 +493,22 @@ request_strategy = st.fixed_dictionaries({
     max_running=st.integers(1, 6),
     radix=st.booleans(),
     policy=st.sampled_from(["fcfs", "lpm"]),
-    overlap=st.sampled_from(["on", "off"]),
+    decoding=st.sampled_from(["plain", "overlap", "speculative"]),
 )
 def test_random_traffic_never_crashes_leaks_or_changes_greedy_outputs(
     requests: list[dict], pool: int, chunk: int, max_running: int, radix: bool, policy: str,
-    overlap: str,
+    decoding: str,
 ) -> None:
     prefixes = [prompt(100, 24), prompt(101, 10), []]
+    modes = {"plain": {"overlap_schedule": "off"}, "overlap": {"overlap_schedule": "on"},
+             "speculative": {"overlap_schedule": "off", "speculative_algorithm": "ngram",
+                             "speculative_num_draft_tokens": 3, "speculative_ngram_max": 2}}
     h = SchedulerHarness(FakeModelWorker(max_total_tokens=pool, context_len=128),
                          chunked_prefill_size=chunk, max_running_requests=max_running,
                          disable_radix_cache=not radix, schedule_policy=policy,
-                         overlap_schedule=overlap)
+                         **modes[decoding])
+    if h.scheduler.drafter is not None:
+        h.scheduler.drafter.proposer = FakeModelProposer(right=1, wrong=1)
     try:
         prompts = {}
         for i, spec in enumerate(requests):

@@ -14,6 +14,7 @@ from framework.layers.sampler.sampler import (
     Sampler,
     apply_token_bitmask,
     derive_seed,
+    filter_probs,
 )
 from framework.layers.sampler.step import SamplingRequest, StepSample, sample_step
 
@@ -26,6 +27,7 @@ __all__ = [
     "StepSample",
     "apply_token_bitmask",
     "derive_seed",
+    "filter_probs",
     "sample_step",
     "token_logprobs",
 ]

@@ -76,7 +76,7 @@ class SampleOutput:
     top_logprobs_idx: list[list[int]]
 
 
-def _filter_probs(
+def filter_probs(
     probs: torch.Tensor,
     top_ks: torch.Tensor,
     top_ps: torch.Tensor,
@@ -202,7 +202,7 @@ class Sampler:
         """Draw the tokens of the non-greedy rows into ``next_token_ids`` (in place)."""
         rows = torch.tensor(info.sampled_rows, dtype=torch.int64, device=processed.device)
         probs = torch.softmax(processed[rows] / info.temperatures[rows], dim=-1)
-        probs = _filter_probs(probs, info.top_ks[rows], info.top_ps[rows], info.min_ps[rows], info)
+        probs = filter_probs(probs, info.top_ks[rows], info.top_ps[rows], info.min_ps[rows], info)
         noise = self.exponential_noise(info, processed.device)
         next_token_ids[rows] = (probs / noise).argmax(dim=-1)
 

@@ -20,20 +20,27 @@ class ScheduledBatch:
     #: EXTEND only: the last ``decode_tail`` requests are running ones decoding a token
     #: each, in the same step as the prefills before them (``--enable-mixed-chunk``).
     decode_tail: int = 0
+    #: Speculative decoding: per request, the tokens drafted after its last one, which
+    #: the step feeds after it for the model to verify (``extend_lens[i]`` is one more).
+    drafts: list[list[int]] | None = None
 
     def subset(self, index: int) -> ScheduledBatch:
         """The same step for request ``index`` alone."""
-        return ScheduledBatch(self.mode, [self.reqs[index]], [self.extend_lens[index]],
-                              decode_tail=int(self.decodes(index)))
+        return self._keep([index])
 
     def without_finished(self) -> ScheduledBatch:
         """The same step without the requests that have ended since it was built."""
         keep = [i for i, req in enumerate(self.reqs) if not req.finished]
         if len(keep) == len(self.reqs):
             return self
+        return self._keep(keep)
+
+    def _keep(self, keep: list[int]) -> ScheduledBatch:
         return ScheduledBatch(self.mode, [self.reqs[i] for i in keep],
                               [self.extend_lens[i] for i in keep],
-                              decode_tail=sum(self.decodes(i) for i in keep))
+                              decode_tail=sum(self.decodes(i) for i in keep),
+                              drafts=None if self.drafts is None
+                              else [self.drafts[i] for i in keep])
 
     def decodes(self, index: int) -> bool:
         """Whether request ``index`` decodes in this step (rather than prefilling)."""
@@ -48,6 +55,17 @@ class ScheduledBatch:
     def decode(cls, running: list[Req]) -> ScheduledBatch:
         """A decode step of ``running``: one new token each."""
         return cls(ForwardMode.DECODE, list(running), [1] * len(running))
+
+    @classmethod
+    def verify(cls, running: list[Req], drafts: list[list[int]]) -> ScheduledBatch:
+        """A decode step of ``running`` that also feeds each request's drafted tokens: an
+        EXTEND over the KV so far, every request decoding."""
+        return cls(ForwardMode.EXTEND, list(running), [1 + len(d) for d in drafts],
+                   decode_tail=len(running), drafts=[list(d) for d in drafts])
+
+    def drafted(self, index: int) -> list[int]:
+        """The tokens drafted for request ``index`` (none outside speculative steps)."""
+        return [] if self.drafts is None else self.drafts[index]
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +99,16 @@ class ScheduledBatch:
             offset += n
         return rows
 
+    def draft_rows(self) -> list[int]:
+        """Packed rows whose logits verify drafted tokens: each request's rows but its last
+        (whose logits are the step's next-token ones), in request order."""
+        rows: list[int] = []
+        offset = 0
+        for i, n in enumerate(self.extend_lens):
+            rows.extend(range(offset, offset + len(self.drafted(i))))
+            offset += n
+        return rows
+
     def to_forward_batch(
         self, req_to_token: torch.Tensor, out_cache_loc: torch.Tensor, device: torch.device
     ) -> ForwardBatch:
@@ -99,6 +127,7 @@ class ScheduledBatch:
             start = req.kv_len
             if self.decodes(i):
                 input_ids.append(req.last_token())
+                input_ids.extend(self.drafted(i))
             else:
                 input_ids.extend(req.fill_ids[start:start + n])
             positions.extend(range(start, start + n))
@@ -116,7 +145,7 @@ class ScheduledBatch:
                      positions_tensor.to(req_to_token.device)] = out_cache_loc.to(
                          req_to_token.device)
         rows = [r.req_pool_idx for r in self.reqs]
-        logprob_rows = self.prompt_logprob_rows() if extend else []
+        logprob_rows = self.prompt_logprob_rows() + self.draft_rows() if extend else []
 
         return ForwardBatch(
             forward_mode=self.mode,

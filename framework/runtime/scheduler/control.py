@@ -126,6 +126,7 @@ class SchedulerControl:
             "retracted_requests": stats.retracted_requests,
             "extend_steps": scheduler.steps["extend"],
             "decode_steps": scheduler.steps["decode"],
+            "verify_steps": scheduler.steps["verify"],
             # Wall time of the steps that ran a batch, and of their model forwards; the
             # rest (scheduling, sampling, outputs) is the runtime's own overhead.
             "step_seconds": stats.step_seconds,
@@ -138,6 +139,12 @@ class SchedulerControl:
             "evictable_kv_tokens": cache.evictable_size(),
             "protected_kv_tokens": cache.protected_size(),
             "cache_hit_rate": stats.cache_hit_rate,
+            "speculative_algorithm": server_args.speculative_algorithm,
+            "spec_verifications": stats.spec_verifications,
+            "spec_drafted_tokens": stats.spec_drafted_tokens,
+            "spec_accepted_tokens": stats.spec_accepted_tokens,
+            "spec_accept_length": stats.spec_accept_length,
+            "spec_acceptance_rate": stats.spec_acceptance_rate,
             "radix_cache": not isinstance(cache, ChunkCache),
             "schedule_policy": server_args.schedule_policy,
             "overlap_schedule": scheduler.overlap is not None,

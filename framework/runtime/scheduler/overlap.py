@@ -31,10 +31,12 @@ if TYPE_CHECKING:
 
 def overlap_enabled(server_args: ServerArgs, device: torch.device, is_embedding: bool) -> bool:
     """Whether steps overlap: ``--overlap-schedule`` (``auto``: on CUDA devices only),
-    never with ``--disable-overlap-schedule`` nor for embedding models (their steps
-    sample nothing a next step would wait for)."""
+    never with ``--disable-overlap-schedule``, speculative decoding, nor for embedding
+    models (their steps sample nothing a next step would wait for)."""
     if server_args.disable_overlap_schedule or is_embedding:
         return False
+    if server_args.speculative_algorithm is not None:
+        return False  # a verify step's tokens decide the next step's inputs and slots
     if server_args.overlap_schedule == "auto":
         return device.type == "cuda"
     return server_args.overlap_schedule == "on"

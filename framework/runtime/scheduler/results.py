@@ -66,7 +66,7 @@ class ResultProcessor:
             if ended[i]:
                 continue
             try:
-                self.append_tokens(req, result, k)
+                self.append_tokens(req, result, k, drafted=len(batch.drafted(i)))
             except Exception as exc:  # e.g. a tokenizer error while matching stop strings
                 self.queues.fail(req, exc)
         due = [r for r, done in zip(batch.reqs, ended) if not done and r.output_due()]
@@ -81,24 +81,49 @@ class ResultProcessor:
         if any(ended):
             self.queues.release_retired()
 
-    def append_tokens(self, req: Req, result: StepResult, k: int) -> None:
-        """Add the ``k``-th sampling row's tokens to ``req``, up to the one that ends it."""
+    def append_tokens(self, req: Req, result: StepResult, k: int, drafted: int = 0) -> None:
+        """Add the ``k``-th sampling row's tokens to ``req``, up to the one that ends it.
+
+        After a verify step (``drafted`` tokens fed after the last one), the KV of the
+        drafts not kept is given back before the request can end.
+        """
         if req.sampling_params.max_new_tokens == 0:
             self.queues.finish(req, FinishReason("length", length=0))
             return
-        for j, token in enumerate(result.next_ids[k]):
-            if req.grammar is not None and not req.grammar.accept_token(token):
-                raise RuntimeError(f"token {token} is not allowed by the request's grammar")
-            req.output_ids.append(token)
-            if req.return_logprob:
-                req.output_logprobs.append(result.logprobs[k][j])
-                req.output_top_logprobs_val.append(result.top_logprobs_val[k][j])
-                req.output_top_logprobs_idx.append(result.top_logprobs_idx[k][j])
-            self.stats.generated_since_report += 1
-            reason = self.check_finished(req)
-            if reason is not None:
-                self.queues.finish(req, reason)
-                return
+        reason, appended = None, 0
+        tokens = result.next_ids[k]
+        if drafted:
+            self.stats.count_verification(drafted, len(tokens) - 1)
+        try:
+            for j, token in enumerate(tokens):
+                if req.grammar is not None and not req.grammar.accept_token(token):
+                    raise RuntimeError(f"token {token} is not allowed by the request's grammar")
+                req.output_ids.append(token)
+                if req.return_logprob:
+                    req.output_logprobs.append(result.logprobs[k][j])
+                    req.output_top_logprobs_val.append(result.top_logprobs_val[k][j])
+                    req.output_top_logprobs_idx.append(result.top_logprobs_idx[k][j])
+                self.stats.generated_since_report += 1
+                appended = j + 1
+                reason = self.check_finished(req)
+                if reason is not None:
+                    break
+        finally:
+            if drafted:
+                self.drop_unkept_kv(req, 1 + drafted - appended)
+        if reason is not None:
+            self.queues.finish(req, reason)
+
+    def drop_unkept_kv(self, req: Req, count: int) -> None:
+        """Free the KV slots of ``req``'s last ``count`` fed tokens (drafts rejected, or
+        past the token that ended it): the cache holds only what its tokens are."""
+        if count <= 0:
+            return
+        pool = self.tree_cache.req_to_token_pool
+        end = req.kv_len
+        req.kv_len -= count
+        slots = pool.req_to_token[req.req_pool_idx, req.kv_len:end]
+        self.tree_cache.allocator.free(slots.clone())
 
     def finish_embeddings(self, batch: ScheduledBatch, embeddings: torch.Tensor) -> None:
         """Send pooled embeddings to the TokenizerManager and free the requests."""

@@ -48,6 +48,7 @@ from framework.runtime.scheduler.policy import SchedulePolicy
 from framework.runtime.scheduler.queues import RequestQueues
 from framework.runtime.scheduler.results import ResultProcessor
 from framework.runtime.scheduler.sampling import SamplingPreparer
+from framework.runtime.scheduler.speculation import DraftPlanner
 from framework.runtime.scheduler.stats import SchedulerStats
 from framework.runtime.scheduler.step import InFlightStep, StepExecutor
 from framework.runtime.scheduler.stops import StopChecker
@@ -160,6 +161,7 @@ class Scheduler:
             results=self.results, queues=self.queues, stats=self.stats,
             is_embedding=config.is_embedding, overlap=self.overlap)
         self.control = SchedulerControl(self)
+        self.drafter = DraftPlanner.create(self.server_args, self.tree_cache, self.context_len)
 
     def build_prefix_cache(self) -> PrefixCache:
         """The radix cache, or the no-reuse cache when disabled or for embedding models.
@@ -291,7 +293,11 @@ class Scheduler:
         # With overlap scheduling a request may already have all the tokens it can take
         # (counted before they are applied): it ends when they are.
         decoding = [r for r in self.running if not r.ends_by_length(self.context_len)]
-        return ScheduledBatch.decode(decoding) if decoding else None
+        if not decoding:
+            return None
+        if self.drafter is not None:
+            return self.drafter.decode_step(decoding)
+        return ScheduledBatch.decode(decoding)
 
     def select_prefill_requests(self) -> ScheduledBatch | None:
         """The partly prefilled request first, then waiting requests in the policy's order."""

@@ -24,6 +24,11 @@ class SchedulerStats:
     retracted_requests: int = 0
     step_seconds: float = 0.0  # steps that ran a batch, from intake to outputs sent
     forward_seconds: float = 0.0  # their model forwards
+    # Speculative decoding: request-steps that verified drafts, the tokens drafted for
+    # them and those accepted.
+    spec_verifications: int = 0
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def non_model_fraction(self) -> float:
@@ -42,6 +47,22 @@ class SchedulerStats:
     def since_last_report(self) -> float:
         """Seconds since the last report (or since start)."""
         return time.monotonic() - (self.last_report or self.started)
+
+    def count_verification(self, drafted: int, accepted: int) -> None:
+        """One request's verify step: ``drafted`` tokens, ``accepted`` of them taken."""
+        self.spec_verifications += 1
+        self.spec_drafted_tokens += drafted
+        self.spec_accepted_tokens += accepted
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Tokens a request gains per verify step: accepted drafts plus the target's own."""
+        return 1.0 + self.spec_accepted_tokens / max(self.spec_verifications, 1)
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted over drafted tokens since start."""
+        return self.spec_accepted_tokens / max(self.spec_drafted_tokens, 1)
 
     @property
     def cache_hit_rate(self) -> float:
@@ -62,6 +83,8 @@ class SchedulerStats:
             token_usage=used_tokens / max(max_total_tokens, 1),
             gen_throughput=self.generated_since_report / max(elapsed, 1e-9),
             cache_hit_rate=window_hit_rate, timestamp=time.time(),
+            spec_accept_length=self.spec_accept_length if self.spec_verifications else 0.0,
+            spec_acceptance_rate=self.spec_acceptance_rate,
         )
         self.last_report = now
         self.generated_since_report = 0

@@ -107,12 +107,13 @@ class StepExecutor:
         self.queues = queues
         self.stats = stats
         self.is_embedding = is_embedding
-        #: Steps run so far, by kind (``extend``, ``decode``).
-        self.steps = {"extend": 0, "decode": 0}
+        #: Steps run so far, by kind (``extend``, ``decode``, ``verify``: a decode step
+        #: with drafts).
+        self.steps = {"extend": 0, "decode": 0, "verify": 0}
 
     def run(self, batch: ScheduledBatch) -> None:
         """Run one model step for ``batch``; a failure ends only the request that caused it."""
-        self.steps[batch.mode.name.lower()] += 1
+        self.steps["verify" if batch.drafts else batch.mode.name.lower()] += 1
         try:
             step = self.prepare(batch)
             self.start(step)
@@ -150,15 +151,16 @@ class StepExecutor:
             # Requests whose prompt is then fully in the cache sample a token; a partial
             # chunk does not (its logits are for a token in the middle of the prompt).
             sampled = [i for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens))
-                       if req.kv_len + n == req.seq_len]
+                       if req.kv_len + n - len(batch.drafted(i)) == req.seq_len]
             spans = batch.prompt_logprob_spans()
             sampling = None if self.is_embedding else self.sampling.request(
                 batch, sampled, spans, self.worker.sampling_device)
         except BaseException:
             self.allocator.free(out_cache_loc)
             raise
-        return PreparedStep(batch, WorkerBatch(forward_batch, sampling), out_cache_loc,
-                            sampled, spans)
+        drafts = None if batch.drafts is None else [batch.drafted(i) for i in sampled]
+        return PreparedStep(batch, WorkerBatch(forward_batch, sampling, drafts=drafts),
+                            out_cache_loc, sampled, spans)
 
     def execute(self, step: PreparedStep) -> StepResult:
         """Run ``step`` on the worker; on failure it is taken back (it can be retried)."""

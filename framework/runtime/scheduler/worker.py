@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from framework.forward_batch import ForwardBatch
     from framework.mem_cache.memory_pool import KVCachePools
     from framework.model_executor.model_runner import ModelRunner
+    from framework.speculative.verifier import DraftVerifier
 
 
 @dataclass
@@ -37,6 +38,9 @@ class WorkerBatch:
     #: With overlap scheduling, the numbers under which the sampling rows' tokens are
     #: kept for the steps built before they exist (``OverlapWorker``).
     future_slots: list[int] | None = None
+    #: Speculative decoding: per sampling row, the drafted tokens the step verifies
+    #: (empty for a row without); None in a step that verifies nothing.
+    drafts: list[list[int]] | None = None
 
 
 @dataclass
@@ -134,6 +138,7 @@ class ModelRunnerWorker(ModelWorker):
         self.device = runner.device
         self._samples_remotely = runner.samples_at_last_stage
         self.sampling_device = torch.device("cpu") if self._samples_remotely else runner.device
+        self._verifier: DraftVerifier | None = None
 
     def forward_step(self, batch: WorkerBatch) -> StepResult:
         """The runner's forward, then its sampler on the logits (or the last stage's sample)."""
@@ -149,7 +154,15 @@ class ModelRunnerWorker(ModelWorker):
         assert batch.sampling is not None, "a generation step comes with its sampling request"
         sample = output.sample or sample_step(runner.sample, output.next_token_logits,
                                               output.prompt_logits, batch.sampling)
-        return StepResult.one_token_each(sample, forward_seconds)
+        if batch.drafts is None:
+            return StepResult.one_token_each(sample, forward_seconds)
+        assert output.next_token_logits is not None, "a verify step samples where it runs"
+        if self._verifier is None:
+            from framework.speculative.verifier import DraftVerifier
+
+            self._verifier = DraftVerifier()
+        return self._verifier.result(output.next_token_logits, output.prompt_logits,
+                                     batch.sampling, batch.drafts, sample, forward_seconds)
 
     def update_weights_from_disk(self, model_path: str, load_format: str = "auto"
                                  ) -> tuple[bool, str]:

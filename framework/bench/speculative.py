@@ -1,0 +1,167 @@
+"""`framework bench speculative`: output tokens/s with speculative decoding against without.
+
+For each decoding mode (``plain``, ``ngram``), one ``framework.Engine`` on the model
+(the embedded default model unless ``--model-path``) runs two workloads of greedy
+requests at 1 and at 8 streams (one request at a time, or eight sent together):
+
+* **repeat**: a Python function, a blank line and its first line again, so that the
+  continuation re-emits code the prompt holds (what an edit-in-place request does);
+* **free**: the opening line of a function only, free generation.
+
+Each configuration runs ``--rounds`` times after a warm-up and keeps its best round
+(another job on the machine can slow a run down, never speed it up). It reports output
+tokens/s, the speed-up over ``plain`` and, for ``ngram``, the mean tokens a request gains
+per verify step (``spec_accept_length`` over the run). Results, with the machine and
+commit, go to ``--output`` as ``speculative.json`` and ``speculative.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from framework.bench.environment import git_commit, machine_description
+
+DEFAULT_OUTPUT = "benchmarks/results/speculative"
+FUNCTIONS = [
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n'
+    "        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "def read_lines(path):\n    with open(path) as handle:\n        lines = handle.readlines()\n"
+    "    return [line.strip() for line in lines if line.strip()]\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n"
+    "    def push(self, item):\n        self.items.append(item)\n\n"
+    "    def pop(self):\n        return self.items.pop()\n",
+    "def word_counts(text):\n    counts = {}\n    for word in text.split():\n"
+    "        counts[word] = counts.get(word, 0) + 1\n    return counts\n",
+]
+WORKLOADS = {
+    "repeat": [f"{code}\n\n{code.splitlines()[0]}\n" for code in FUNCTIONS],
+    "free": [code.splitlines()[0] + "\n" for code in FUNCTIONS],
+}
+MODES = {"plain": {}, "ngram": {"speculative_algorithm": "ngram"}}
+STREAMS = (1, 8)
+
+
+@dataclass
+class Settings:
+    """What one run of the benchmark does."""
+
+    model_path: str | None = None
+    output_len: int = 96
+    num_draft_tokens: int = 3
+    rounds: int = 2
+
+
+def _prompts(workload: str, streams: int) -> list[str]:
+    base = WORKLOADS[workload]
+    return [base[i % len(base)] for i in range(max(streams, len(base)))]
+
+
+def _tokens_per_second(engine: Any, prompts: list[str], streams: int, output_len: int) -> float:
+    """Output tokens/s of ``prompts``, ``streams`` at a time."""
+    params = {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
+    started = time.perf_counter()
+    tokens = 0
+    for first in range(0, len(prompts), streams):
+        outputs = engine.generate(prompts[first:first + streams], params)
+        tokens += sum(len(out["output_ids"]) for out in outputs)
+    return tokens / (time.perf_counter() - started)
+
+
+def _spec_counters(engine: Any) -> tuple[int, int]:
+    info = engine.get_server_info()
+    return info.get("spec_verifications", 0), info.get("spec_accepted_tokens", 0)
+
+
+def run_mode(mode: str, settings: Settings) -> list[dict[str, Any]]:
+    """Every workload × streams row of one decoding mode."""
+    from framework import Engine
+
+    args: dict[str, Any] = {"log_level": "warning", **MODES[mode]}
+    if mode != "plain":
+        args["speculative_num_draft_tokens"] = settings.num_draft_tokens
+    if settings.model_path:
+        args["model_path"] = settings.model_path
+    rows = []
+    with Engine(**args) as engine:
+        _tokens_per_second(engine, WORKLOADS["free"][:1], 1, 8)  # warm-up
+        for workload in WORKLOADS:
+            for streams in STREAMS:
+                prompts = _prompts(workload, streams)
+                before = _spec_counters(engine)
+                best = max(_tokens_per_second(engine, prompts, streams, settings.output_len)
+                           for _ in range(settings.rounds))
+                after = _spec_counters(engine)
+                steps = after[0] - before[0]
+                rows.append({"mode": mode, "workload": workload, "streams": streams,
+                             "output_tokens_per_s": best,
+                             "accept_length": 1 + (after[1] - before[1]) / steps
+                             if steps else None})
+    return rows
+
+
+def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """The markdown table: each row with its speed-up over plain decoding."""
+    plain = {(r["workload"], r["streams"]): r["output_tokens_per_s"]
+             for r in rows if r["mode"] == "plain"}
+    lines = ["# Speculative decoding", "",
+             f"- Machine: {meta['machine']}", f"- Commit: {meta['commit']}",
+             f"- Run: {meta['started_at']}", f"- Model: {meta['model']}",
+             f"- Greedy, {meta['output_len']} output tokens per request, "
+             f"{meta['num_draft_tokens']} draft tokens, best of {meta['rounds']} rounds", "",
+             "| workload | streams | mode | output tok/s | vs plain | mean accepted length |",
+             "|---|---:|---|---:|---:|---:|"]
+    for r in rows:
+        speedup = r["output_tokens_per_s"] / plain[(r["workload"], r["streams"])]
+        accept = "" if r["accept_length"] is None else f"{r['accept_length']:.2f}"
+        lines.append(f"| {r['workload']} | {r['streams']} | {r['mode']} | "
+                     f"{r['output_tokens_per_s']:,.1f} | {speedup:.2f}x | {accept} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_benchmark(settings: Settings, output: str) -> list[Path]:
+    """Run every mode, write the results; returns the files written."""
+    meta = {"machine": machine_description(), "commit": git_commit(),
+            "started_at": datetime.datetime.now(datetime.timezone.utc).strftime(
+                "%Y-%m-%d %H:%M:%S UTC"),
+            "model": settings.model_path or "the embedded default model",
+            "output_len": settings.output_len, "num_draft_tokens": settings.num_draft_tokens,
+            "rounds": settings.rounds}
+    rows = [row for mode in MODES for row in run_mode(mode, settings)]
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "speculative.json", out / "speculative.md"]
+    paths[0].write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+    paths[1].write_text(render(rows, meta))
+    return paths
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """``framework bench speculative`` flags."""
+    parser.add_argument("--model-path", default=None,
+                        help="checkpoint to serve (default: the embedded default model)")
+    parser.add_argument("--output-len", type=int, default=Settings.output_len, metavar="N",
+                        help=f"output tokens per request (default: {Settings.output_len})")
+    parser.add_argument("--num-draft-tokens", type=int, default=Settings.num_draft_tokens,
+                        metavar="K", help="--speculative-num-draft-tokens of the ngram runs "
+                        f"(default: {Settings.num_draft_tokens})")
+    parser.add_argument("--rounds", type=int, default=Settings.rounds, metavar="N",
+                        help=f"runs per configuration, the best kept (default: "
+                        f"{Settings.rounds})")
+    parser.add_argument("--output", default=DEFAULT_OUTPUT, metavar="DIR",
+                        help=f"where the result files go (default: {DEFAULT_OUTPUT})")
+
+
+def run_from_cli(args: argparse.Namespace) -> int:
+    """Entry point of ``framework bench speculative``."""
+    settings = Settings(model_path=args.model_path, output_len=args.output_len,
+                        num_draft_tokens=args.num_draft_tokens, rounds=args.rounds)
+    for path in run_benchmark(settings, args.output):
+        print(f"wrote {path}")
+    print(Path(args.output, "speculative.md").read_text())
+    return 0

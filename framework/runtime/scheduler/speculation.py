@@ -1,0 +1,63 @@
+"""Which tokens each decode step drafts (speculative decoding, ``--speculative-algorithm``).
+
+A decode step of the running requests becomes a verify step: each request that can take
+drafts feeds its last token and the proposer's draft, and the model's logits at every fed
+position decide how many of them it keeps (``framework.speculative.verifier``). Drafts
+fit the request's remaining token budget and context, and the KV slots free beyond one a
+request (which the plain decode step needs), so speculation never retracts a request.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from framework.runtime.request import Req
+from framework.runtime.scheduler.batch import ScheduledBatch
+from framework.speculative.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from framework.config import ServerArgs
+    from framework.mem_cache.prefix_cache import PrefixCache
+
+
+class DraftPlanner:
+    """Turns a decode step into a verify step with each request's draft."""
+
+    def __init__(self, proposer: NgramProposer, tree_cache: PrefixCache,
+                 context_len: int) -> None:
+        self.proposer = proposer
+        self.tree_cache = tree_cache
+        self.context_len = context_len
+
+    @classmethod
+    def create(cls, server_args: ServerArgs, tree_cache: PrefixCache,
+               context_len: int) -> DraftPlanner | None:
+        """The planner ``--speculative-algorithm`` asks for; None without speculation."""
+        if server_args.speculative_algorithm is None:
+            return None
+        proposer = NgramProposer(num_draft_tokens=server_args.speculative_num_draft_tokens,
+                                 max_ngram=server_args.speculative_ngram_max)
+        return cls(proposer, tree_cache, context_len)
+
+    def decode_step(self, running: list[Req]) -> ScheduledBatch:
+        """The step for ``running``: a verify step when any request has a draft."""
+        spare = self.tree_cache.available_size() - len(running)
+        drafts = []
+        for req in running:
+            draft = self.draft(req, spare) if spare > 0 else []
+            spare -= len(draft)
+            drafts.append(draft)
+        if not any(drafts):
+            return ScheduledBatch.decode(running)
+        return ScheduledBatch.verify(running, drafts)
+
+    def draft(self, req: Req, spare: int) -> list[int]:
+        """``req``'s draft: none where its sampler changes from position to position."""
+        if not req.steady_sampling:
+            return []
+        # The step always adds the target's own token after the accepted drafts.
+        room = min(req.sampling_params.max_new_tokens - len(req.output_ids) - 1,
+                   self.context_len - req.seq_len - 1, spare)
+        if room <= 0:
+            return []
+        return self.proposer.propose(req.origin_input_ids + req.output_ids, room)

@@ -1,0 +1,54 @@
+"""Prompt-lookup drafting: the tokens that followed the last time the context's tail appeared.
+
+A request that re-emits parts of its prompt (code edited in place, a quoted document, a
+JSON object filled from the prompt) repeats long runs of tokens. The proposer looks for the
+most recent earlier occurrence of the sequence's last ``n`` tokens, longest ``n`` first,
+and drafts the ``k`` tokens that followed it. No model runs: a draft costs a scan of the
+request's own tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class NgramProposer:
+    """Drafts up to ``num_draft_tokens`` tokens by matching the last ``max_ngram`` down to
+    ``min_ngram`` tokens against the earlier ones."""
+
+    num_draft_tokens: int
+    max_ngram: int = 4
+    min_ngram: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be at least 1, got {self.num_draft_tokens}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram} and "
+                             f"{self.max_ngram}")
+
+    def propose(self, tokens: Sequence[int] | np.ndarray, limit: int | None = None) -> list[int]:
+        """The draft after ``tokens`` (prompt then output): at most ``limit`` (default
+        ``num_draft_tokens``) tokens, empty when no tail of ``min_ngram`` tokens recurs."""
+        budget = self.num_draft_tokens if limit is None else min(limit, self.num_draft_tokens)
+        seq = np.asarray(tokens, dtype=np.int64)
+        if budget <= 0 or len(seq) < self.min_ngram + 1:
+            return []
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            start = self._last_match(seq, n)
+            if start is not None:
+                follow = seq[start + n:start + n + budget]
+                return follow.tolist()
+        return []
+
+    @staticmethod
+    def _last_match(seq: np.ndarray, n: int) -> int | None:
+        """The start of the latest earlier occurrence of ``seq[-n:]`` (not the tail itself)."""
+        # Windows that start before len - n: each has at least one token after it.
+        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
+        hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
+        return int(hits[-1]) if len(hits) else None

@@ -1,0 +1,147 @@
+"""Speculative decoding (``--speculative-algorithm ngram``) through the Engine.
+
+Greedy outputs and their logprobs match transformers for every decoder architecture, with
+drafts actually accepted; a verifier that accepts every draft changes the outputs; a stop
+token inside an accepted run ends the request there with no KV left behind; sampled
+requests speculate too; and on prompts that contain the plain run's own output, a
+request gains at least 1.5 tokens per verify step.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from framework import Engine
+from tests.model_fixtures import TINY_ARCHITECTURES, reference_model, transformers_greedy
+
+DECODERS = [arch for arch in TINY_ARCHITECTURES if arch != "bert"]
+# Prompts that repeat themselves, so that drafts from the prompt are accepted.
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6],
+    [40, 41, 42, 43, 40, 41, 42, 43, 40, 41],
+    [100, 3, 200, 4, 100, 3, 200],
+]
+NEW_TOKENS = 16
+GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+SPECULATIVE = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 4}
+QUIET = {"launch_mode": "thread", "log_level": "warning"}
+
+
+@functools.cache
+def _reference(model_dir: Path) -> list[tuple[list[int], list[float]]]:
+    model = reference_model(model_dir)
+    return [transformers_greedy(model, prompt, NEW_TOKENS) for prompt in PROMPTS]
+
+
+def _run(model_dir: Path, params: dict[str, Any], prompts: list[list[int]] = PROMPTS,
+         **engine_args: Any) -> tuple[list[Any], dict[str, Any]]:
+    with Engine(model_path=str(model_dir), **QUIET, **engine_args) as engine:
+        outputs = engine.generate(input_ids=prompts, sampling_params=params,
+                                  return_logprob=True)
+        info = engine.get_server_info()
+    assert info["kv_cache_idle_and_free"] is True
+    return outputs, info
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint: Callable[..., Path]) -> Path:
+    return tiny_checkpoint("llama", seed=1)
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+def test_greedy_matches_transformers_with_drafts_accepted(
+        arch: str, tiny_checkpoint: Callable[..., Path]) -> None:
+    model_dir = tiny_checkpoint(arch, seed=2)
+    outputs, info = _run(model_dir, GREEDY, **SPECULATIVE)
+    for prompt, out, (ref_ids, ref_logprobs) in zip(PROMPTS, outputs, _reference(model_dir),
+                                                    strict=True):
+        assert out["output_ids"] == ref_ids, prompt
+        got = [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
+        assert np.allclose(got, ref_logprobs, atol=1e-4, rtol=0), prompt
+    assert info["verify_steps"] > 0
+    assert info["spec_accepted_tokens"] > 0, "no draft was ever accepted: nothing was tested"
+
+
+def test_accepting_every_draft_changes_the_outputs(llama: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parity test can tell a verifier that does not check the drafts."""
+    from framework.speculative import verifier, verify
+
+    plain, _ = _run(llama, GREEDY)
+
+    def accept_all(target_argmax: torch.Tensor, drafts: torch.Tensor,
+                   draft_lens: torch.Tensor) -> verify.Verdict:
+        tokens = torch.cat([drafts, target_argmax[:, -1:]], dim=1)
+        return verify.Verdict(accepted=draft_lens.clone(), tokens=tokens)
+
+    monkeypatch.setattr(verifier, "verify_greedy", accept_all)
+    broken, _ = _run(llama, GREEDY, **SPECULATIVE)
+    assert [o["output_ids"] for o in broken] != [o["output_ids"] for o in plain]
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_the_request_there(llama: Path) -> None:
+    plain, _ = _run(llama, GREEDY)
+    # Stop at the 10th plain token: a token that speculation likely reaches mid-run.
+    stops = [out["output_ids"][9] for out in plain]
+    for prompt, out, stop in zip(PROMPTS, plain, stops, strict=True):
+        params = {**GREEDY, "stop_token_ids": [stop], "ignore_eos": False}
+        (spec,), _ = _run(llama, params, prompts=[prompt], **SPECULATIVE)
+        first = out["output_ids"].index(stop)
+        assert spec["output_ids"] == out["output_ids"][:first + 1]
+        assert spec["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+CODE = ["def fibonacci(n):", "class Stack:\n    def __init__(self):",
+        "import os\nimport sys\n\ndef main():"]
+
+
+@pytest.fixture(scope="module")
+def code_again() -> list[str]:
+    """Code prompts for the embedded default model, each followed by its plain greedy
+    continuation and then by itself again: the second continuation can be drafted from
+    the first."""
+    with Engine(**QUIET) as engine:
+        plain = engine.generate(CODE, {**GREEDY, "max_new_tokens": 32})
+    return [p + out["text"] + "\n\n" + p for p, out in zip(CODE, plain, strict=True)]
+
+
+def _run_default(prompts: list[str], params: dict[str, Any],
+                 **engine_args: Any) -> tuple[list[Any], dict[str, Any]]:
+    with Engine(**QUIET, **engine_args) as engine:
+        outputs = engine.generate(prompts, params)
+        info = engine.get_server_info()
+    assert info["kv_cache_idle_and_free"] is True
+    return outputs, info
+
+
+def test_prompts_holding_the_plain_output_gain_over_one_and_a_half_tokens_a_step(
+        code_again: list[str]) -> None:
+    params = {**GREEDY, "max_new_tokens": 32}
+    plain, _ = _run_default(code_again, params)
+    spec, info = _run_default(code_again, params, **SPECULATIVE)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    assert info["spec_accept_length"] >= 1.5, info["spec_accept_length"]
+
+
+def test_sampled_requests_speculate_and_free_their_slots(code_again: list[str]) -> None:
+    params = {"temperature": 0.7, "top_p": 0.95, "max_new_tokens": 32, "ignore_eos": True}
+    outputs, info = _run_default(code_again, params, **SPECULATIVE)
+    assert all(len(out["output_ids"]) == 32 for out in outputs)
+    assert info["spec_accepted_tokens"] > 0
+
+
+def test_two_tensor_parallel_ranks_give_one_rank_s_tokens(llama: Path) -> None:
+    plain, _ = _run(llama, GREEDY)
+    with Engine(model_path=str(llama), log_level="warning", tp_size=2,
+                **SPECULATIVE) as engine:
+        outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        info = engine.get_server_info()
+    assert [o["output_ids"] for o in outputs] == [o["output_ids"] for o in plain]
+    assert info["spec_accepted_tokens"] > 0 and info["kv_cache_idle_and_free"] is True

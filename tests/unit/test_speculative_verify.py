@@ -1,0 +1,108 @@
+"""Speculative verification: greedy parity, and rejection sampling keeping the target's
+distribution (checked by chi-square against plain sampling, with fixed seeds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from framework.speculative import NgramProposer, verify_greedy, verify_sampled
+
+# Chi-square critical values at p = 0.001 by degrees of freedom.
+CHI2_999 = {3: 16.27, 4: 18.47}
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's statistic of ``counts`` against ``probs`` (cells with p > 0)."""
+    expected = probs * counts.sum()
+    keep = probs > 0
+    return float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+
+
+def test_greedy_accepts_the_leading_run_that_matches_the_target() -> None:
+    target = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
+    drafts = torch.tensor([[5, 6, 7], [5, 9, 7], [1, 6, 7], [5, 6, 7]])
+    lens = torch.tensor([3, 3, 3, 2])
+    verdict = verify_greedy(target, drafts, lens)
+    assert verdict.accepted.tolist() == [3, 1, 0, 2]
+    # Every row's output is the target's own greedy continuation.
+    assert [verdict.row_tokens(b) for b in range(4)] == [[5, 6, 7, 8], [5, 6], [5], [5, 6, 7]]
+
+
+def test_a_draft_past_the_row_s_length_is_never_accepted() -> None:
+    target = torch.tensor([[1, 2, 3]])
+    verdict = verify_greedy(target, torch.tensor([[1, 2]]), torch.tensor([0]))
+    assert verdict.row_tokens(0) == [1]
+
+
+def _trials(target: torch.Tensor, draft_probs: torch.Tensor | None, draws: torch.Tensor,
+            n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``n`` one-row verifications; counts of the first and of the second emitted token
+    (the latter among trials that emitted two)."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = target.shape[-1]
+    targets = target.expand(n, -1, -1)
+    uniforms = torch.rand(n, draws.shape[1], generator=generator)
+    verdict = verify_sampled(targets, draws, torch.full((n,), draws.shape[1]), uniforms,
+                             generator=generator,
+                             draft_probs=None if draft_probs is None
+                             else draft_probs.expand(n, -1, -1))
+    first = torch.bincount(verdict.tokens[:, 0], minlength=vocab).float()
+    second_rows = verdict.accepted >= 1
+    second = torch.bincount(verdict.tokens[second_rows, 1], minlength=vocab).float()
+    return first, second
+
+
+P = torch.tensor([[0.1, 0.4, 0.2, 0.25, 0.05],
+                  [0.3, 0.1, 0.3, 0.2, 0.1],
+                  [0.2, 0.2, 0.2, 0.2, 0.2]]).unsqueeze(0)  # [1, k + 1 = 3, V = 5]
+
+
+def test_rejection_sampling_with_a_draft_distribution_keeps_the_target_s() -> None:
+    q = torch.tensor([[0.5, 0.1, 0.1, 0.2, 0.1], [0.1, 0.6, 0.1, 0.1, 0.1]]).unsqueeze(0)
+    generator = torch.Generator().manual_seed(1)
+    n = 40_000
+    draws = torch.multinomial(q[0], n, replacement=True, generator=generator).T.contiguous()
+    first, _ = _trials(P, q, draws, n, seed=2)
+    assert chi_square(first, P[0, 0]) < CHI2_999[4]
+
+
+def test_rejection_sampling_with_a_deterministic_draft_keeps_the_target_s() -> None:
+    n = 40_000
+    draws = torch.tensor([[1, 0]]).expand(n, -1)
+    first, second = _trials(P, None, draws, n, seed=3)
+    assert chi_square(first, P[0, 0]) < CHI2_999[4]
+    # Given the first draft was accepted, the second token follows P[1].
+    assert chi_square(second, P[0, 1]) < CHI2_999[4]
+    # The first draft (token 1, p = 0.4 at position 0) is accepted that often.
+    assert second.sum() == pytest.approx(n * 0.4, rel=0.05)
+
+
+def test_accepting_every_draft_breaks_the_target_s_distribution() -> None:
+    """The statistical check can tell: a verifier that accepts every draft is caught."""
+    n = 40_000
+    draws = torch.tensor([[1, 0]]).expand(n, -1)
+    always = torch.zeros(n, 2)  # u = 0 accepts any draft with p > 0
+    generator = torch.Generator().manual_seed(4)
+    verdict = verify_sampled(P.expand(n, -1, -1), draws, torch.full((n,), 2), always,
+                             generator=generator)
+    first = torch.bincount(verdict.tokens[:, 0], minlength=5).float()
+    assert chi_square(first, P[0, 0]) > CHI2_999[4]
+
+
+def test_ngram_drafts_what_followed_the_latest_match_longest_first() -> None:
+    proposer = NgramProposer(num_draft_tokens=3, max_ngram=3)
+    # The tail (7, 8) occurred twice; the latest earlier occurrence is followed by 1, 2, 3.
+    assert proposer.propose([7, 8, 9, 9, 7, 8, 1, 2, 3, 4, 7, 8]) == [1, 2, 3]
+    # A longer match wins over a later shorter one: (5, 7, 8) occurred once.
+    assert proposer.propose([5, 7, 8, 4, 4, 6, 7, 8, 0, 5, 7, 8]) == [4, 4, 6]
+    assert proposer.propose([1, 2, 3]) == []
+    assert proposer.propose([1, 2, 1], limit=2) == [2, 1]
+    assert proposer.propose([4, 4], limit=0) == []
+
+
+def test_ngram_refuses_bad_settings() -> None:
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        NgramProposer(num_draft_tokens=0)
+    with pytest.raises(ValueError, match="min_ngram"):
+        NgramProposer(num_draft_tokens=2, min_ngram=3, max_ngram=2)
