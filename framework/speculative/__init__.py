@@ -6,6 +6,6 @@ target's distribution exactly.
 """
 
 from framework.speculative.ngram import NgramProposer
-from framework.speculative.verify import Verdict, verify_greedy, verify_sampled
+from framework.speculative.verify import Verdict, accept_greedy, verify_sampled
 
-__all__ = ["NgramProposer", "Verdict", "verify_greedy", "verify_sampled"]
+__all__ = ["NgramProposer", "Verdict", "accept_greedy", "verify_sampled"]

@@ -23,7 +23,7 @@ from framework.layers.sampler import (
     token_logprobs,
 )
 from framework.runtime.scheduler.worker import StepResult
-from framework.speculative.verify import verify_greedy, verify_sampled
+from framework.speculative.verify import accept_greedy, verify_sampled
 
 
 class DraftVerifier:
@@ -48,36 +48,53 @@ class DraftVerifier:
         next_rows = next_logits
         if len(sampling.rows) != next_logits.shape[0]:
             next_rows = next_logits[torch.tensor(sampling.rows, device=next_logits.device)]
-        offset = 0
+        starts = [0]
+        for drafted in drafts:
+            starts.append(starts[-1] + len(drafted))
+        greedy_targets = self._greedy_targets(draft_logits, info, drafts)
         for k, drafted in enumerate(drafts):
             if not drafted:
                 continue
-            rows = torch.cat([draft_logits[offset:offset + len(drafted)],
-                              next_rows[k:k + 1]]).float()
-            offset += len(drafted)
-            tokens = self._row_tokens(rows, info, k, drafted)
-            self._set_row(result, k, rows, tokens, sampling)
+            if info.is_greedy[k]:
+                # The model's argmax at each draft's position, then its own next token.
+                targets = [*greedy_targets[starts[k]:starts[k + 1]], plain.next_ids[k]]
+                tokens = accept_greedy(drafted, targets)
+            else:
+                rows = torch.cat([draft_logits[starts[k]:starts[k + 1]], next_rows[k:k + 1]])
+                tokens = self._sampled_tokens(rows.float(), info, k, drafted)
+            result.next_ids[k] = tokens
+            if sampling.return_logprob:
+                rows = torch.cat([draft_logits[starts[k]:starts[k + 1]], next_rows[k:k + 1]])
+                self._set_logprobs(result, k, rows.float(), tokens, sampling)
         self._calls += 1
         return result
 
-    def _row_tokens(self, logits: torch.Tensor, info: SamplingBatchInfo, k: int,
-                    drafted: Sequence[int]) -> list[int]:
-        """Row ``k``'s accepted drafts and the target's token after them."""
+    @staticmethod
+    def _greedy_targets(draft_logits: torch.Tensor, info: SamplingBatchInfo,
+                        drafts: Sequence[Sequence[int]]) -> list[int]:
+        """The argmax at every draft row (with each row's ``logit_bias``), in one call."""
+        logits = draft_logits
+        if info.logit_bias is not None:
+            owner = torch.tensor([k for k, drafted in enumerate(drafts) for _ in drafted],
+                                 device=logits.device)
+            logits = logits.float() + info.logit_bias[owner]
+        return logits.argmax(dim=-1).tolist()
+
+    def _sampled_tokens(self, logits: torch.Tensor, info: SamplingBatchInfo, k: int,
+                        drafted: Sequence[int]) -> list[int]:
+        """Row ``k``'s accepted drafts and the token after them, by rejection sampling."""
         if info.logit_bias is not None:
             logits = logits + info.logit_bias[k]
-        draft = torch.tensor([list(drafted)], dtype=torch.int64, device=logits.device)
-        lens = torch.tensor([len(drafted)], device=logits.device)
-        if info.is_greedy[k]:
-            return verify_greedy(logits.argmax(dim=-1).unsqueeze(0), draft, lens).row_tokens(0)
         n = logits.shape[0]
         probs = torch.softmax(logits / info.temperatures[k], dim=-1)
         probs = filter_probs(probs, info.top_ks[k].expand(n), info.top_ps[k].expand(n),
                              info.min_ps[k].expand(n), info)
         probs = probs / probs.sum(dim=-1, keepdim=True)
+        draft = torch.tensor([list(drafted)], dtype=torch.int64, device=logits.device)
+        lens = torch.tensor([len(drafted)], device=logits.device)
         generator = self._stream(info, logits.device)
         uniforms = torch.rand(1, len(drafted), generator=generator, device=logits.device)
-        verdict = verify_sampled(probs.unsqueeze(0), draft, lens, uniforms, generator)
-        return verdict.row_tokens(0)
+        return verify_sampled(probs.unsqueeze(0), draft, lens, uniforms, generator).row_tokens(0)
 
     def _stream(self, info: SamplingBatchInfo, device: torch.device) -> torch.Generator:
         """The generator, reseeded for this call the first time a row of it samples."""
@@ -87,13 +104,9 @@ class DraftVerifier:
         return self._generator
 
     @staticmethod
-    def _set_row(result: StepResult, k: int, logits: torch.Tensor, tokens: list[int],
-                 sampling: SamplingRequest) -> None:
-        """Row ``k`` of ``result`` takes ``tokens`` and, when asked, their logprobs (of the
-        raw logits at each token's position)."""
-        result.next_ids[k] = tokens
-        if not sampling.return_logprob:
-            return
+    def _set_logprobs(result: StepResult, k: int, logits: torch.Tensor, tokens: list[int],
+                      sampling: SamplingRequest) -> None:
+        """Row ``k``'s logprobs of ``tokens``, of the raw logits at each token's position."""
         n = len(tokens)
         ids = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
         chosen, top_values, top_ids = token_logprobs(
@@ -101,3 +114,4 @@ class DraftVerifier:
         result.logprobs[k] = chosen.tolist()
         result.top_logprobs_val[k] = top_values
         result.top_logprobs_idx[k] = top_ids
+

@@ -20,6 +20,7 @@ real, and positions past them are ignored.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,13 +47,14 @@ def _accepted_prefix(matches: torch.Tensor, draft_lens: torch.Tensor) -> torch.T
     return run.sum(dim=1)
 
 
-def verify_greedy(target_argmax: torch.Tensor, drafts: torch.Tensor,
-                  draft_lens: torch.Tensor) -> Verdict:
-    """Greedy verification: ``target_argmax`` ``[B, k + 1]``, ``drafts`` ``[B, k]``."""
-    accepted = _accepted_prefix(drafts == target_argmax[:, :-1], draft_lens)
-    # Accepted drafts equal the target's tokens at their positions, and the token after them
-    # is the target's at the first mismatch: the whole row is the target's argmax.
-    return Verdict(accepted=accepted, tokens=target_argmax.clone())
+def accept_greedy(drafted: Sequence[int], targets: Sequence[int]) -> list[int]:
+    """Greedy verification of one request: the drafts up to the first that differs from
+    the model's argmax at its position, then the model's token there. ``targets`` holds
+    the argmax at every fed position, one more than ``drafted``."""
+    for j, token in enumerate(drafted):
+        if token != targets[j]:
+            return [*drafted[:j], targets[j]]
+    return [*drafted, targets[len(drafted)]]
 
 
 def verify_sampled(target_probs: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.Tensor,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from framework.speculative import NgramProposer, verify_greedy, verify_sampled
+from framework.speculative import NgramProposer, accept_greedy, verify_sampled
 
 # Chi-square critical values at p = 0.001 by degrees of freedom.
 CHI2_999 = {3: 16.27, 4: 18.47}
@@ -20,19 +20,13 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def test_greedy_accepts_the_leading_run_that_matches_the_target() -> None:
-    target = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
-    drafts = torch.tensor([[5, 6, 7], [5, 9, 7], [1, 6, 7], [5, 6, 7]])
-    lens = torch.tensor([3, 3, 3, 2])
-    verdict = verify_greedy(target, drafts, lens)
-    assert verdict.accepted.tolist() == [3, 1, 0, 2]
+    targets = [5, 6, 7, 8]
+    assert accept_greedy([5, 6, 7], targets) == [5, 6, 7, 8]
+    assert accept_greedy([5, 9, 7], targets) == [5, 6]
+    assert accept_greedy([1, 6, 7], targets) == [5]
     # Every row's output is the target's own greedy continuation.
-    assert [verdict.row_tokens(b) for b in range(4)] == [[5, 6, 7, 8], [5, 6], [5], [5, 6, 7]]
-
-
-def test_a_draft_past_the_row_s_length_is_never_accepted() -> None:
-    target = torch.tensor([[1, 2, 3]])
-    verdict = verify_greedy(target, torch.tensor([[1, 2]]), torch.tensor([0]))
-    assert verdict.row_tokens(0) == [1]
+    assert accept_greedy([5, 6], targets[:3]) == [5, 6, 7]
+    assert accept_greedy([], [5]) == [5]
 
 
 def _trials(target: torch.Tensor, draft_probs: torch.Tensor | None, draws: torch.Tensor,
