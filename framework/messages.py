@@ -180,6 +180,10 @@ class BatchTokenIDOutput(Message):
     finished_reasons: list[FinishReason] = msgspec.field(default_factory=list)
     new_indices: list[int] = msgspec.field(default_factory=list)
     new_constants: list[RequestConstants] = msgspec.field(default_factory=list)
+    #: Speculative decoding (empty without): per request, its verify steps so far and the
+    #: drafts they accepted.
+    spec_verify_cts: list[int] = msgspec.field(default_factory=list)
+    spec_accepted_tokens: list[int] = msgspec.field(default_factory=list)
     output_token_logprobs: np.ndarray | None = None
     output_top_logprobs_val: list[list[float]] = msgspec.field(default_factory=list)
     output_top_logprobs_idx: list[list[int]] = msgspec.field(default_factory=list)
@@ -269,6 +273,8 @@ class BatchStrOutput(Message):
     completion_tokens: list[int]
     cached_tokens: list[int]
     queue_seconds: list[float] = msgspec.field(default_factory=list)
+    spec_verify_cts: list[int] = msgspec.field(default_factory=list)
+    spec_accepted_tokens: list[int] = msgspec.field(default_factory=list)
     output_token_logprobs_val: list[list[float]] = msgspec.field(default_factory=list)
     output_token_logprobs_idx: list[list[int]] = msgspec.field(default_factory=list)
     output_top_logprobs_val: list[list[list[float]]] = msgspec.field(default_factory=list)

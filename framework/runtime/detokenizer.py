@@ -222,6 +222,8 @@ class Detokenizer:
             completion_tokens=completion_tokens,
             cached_tokens=[c.cached_tokens for c in kept],
             queue_seconds=[c.queue_seconds for c in kept],
+            spec_verify_cts=batch.spec_verify_cts,
+            spec_accepted_tokens=batch.spec_accepted_tokens,
             prompt_logprob_indices=batch.prompt_logprob_indices,
             prompt_logprobs=batch.prompt_logprobs,
             token_ids_created_at=batch.created_at,

@@ -56,6 +56,10 @@ class Req:
     #: then waited for its first admission.
     queued_at: float = 0.0
     queue_seconds: float = 0.0
+    #: Speculative decoding: steps that verified drafts for the request, and the drafts
+    #: they accepted.
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
     #: Finds stop strings in the decoded output; made on the first check that needs it.
     stop_matcher: Any = None
     #: The penalties' view of the tokens, updated as tokens come (``PenaltyHistory``).

@@ -53,6 +53,9 @@ def request_meta_info(rid: str, state: ReqState, chunk: Chunk | None,
         "cached_tokens": chunk.cached_tokens if chunk else 0,
         "finish_reason": reason.to_json() if reason else None,
     }
+    if chunk and chunk.spec_verify_ct:
+        meta["spec_verify_ct"] = chunk.spec_verify_ct
+        meta["spec_accepted_tokens"] = chunk.spec_accepted_tokens
     text_of = token_text if state.text_in_logprobs else no_text
     if state.prompt_logprobs is not None:
         meta.update(prompt_logprob_meta(state.prompt_logprobs, text_of))

@@ -38,6 +38,9 @@ class Chunk:
     completion_tokens: int
     cached_tokens: int
     finished_reason: FinishReason | None
+    #: Speculative decoding: the request's verify steps so far and the drafts accepted.
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass
@@ -161,6 +164,9 @@ class RequestTable:
                 ids_len=len(state.output_ids), logprobs_len=len(state.logprobs),
                 completion_tokens=msg.completion_tokens[i], cached_tokens=msg.cached_tokens[i],
                 finished_reason=msg.finished_reasons[i],
+                spec_verify_ct=msg.spec_verify_cts[i] if msg.spec_verify_cts else 0,
+                spec_accepted_tokens=(msg.spec_accepted_tokens[i] if msg.spec_accepted_tokens
+                                      else 0),
             ))
             reason = msg.finished_reasons[i]
             self.metrics.output(state.rid, msg.completion_tokens[i], msg.cached_tokens[i],

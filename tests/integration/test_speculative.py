@@ -66,6 +66,10 @@ def test_greedy_matches_transformers_with_drafts_accepted(
         assert np.allclose(got, ref_logprobs, atol=1e-4, rtol=0), prompt
     assert info["verify_steps"] > 0
     assert info["spec_accepted_tokens"] > 0, "no draft was ever accepted: nothing was tested"
+    # Each request's own counts, in its meta_info.
+    metas = [out["meta_info"] for out in outputs]
+    assert sum(m.get("spec_accepted_tokens", 0) for m in metas) == info["spec_accepted_tokens"]
+    assert sum(m.get("spec_verify_ct", 0) for m in metas) == info["spec_verifications"]
 
 
 def test_accepting_every_draft_changes_the_outputs(llama: Path,

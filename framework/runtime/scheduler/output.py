@@ -127,7 +127,16 @@ def token_id_output(reqs: list[Req]) -> BatchTokenIDOutput:
         output_top_logprobs_idx=top_idx,
         prompt_logprob_indices=prompt_indices,
         prompt_logprobs=prompts,
+        **_spec_counts(reqs),
     )
+
+
+def _spec_counts(reqs: list[Req]) -> dict[str, list[int]]:
+    """Each request's speculative-decoding counts, when any request of the batch has some."""
+    if not any(r.spec_verify_ct for r in reqs):
+        return {}
+    return {"spec_verify_cts": [r.spec_verify_ct for r in reqs],
+            "spec_accepted_tokens": [r.spec_accepted_tokens for r in reqs]}
 
 
 def _logprobs(reqs: list[Req]) -> tuple[np.ndarray, list[list[float]], list[list[int]]]:

@@ -94,6 +94,8 @@ class ResultProcessor:
         tokens = result.next_ids[k]
         if drafted:
             self.stats.count_verification(drafted, len(tokens) - 1)
+            req.spec_verify_ct += 1
+            req.spec_accepted_tokens += len(tokens) - 1
         try:
             for j, token in enumerate(tokens):
                 if req.grammar is not None and not req.grammar.accept_token(token):
