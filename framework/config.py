@@ -86,6 +86,13 @@ class ServerArgs:
                                "auto: onednn for float32 on a CPU (torch, which is MKL, on "
                                "an Intel one), else torch", "runtime",
                                choices=("auto", "onednn", "torch"))
+    quantization: str | None = _opt(None, "quantize the linear layers' weights online from a "
+                                    "float checkpoint: int8 (per-channel weight-only) or fp8 "
+                                    "(E4M3, per-channel scales) (docs/quantization.md)",
+                                    "runtime", choices=("int8", "fp8"))
+    quantized_linear_backend: str = _opt("auto", "kernel of quantized linear layers: cpu, "
+                                         "torch (the reference), or a plugin's; auto: cpu on "
+                                         "a CPU, torch elsewhere", "runtime")
     max_running_requests: int = _opt(64, "most requests in the running batch", "runtime")
     max_queued_requests: int | None = _opt(None, "most requests in flight beyond the running "
                                            "batches; a request past it gets 503 with "
@@ -120,6 +127,17 @@ class ServerArgs:
                                 "lpm (longest cached prefix first), or a plugin's (see "
                                 "`framework plugins`)", "runtime")
     disable_radix_cache: bool = _opt(False, "do not reuse the KV of shared prefixes", "runtime")
+    lora_paths: tuple[str, ...] = _opt((), "LoRA adapters (PEFT directories) served from the "
+                                       "start, as NAME=DIR (docs/lora.md)", "runtime",
+                                       nargs="*")
+    max_loras_per_batch: int = _opt(8, "most distinct LoRA adapters in one batch", "runtime")
+    max_loaded_loras: int | None = _opt(None, "LoRA adapters held in memory at once, least "
+                                        "recently used evicted (default: the --lora-paths "
+                                        "ones)", "runtime")
+    max_lora_rank: int | None = _opt(None, "largest LoRA rank served (default: the largest "
+                                     "of --lora-paths)", "runtime")
+    lora_backend: str = _opt("auto", "LoRA kernel: cpu, torch (the reference), or a plugin's; "
+                             "auto: cpu on a CPU, torch elsewhere", "runtime")
     random_seed: int = _opt(0, "seed for sampling without a per-request seed", "runtime")
     moe_backend: str = _opt("cpu", "kernel of Mixture-of-Experts layers: cpu (native row "
                             "kernels on a CPU, the torch reference elsewhere), torch (the "
@@ -291,12 +309,14 @@ class ServerArgs:
             default_text = "" if f.default is None else f" (default: {f.default})"
             metavar = None if meta.get("choices") else _metavar(f.name, base)
             group.add_argument(flag, type=base, default=f.default, choices=meta.get("choices"),
-                               help=meta["help"] + default_text, metavar=metavar)
+                               help=meta["help"] + default_text, metavar=metavar,
+                               **({"nargs": meta["nargs"]} if "nargs" in meta else {}))
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
         """Build from parsed arguments."""
-        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
+        return cls(**{f.name: tuple(value) if isinstance(value := getattr(ns, f.name), list)
+                      else value for f in fields(cls)})
 
 
 def _first_problem(checks: list[tuple[bool, str]]) -> str | None:

@@ -71,6 +71,11 @@ class ForwardBatch:
     # With pipeline parallelism, the micro-batch of each request of a whole step, as rank
     # 0 planned it (``MicroBatchPlanner``): every rank cuts the step alike.
     micro_batch_plan: list[int] | None = None
+    # Each request's LoRA adapter (None: the base model); None when no request has one.
+    lora_names: list[str | None] | None = None
+    # The directory of each adapter named there, set by rank 0 before it announces the
+    # step: the other ranks load an adapter loaded at run time from it.
+    lora_dirs: dict[str, str] | None = None
 
     @property
     def num_tokens(self) -> int:

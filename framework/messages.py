@@ -71,6 +71,8 @@ class TokenizedGenerateReqInput(Message):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
+    #: The LoRA adapter to run with (None: the base model).
+    lora_name: str | None = None
 
 
 class TokenizedEmbeddingReqInput(Message):
@@ -336,6 +338,26 @@ class UpdateWeightsFromDiskReqOutput(Message):
     num_paused_requests: int = 0
     previous_model_path: str = ""
     previous_load_format: str = "auto"
+
+
+class LoadLoraAdapterReqInput(Message):
+    """Load a LoRA adapter (a PEFT directory) under a name requests may use."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterReqInput(Message):
+    """Unload a LoRA adapter; refused while requests use it."""
+
+    lora_name: str
+
+
+class LoraAdapterReqOutput(Message):
+    """Whether a LoRA adapter was loaded (or unloaded), and why not."""
+
+    success: bool
+    message: str = ""
 
 
 class GetInfoReqInput(Message):

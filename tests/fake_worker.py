@@ -196,7 +196,8 @@ class SchedulerHarness:
     def submit(self, rid: str, input_ids: list[int], **params: Any) -> None:
         """Send one generation request (it is taken in at the next step)."""
         logprob_options = {key: params.pop(key) for key in (
-            "return_logprob", "top_logprobs_num", "logprob_start_len") if key in params}
+            "return_logprob", "top_logprobs_num", "logprob_start_len", "lora_name")
+            if key in params}
         self.outcomes[rid] = Outcome()
         handle = len(self.rid_of_handle) + 1
         self.rid_of_handle[handle] = rid

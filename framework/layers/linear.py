@@ -167,6 +167,16 @@ class LinearBase(nn.Module):
         #: The native CPU kernels when bound (``bind_cpu_layer_ops``): products of a few
         #: rows run their ``linear_rows``.
         self.cpu_ops: Any = None
+        #: The quantized weight when the layer is quantized (``--quantization``; see
+        #: framework/layers/quantization/linear_method.py), multiplied by ``quant_kernel``.
+        self.quant_weight: Any = None
+        self.quant_kernel: Any = None
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T (+ bias)`` with this rank's weight, quantized or float."""
+        if self.quant_weight is not None:
+            return self.quant_kernel.apply(self.quant_weight, x, bias)
+        return linear(x, self.weight, bias, self.packed_weight, self.cpu_ops)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: CheckpointWeight, shard_id: object = None
@@ -176,10 +186,11 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply this rank's part of the layer to ``x`` of shape ``[..., in_local]``."""
-        return linear(x, self.weight, self.bias, self.packed_weight, self.cpu_ops)
+        return self.product(x, self.bias)
 
     def extra_repr(self) -> str:
-        out_features, in_features = self.weight.shape
+        shape = self.weight.shape if self.quant_weight is None else self.quant_weight.shape
+        out_features, in_features = shape
         return (
             f"in_local={in_features}, out_local={out_features}, bias={self.bias is not None}, "
             f"tp_rank={self.tp_rank}, tp_size={self.tp_size}"
@@ -369,7 +380,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer: this rank's partial product, summed over the ranks."""
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias, self.packed_weight, self.cpu_ops)
+            return self.product(x, self.bias)
         return self.reduce(self.partial(x))
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
@@ -378,7 +389,7 @@ class RowParallelLinear(LinearBase):
         A layer that adds to the output before the sum (a LoRA delta of this
         rank's input columns) computes this, adds, then calls ``reduce``.
         """
-        return linear(x, self.weight, None, self.packed_weight, self.cpu_ops)
+        return self.product(x, None)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``partial`` over the group, plus the bias."""

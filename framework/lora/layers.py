@@ -22,8 +22,9 @@ Sharding follows the base layer, through the base's own ``weight_loader``:
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -161,6 +162,8 @@ class LoraModel:
     wrappers: dict[tuple[int, str], LoraLinear]
     spec: ModelLoraSpec
     max_slots: int
+    #: Where each wrapper sits: its parent module and attribute name.
+    places: dict[tuple[int, str], tuple[nn.Module, str]] = field(default_factory=dict)
     layers: list[LoraLinear] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -174,6 +177,18 @@ class LoraModel:
         (``logits_rows()``, or ``last_token_rows()`` for embeddings).
         """
         self.state.batch = batch
+
+    @contextlib.contextmanager
+    def unwrapped(self) -> Iterator[None]:
+        """The base layers back in place meanwhile, under their own parameter names, for
+        the model's ``load_weights`` (``/update_weights_from_disk``)."""
+        for key, (parent, child) in self.places.items():
+            setattr(parent, child, self.wrappers[key].base)
+        try:
+            yield
+        finally:
+            for key, (parent, child) in self.places.items():
+                setattr(parent, child, self.wrappers[key])
 
 
 def apply_lora(model: nn.Module, max_slots: int, max_rank: int, targets: Iterable[str],
@@ -195,6 +210,7 @@ def apply_lora(model: nn.Module, max_slots: int, max_rank: int, targets: Iterabl
         raise ValueError(f"max_slots and max_rank must be positive, got {max_slots}, {max_rank}")
     state = LoraState(kernel=LORA_BACKENDS.get(backend))
     wrappers: dict[tuple[int, str], LoraLinear] = {}
+    places: dict[tuple[int, str], tuple[nn.Module, str]] = {}
     output_layer = _output_rows_layer(model)
     for name, module in list(model.named_modules()):
         parent_name, _, child = name.rpartition(".")
@@ -206,9 +222,11 @@ def apply_lora(model: nn.Module, max_slots: int, max_rank: int, targets: Iterabl
         layer = int(found.group(1))
         wrapper = LoraLinear(module, state, layer, modules, max_slots, max_rank)
         wrapper.on_output_rows = layer == output_layer and child != "qkv_proj"
-        setattr(model.get_submodule(parent_name), child, wrapper)
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, wrapper)
         wrappers[(layer, child)] = wrapper
-    return LoraModel(state, wrappers, _spec_of(model, wrappers, max_rank), max_slots)
+        places[(layer, child)] = (parent, child)
+    return LoraModel(state, wrappers, _spec_of(model, wrappers, max_rank), max_slots, places)
 
 
 def _output_rows_layer(model: nn.Module) -> int | None:

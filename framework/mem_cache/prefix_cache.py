@@ -54,6 +54,26 @@ class CachedRequest(Protocol):
     def fill_ids(self) -> list[int]: ...
 
 
+#: Larger than any token id: the cache keys of an adapter's requests are their token
+#: ids offset by a multiple of this, so that no prefix is shared across adapters.
+ADAPTER_KEY_STRIDE = 1 << 32
+
+
+def cache_key(tokens: list[int], adapter_key: int) -> list[int]:
+    """The prefix-cache key of ``tokens`` computed with adapter number ``adapter_key``
+    (0: the base model, whose keys are the token ids themselves)."""
+    if not adapter_key:
+        return tokens
+    offset = adapter_key * ADAPTER_KEY_STRIDE
+    return [token + offset for token in tokens]
+
+
+def request_cache_key(req: CachedRequest, end: int) -> list[int]:
+    """The key of ``req.fill_ids[:end]``, in the key space of the request's LoRA adapter
+    (its ``lora_key``; a request without one runs the base model)."""
+    return cache_key(list(req.fill_ids[:end]), getattr(req, "lora_key", 0))
+
+
 @dataclass(frozen=True)
 class MatchResult:
     """The longest cached prefix of a token sequence."""

@@ -28,7 +28,12 @@ from typing import Any
 import torch
 
 from framework.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
-from framework.mem_cache.prefix_cache import CachedRequest, MatchResult, PrefixCache
+from framework.mem_cache.prefix_cache import (
+    CachedRequest,
+    MatchResult,
+    PrefixCache,
+    request_cache_key,
+)
 
 
 class TreeNode:
@@ -294,7 +299,7 @@ class RadixCache(PrefixCache):
         if req.req_pool_idx is None:
             raise RuntimeError(f"request has kv_len={req.kv_len} but no req_pool_idx")
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        tokens = list(req.fill_ids[: req.kv_len])
+        tokens = request_cache_key(req, req.kv_len)
         if len(tokens) != req.kv_len:
             raise RuntimeError(f"request has kv_len={req.kv_len} but {len(tokens)} fill_ids")
         return row, row[: req.kv_len].clone(), tokens

@@ -17,6 +17,7 @@ scheduler ranks. Parallel ranks all take the smallest size any of them found.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -49,7 +50,13 @@ from framework.layers.linear_kernel import (
     resolve_linear_backend,
 )
 from framework.layers.moe.experts import FusedMoE, pack_expert_weights
+from framework.layers.quantization.linear_method import (
+    quantize_linear_layers,
+    quantized_bytes,
+    resolve_quant_backend,
+)
 from framework.layers.sampler import Sampler, StepSample, sample_step
+from framework.lora.serving import LoraServing
 from framework.mem_cache.memory_pool import (
     KVCachePools,
     decide_max_total_tokens,
@@ -112,7 +119,9 @@ def matmul_modules(model: torch.nn.Module) -> list[PackableLinear]:
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """Bytes of ``model``'s parameters, and of every weight it holds: the parameters plus
     the packed copies the linear backend keeps beside them (``pack_linear_weights``)."""
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    # A quantized layer's float parameter is empty; its quantized tensors count instead.
+    params = sum(p.numel() * p.element_size() for p in model.parameters()) \
+        + quantized_bytes(model)
     packed = {id(m.packed_weight): m.packed_weight for m in matmul_modules(model)
               if m.packed_weight is not None}  # a tied head and embedding share one
     for experts in model.modules():
@@ -219,6 +228,9 @@ class ModelRunner:
         if parallel is not None:
             bind_tp_group(self.model, parallel.tp)
         bind_attribute(self.model, "moe_kernel", MOE_BACKENDS.get(server_args.moe_backend))
+        #: The LoRA adapters served (``--lora-paths``), or None without LoRA.
+        self.lora = self._build_lora()
+        self._quantize_linear_layers()
         self._pack_linear_weights()
         # The native CPU kernels the layers (and the greedy sampler) run, or None.
         self._cpu_ops = bind_cpu_layer_ops(self.model, self.device, self.dtype)
@@ -244,15 +256,40 @@ class ModelRunner:
             self.linear_backend,
         )
 
+    def _build_lora(self) -> LoraServing | None:
+        args = self.server_args
+        if not args.lora_paths and args.max_loaded_loras is None:
+            return None
+        if self.pp_size > 1:
+            raise ValueError("LoRA adapters are not supported with pp_size above 1")
+        return LoraServing.build(self.model, args.lora_paths, max_loaded=args.max_loaded_loras,
+                                 max_rank=args.max_lora_rank, backend=args.lora_backend,
+                                 device=self.device)
+
+    def _base_layers(self) -> contextlib.AbstractContextManager[None]:
+        """The LoRA wrappers' base layers in place meanwhile (their weights' own names)."""
+        return self.lora.lora_model.unwrapped() if self.lora is not None \
+            else contextlib.nullcontext()
+
     @property
     def native_layer_ops(self) -> bool:
         """Whether norms, activations and rotary embeddings run the native CPU kernels."""
         return self._cpu_ops is not None
 
+    def _quantize_linear_layers(self) -> None:
+        """With ``--quantization``, quantize the loaded linear layers (a no-op otherwise)."""
+        args = self.server_args
+        if args.quantization is None:
+            return
+        backend = resolve_quant_backend(args.quantized_linear_backend, self.device)
+        quantize_linear_layers(self.model, args.quantization, backend)
+
     def _pack_linear_weights(self) -> None:
         """With the onednn linear backend, pack the weights just loaded (a no-op otherwise)."""
         if self.linear_backend == "onednn":
-            pack_linear_weights(matmul_modules(self.model))
+            # A quantized layer multiplies through its quantized kernel instead.
+            pack_linear_weights([m for m in matmul_modules(self.model)
+                                 if getattr(m, "quant_weight", None) is None])
             pack_expert_weights([m for m in self.model.modules() if isinstance(m, FusedMoE)])
 
     def _decide_kv_cache_tokens(self) -> int:
@@ -378,8 +415,12 @@ class ModelRunner:
             batch = self._micro_batch_planner.plan(batch)
         if self._announces():
             assert self.parallel is not None
+            if self.lora is not None:
+                batch = self.lora.describe(batch)
             announce_forward(self.parallel.control, batch,
                              self.pools.req_to_token_pool.req_to_token, sampling)
+        if self.lora is not None:
+            self.lora.set_batch(batch)
         if not self.model_config.is_embedding:
             logits = self._logits(batch, sampling)
             if logits is None:  # a pipeline stage that does not hold the result
@@ -550,7 +591,9 @@ class ModelRunner:
     def _load_update(self, model_path: str, load_format: str) -> str | None:
         """Load this rank's share of the new weights; why it failed (None: it did not)."""
         try:
-            load_weights(self.model, model_path, load_format, seed=self.server_args.random_seed)
+            with self._base_layers():
+                load_weights(self.model, model_path, load_format,
+                             seed=self.server_args.random_seed)
         except Exception as exc:  # I/O or data errors after the old weights were partly overwritten
             return str(exc)
         return None
@@ -570,9 +613,9 @@ class ModelRunner:
         """
         message = f"loading weights from {model_path} failed: {self._describe(failed)}"
         try:
-            load_weights(
-                self.model, self.model_path, self.load_format, seed=self.server_args.random_seed
-            )
+            with self._base_layers():
+                load_weights(self.model, self.model_path, self.load_format,
+                             seed=self.server_args.random_seed)
             error = None
         except Exception as exc:  # reported below; nothing better can be done here
             logger.error("restoring weights from %s failed: %s", self.model_path, exc)

@@ -116,6 +116,7 @@ class Engine:
         stream: bool = False,
         logprob_start_len: int = -1,
         return_text_in_logprobs: bool = False,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict back) or a list of prompts (a list back).
 
@@ -137,13 +138,15 @@ class Engine:
         concatenate to the full output), its ``meta_info`` is as of that chunk (the
         last one has the ``finish_reason``); with a list of prompts, chunks of all
         of them interleave and each has the ``index`` of its prompt (of its place in
-        the flat list, with ``n`` above 1). Every value is
+        the flat list, with ``n`` above 1). ``lora_path`` names the LoRA adapter to run
+        with (one for every prompt, or a list of one per prompt, None for the base
+        model). Every value is
         checked before this returns (a ``ValueError``); leaving the iteration early
         (``break``, ``close()``) aborts the requests and frees their KV slots.
         """
         prepared, single = self._loop.run(self._prepare(
             prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream,
-            logprob_start_len, return_text_in_logprobs))
+            logprob_start_len, return_text_in_logprobs, lora_path))
         if stream:
             return self._loop.sync_stream(self._stream(prepared, single))
         results = self._loop.run(
@@ -160,6 +163,7 @@ class Engine:
         stream: bool = False,
         logprob_start_len: int = -1,
         return_text_in_logprobs: bool = False,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """``generate`` for code in an event loop: same arguments, same results, awaited.
 
@@ -171,7 +175,7 @@ class Engine:
         """
         prepared, single = await self._loop.arun(self._prepare(
             prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream,
-            logprob_start_len, return_text_in_logprobs))
+            logprob_start_len, return_text_in_logprobs, lora_path))
         if stream:
             return self._loop.async_stream(self._stream(prepared, single))
         results = await self._loop.arun(
@@ -243,10 +247,14 @@ class Engine:
         stream: bool,
         logprob_start_len: int,
         return_text_in_logprobs: bool,
+        lora_path: str | list[str | None] | None = None,
     ) -> tuple[list[PreparedRequest], bool]:
         """Check and tokenize every request and choice (``n``) before any is sent (the HTTP
         layer's checks)."""
         single, requests = self._requests(prompt, input_ids, sampling_params)
+        for req, adapter in zip(requests, _per_prompt(lora_path, len(requests), "lora_path"),
+                                strict=True):
+            req.lora_path = adapter
         for req in requests:
             req.return_logprob = return_logprob
             req.top_logprobs_num = top_logprobs_num
@@ -288,6 +296,15 @@ class Engine:
         for req, params in zip(reqs, _params_per_prompt(sampling_params, len(reqs))):
             req.sampling_params = _to_params(params)
         return single, reqs
+
+
+def _per_prompt(value: Any, prompts: int, name: str) -> list[Any]:
+    """``value`` as one entry per prompt: one for all, or a list of one each."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * prompts
+    if len(value) != prompts:
+        raise ValueError(f"{len(value)} {name} values for {prompts} prompts")
+    return list(value)
 
 
 def _params_per_prompt(sampling_params: Any, prompts: int) -> list[Any]:

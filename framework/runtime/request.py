@@ -43,6 +43,10 @@ class Req:
     #: The TokenizerManager's number for the request, which names it in every output
     #: (``BatchTokenIDOutput.handles``); -1 for embeddings, whose output names the rid.
     handle: int = -1
+    #: The LoRA adapter the request runs with (None: the base model).
+    lora_name: str | None = None
+    #: The prefix cache's key space of that adapter (0: the base model's).
+    lora_key: int = 0
 
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int | None = None

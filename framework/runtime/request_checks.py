@@ -10,7 +10,7 @@ own checks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from framework.config import ServerArgs
 from framework.model_facts import ModelFacts
@@ -39,6 +39,15 @@ def check_values(reqs: Sequence[GenerateRequest], model: ModelFacts | None) -> N
             raise RequestError(str(exc), param=exc.param) from None
     for req in reqs:
         check_logprob_options(req)
+
+
+def check_lora(reqs: Sequence[GenerateRequest], adapters: Collection[str]) -> None:
+    """Refuse a request naming a LoRA adapter that is not served (``param="lora_path"``)."""
+    for req in reqs:
+        if req.lora_path is not None and req.lora_path not in adapters:
+            served = ", ".join(sorted(adapters)) or "none"
+            raise RequestError(f"unknown LoRA adapter {req.lora_path!r} in lora_path "
+                               f"(served: {served})", param="lora_path", code="model_not_found")
 
 
 def check_logprob_options(req: GenerateRequest) -> None:

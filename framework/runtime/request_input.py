@@ -56,6 +56,8 @@ class GenerateRequest:
     #: (otherwise ``None``), as SGLang's ``[logprob, token_id, text]`` triples.
     return_text_in_logprobs: bool = False
     rid: str | None = None
+    #: The LoRA adapter to run with (None: the base model).
+    lora_path: str | None = None
 
 
 def new_request_id() -> str:
@@ -95,5 +97,5 @@ class PreparedRequest:
             input_ids=self.input_ids,
             sampling_params=req.sampling_params, stream=req.stream,
             return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
-            logprob_start_len=req.logprob_start_len,
+            logprob_start_len=req.logprob_start_len, lora_name=req.lora_path,
         )

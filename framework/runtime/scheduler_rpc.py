@@ -16,7 +16,9 @@ from framework.messages import (
     FlushCacheReqInput,
     GetInfoReqInput,
     GetInfoReqOutput,
+    LoadLoraAdapterReqInput,
     Message,
+    UnloadLoraAdapterReqInput,
     UpdateWeightsFromDiskReqInput,
 )
 from framework.runtime.data_parallel import DataParallelRouter, check_replies, merge_replies
@@ -72,6 +74,14 @@ class SchedulerRpc:
                                             abort_all_requests=abort_all_requests)
         async with self._turn():
             return await self.router.update_weights(msg, timeout=600.0)
+
+    async def load_lora_adapter(self, name: str, path: str) -> Any:
+        """Load LoRA adapter ``name`` from ``path`` in every replica."""
+        return await self.call(LoadLoraAdapterReqInput(lora_name=name, lora_path=path))
+
+    async def unload_lora_adapter(self, name: str) -> Any:
+        """Unload LoRA adapter ``name`` from every replica (refused while in use)."""
+        return await self.call(UnloadLoraAdapterReqInput(lora_name=name))
 
     async def scheduler_info(self) -> dict[str, Any]:
         """The Scheduler's state (memory, queues, configuration).

@@ -29,10 +29,12 @@ from typing import Any
 from framework.comm.transport import Transport
 from framework.config import PortArgs, ServerArgs
 from framework.constrained.validation import check_constraint
+from framework.lora.names import parse_lora_paths
 from framework.messages import (
     AbortReq,
     BatchEmbeddingOutput,
     BatchStrOutput,
+    LoraAdapterReqOutput,
     Message,
     SchedulerMetrics,
     TokenizedEmbeddingReqInput,
@@ -57,6 +59,7 @@ from framework.runtime.prompt_input import (
 )
 from framework.runtime.receive_loops import start_receive_loops, stop_receive_loops
 from framework.runtime.request_checks import (
+    check_lora,
     check_model_kind,
     check_prompt_ids,
     check_prompt_room,
@@ -106,6 +109,8 @@ class TokenizerManager:
         # use: the channels are bound without waiting for it.
         self._tokenizer = tokenizer
         self.server_args = server_args
+        #: The LoRA adapters requests may name (``--lora-paths``, then loaded at run time).
+        self.lora_names: set[str] = set(parse_lora_paths(server_args.lora_paths))
         #: The served model (``start`` takes it from the Scheduler's ready message); until
         #: then None, and the checks that need it let requests through to the Scheduler's.
         self.model = model
@@ -228,6 +233,7 @@ class TokenizerManager:
         """Refuse (``RequestError``) the first value out of range in ``reqs``, the parts of
         one API request (or a request alone); no tokenizing (``check_values``)."""
         check_values(reqs, self.model)
+        check_lora(reqs, self.lora_names)
 
     def check_capacity(self) -> None:
         """Refuse (``OverloadedError``) a new request when the queue allowed is full; counted
@@ -380,6 +386,27 @@ class TokenizerManager:
     async def flush_cache(self) -> Any:
         """Ask the Scheduler to flush its prefix cache."""
         return await self.scheduler_rpc.flush_cache()
+
+    async def load_lora_adapter(self, name: str, path: str) -> Any:
+        """Load LoRA adapter ``name`` (``SchedulerRpc.load_lora_adapter``); requests may name
+        it once it is loaded."""
+        if name in self.lora_names:
+            return LoraAdapterReqOutput(success=False,
+                                        message=f"LoRA adapter {name!r} is already loaded")
+        reply = await self.scheduler_rpc.load_lora_adapter(name, path)
+        if reply.success:
+            self.lora_names.add(name)
+        return reply
+
+    async def unload_lora_adapter(self, name: str) -> Any:
+        """Unload LoRA adapter ``name``; new requests may no longer name it."""
+        if name not in self.lora_names:
+            return LoraAdapterReqOutput(success=False,
+                                        message=f"LoRA adapter {name!r} is not loaded")
+        reply = await self.scheduler_rpc.unload_lora_adapter(name)
+        if reply.success:
+            self.lora_names.discard(name)
+        return reply
 
     async def update_weights_from_disk(self, model_path: str, load_format: str = "auto",
                                        abort_all_requests: bool = False) -> Any:

@@ -402,9 +402,8 @@ class GenerateRequestBody(_RefusesUnsupported, kw_only=True):
     logprob_start_len: int | list[int] | None = -1
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
-    lora_path: Any = None
-
-    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {"lora_path": (None,)}
+    #: The LoRA adapter of every prompt, or a list of one per prompt (None: the base model).
+    lora_path: str | list[str | None] | None = None
 
     def per_prompt(self, field: str, prompts: int) -> list[Any]:
         """Field ``field`` for each of ``prompts`` prompts: a list gives one value per
@@ -424,6 +423,19 @@ class UpdateWeightsBody(msgspec.Struct, kw_only=True):
     model_path: str
     load_format: str = "auto"
     abort_all_requests: bool = False
+
+
+class LoadLoraAdapterBody(msgspec.Struct, kw_only=True):
+    """``POST /load_lora_adapter``."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterBody(msgspec.Struct, kw_only=True):
+    """``POST /unload_lora_adapter``."""
+
+    lora_name: str
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True):

@@ -35,7 +35,6 @@ UNSUPPORTED: list[tuple[str, str, Any]] = [
     ("/v1/completions", "lora_path", "adapter"),
     ("/v1/completions", "best_of", 2),
     ("/v1/completions", "suffix", " end"),
-    ("/generate", "lora_path", "adapter"),
 ]
 
 

@@ -71,6 +71,16 @@ def test_speculative_steps_match_the_reference_and_free_rejected_drafts(
     h.assert_idle_invariant()
 
 
+def test_unloading_a_lora_adapter_in_use_is_refused_with_the_reason(harness_factory) -> None:
+    h = harness_factory()
+    h.submit("r0", prompt(0, 6), max_new_tokens=20, lora_name="a", **GREEDY)
+    h.step()
+    reply = h.scheduler.control.unload_lora_adapter("a")
+    assert reply.success is False and "in use by 1 requests" in reply.message
+    h.run()
+    h.assert_idle_invariant()
+
+
 def test_mixed_steps_decode_the_running_requests_with_a_prefill(harness_factory) -> None:
     h = harness_factory(enable_mixed_chunk=True, chunked_prefill_size=16)
     h.submit("early", prompt(1, 6), max_new_tokens=10, ignore_eos=True, **GREEDY)

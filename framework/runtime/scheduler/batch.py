@@ -163,4 +163,6 @@ class ScheduledBatch:
             req_pool_indices_cpu=rows,
             prompt_logprob_rows=tensor(logprob_rows) if logprob_rows else None,
             decode_tail=self.decode_tail if extend else 0,
+            lora_names=[r.lora_name for r in self.reqs]
+            if any(r.lora_name is not None for r in self.reqs) else None,
         )

@@ -20,7 +20,10 @@ from framework.messages import (
     FlushCacheReqOutput,
     GetInfoReqInput,
     GetInfoReqOutput,
+    LoadLoraAdapterReqInput,
+    LoraAdapterReqOutput,
     Message,
+    UnloadLoraAdapterReqInput,
     UpdateWeightsFromDiskReqInput,
     UpdateWeightsFromDiskReqOutput,
 )
@@ -61,7 +64,26 @@ class SchedulerControl:
             return self.update_weights_from_disk(msg)
         if isinstance(msg, GetInfoReqInput):
             return GetInfoReqOutput(info=self.scheduler.get_info())
+        if isinstance(msg, LoadLoraAdapterReqInput):
+            ok, message = self.scheduler.worker.load_lora_adapter(msg.lora_name, msg.lora_path)
+            return LoraAdapterReqOutput(success=ok, message=message)
+        if isinstance(msg, UnloadLoraAdapterReqInput):
+            return self.unload_lora_adapter(msg.lora_name)
         return ErrorReply(message=f"unknown RPC request {type(msg).__name__}")
+
+    def unload_lora_adapter(self, name: str) -> LoraAdapterReqOutput:
+        """Unload adapter ``name``; refused while requests use it. Its prefix-cache key
+        space is retired, so that an adapter loaded later under the name reuses no KV."""
+        scheduler = self.scheduler
+        users = sum(req.lora_name == name for req in scheduler.queues.all())
+        if users:
+            return LoraAdapterReqOutput(
+                success=False, message=f"LoRA adapter {name!r} is in use by {users} "
+                                       "requests; unload it when they end")
+        ok, message = scheduler.worker.unload_lora_adapter(name)
+        if ok:
+            scheduler.intake.retire_lora(name)
+        return LoraAdapterReqOutput(success=ok, message=message)
 
     def flush_cache(self) -> FlushCacheReqOutput:
         """Drop every cached prefix; refused while requests are in flight."""

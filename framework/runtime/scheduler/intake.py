@@ -44,6 +44,10 @@ class Intake:
         self.kv_slots = kv_slots
         self.vocab_size = vocab_size
         self.is_embedding = is_embedding
+        #: Each LoRA adapter's prefix-cache key space (``Req.lora_key``), by name; never
+        #: reused, so that an adapter reloaded under a name gets a fresh one.
+        self.lora_keys: dict[str, int] = {}
+        self._lora_keys_made = 0
 
     def handle(self, msg: Message) -> None:
         """Queue a new request or apply an abort."""
@@ -65,6 +69,8 @@ class Intake:
             sampling_params=params, stream=msg.stream, return_logprob=msg.return_logprob,
             top_logprobs_num=msg.top_logprobs_num, logprob_start_len=msg.logprob_start_len,
             stream_interval=params.stream_interval or self.server_args.stream_interval,
+            lora_name=msg.lora_name,
+            lora_key=self.lora_key(msg.lora_name),
         )
         self.add(req)  # checked with the max_new_tokens asked for
         if req.finished_reason is not None:
@@ -76,6 +82,19 @@ class Intake:
             params.max_new_tokens = room
             params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
         self.grammars.prefetch(req)  # compiles while the request waits
+
+    def lora_key(self, name: str | None) -> int:
+        """The prefix-cache key space of adapter ``name`` (0: the base model)."""
+        if name is None:
+            return 0
+        if name not in self.lora_keys:
+            self._lora_keys_made += 1
+            self.lora_keys[name] = self._lora_keys_made
+        return self.lora_keys[name]
+
+    def retire_lora(self, name: str) -> None:
+        """Forget adapter ``name``'s key space (it was unloaded)."""
+        self.lora_keys.pop(name, None)
 
     @property
     def capacity(self) -> int:

@@ -94,6 +94,14 @@ class OverlapWorker(ModelWorker):
                 torch.tensor(last, dtype=torch.int64, device=self._ring.device)
         return result
 
+    def load_lora_adapter(self, name: str, path: str) -> tuple[bool, str]:
+        """The inner worker's, between its steps (on its thread)."""
+        return self._thread.submit(self.inner.load_lora_adapter, name, path).result()
+
+    def unload_lora_adapter(self, name: str) -> tuple[bool, str]:
+        """The inner worker's, between its steps (on its thread)."""
+        return self._thread.submit(self.inner.unload_lora_adapter, name).result()
+
     def update_weights_from_disk(self, model_path: str, load_format: str = "auto"
                                  ) -> tuple[bool, str]:
         """The inner worker's update, on the worker's thread (after the steps queued)."""

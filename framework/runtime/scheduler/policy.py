@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 from framework.forward_batch import ForwardMode
 from framework.mem_cache.memory_pool import ReqToTokenPool
-from framework.mem_cache.prefix_cache import PrefixCache
+from framework.mem_cache.prefix_cache import PrefixCache, request_cache_key
 from framework.runtime.request import Req
 from framework.runtime.scheduler.batch import ScheduledBatch
 
@@ -82,7 +82,7 @@ class LpmPolicy(SchedulePolicy):
 
 def admission_key(req: Req) -> list[int]:
     """The tokens whose cached prefix a request may reuse (``Req.prefix_limit``)."""
-    return req.fill_ids[: req.prefix_limit()]
+    return request_cache_key(req, req.prefix_limit())
 
 
 class PrefillAdder:

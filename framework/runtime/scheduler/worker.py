@@ -113,6 +113,14 @@ class ModelWorker(ABC):
         """Load another checkpoint of the same shapes: ``(success, message)``; on failure
         the previous weights keep serving."""
 
+    def load_lora_adapter(self, name: str, path: str) -> tuple[bool, str]:
+        """Load LoRA adapter ``name`` from ``path``: ``(success, message)``."""
+        return False, "this model worker serves no LoRA adapters"
+
+    def unload_lora_adapter(self, name: str) -> tuple[bool, str]:
+        """Unload LoRA adapter ``name``: ``(success, message)``."""
+        return False, "this model worker serves no LoRA adapters"
+
     @abstractmethod
     def info(self) -> dict[str, Any]:
         """Fields for ``/get_server_info``: ``attention_backend``, ``linear_backend``,
@@ -169,6 +177,17 @@ class ModelRunnerWorker(ModelWorker):
         """``ModelRunner.update_weights_from_disk`` (all ranks or none)."""
         return self.runner.update_weights_from_disk(model_path, load_format)
 
+    def load_lora_adapter(self, name: str, path: str) -> tuple[bool, str]:
+        """Load and check the adapter here, on rank 0; the other ranks load it from the
+        path that the first step naming it carries (``LoraServing.describe``)."""
+        return _lora_call(self.runner, lambda lora: lora.load(name, path),
+                          f"loaded LoRA adapter {name!r}")
+
+    def unload_lora_adapter(self, name: str) -> tuple[bool, str]:
+        """Free the adapter's slot here; the other ranks' copies are never named again."""
+        return _lora_call(self.runner, lambda lora: lora.unload(name),
+                          f"unloaded LoRA adapter {name!r}")
+
     def info(self) -> dict[str, Any]:
         """The runner's backends, device and dtype, each rank's pid and bytes of weights
         and KV cache, and the pipeline micro-batches run so far (rank 0's)."""
@@ -181,3 +200,14 @@ class ModelRunnerWorker(ModelWorker):
             "device": str(runner.device),
             "dtype": str(runner.dtype).removeprefix("torch."),
         }
+
+
+def _lora_call(runner: ModelRunner, action: Any, done: str) -> tuple[bool, str]:
+    """``action(runner.lora)`` as ``(success, message)``, the error's message on failure."""
+    if runner.lora is None:
+        return False, "LoRA is not enabled: start with --lora-paths or --max-loaded-loras"
+    try:
+        action(runner.lora)
+    except (KeyError, ValueError, RuntimeError, OSError) as exc:
+        return False, str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)
+    return True, done

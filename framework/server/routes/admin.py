@@ -103,6 +103,18 @@ class AdminRoutes(RouteBase):
         return _operation_reply(reply.success, reply.message,
                                 num_paused_requests=reply.num_paused_requests)
 
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """``POST /load_lora_adapter``: load a LoRA adapter under a name requests may use."""
+        body = await parse_body(request, oai.LoadLoraAdapterBody)
+        reply = await self.tm.load_lora_adapter(body.lora_name, body.lora_path)
+        return _operation_reply(reply.success, reply.message)
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """``POST /unload_lora_adapter``: unload a LoRA adapter (refused while in use)."""
+        body = await parse_body(request, oai.UnloadLoraAdapterBody)
+        reply = await self.tm.unload_lora_adapter(body.lora_name)
+        return _operation_reply(reply.success, reply.message)
+
 
 
 def _operation_reply(success: bool, message: str, **extra: Any) -> JSONResponse:

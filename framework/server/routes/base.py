@@ -38,11 +38,17 @@ class RouteBase:
         self.state = state
         self.tm = state.tokenizer_manager
 
-    def _check_model(self, model: str | None) -> None:
-        """404 ``model_not_found`` (as OpenAI answers) for a model this server does not serve."""
-        if model is not None and model not in (self.state.model_name, self.state.model_path):
-            raise ApiError(f"The model `{model}` does not exist; this server serves "
-                           f"`{self.state.model_name}`", 404, "model_not_found", "model")
+    def _check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter ``model`` names (``<adapter>`` or ``<served-model>:<adapter>``),
+        None for the base model; 404 ``model_not_found`` (as OpenAI answers) for a model
+        this server does not serve."""
+        if model is None or model in (self.state.model_name, self.state.model_path):
+            return None
+        adapter = model.removeprefix(f"{self.state.model_name}:")
+        if adapter in self.tm.lora_names:
+            return adapter
+        raise ApiError(f"The model `{model}` does not exist; this server serves "
+                       f"`{self.state.model_name}`", 404, "model_not_found", "model")
 
     def _check_generation(self) -> None:
         if self.state.model.is_embedding:
@@ -50,17 +56,19 @@ class RouteBase:
 
     async def _prepare_all(self, prompts: list[tuple[str | None, list[int] | None]],
                            params: SamplingParams, stream: bool, logprobs: int | None,
-                           prompt_logprobs: bool = False) -> list[PreparedRequest]:
+                           prompt_logprobs: bool = False,
+                           lora_path: str | None = None) -> list[PreparedRequest]:
         """One checked request per prompt and choice (``n``) of an OpenAI route.
 
         Every value is checked here, once for the whole API request (the prompts share
         ``params``). With ``prompt_logprobs`` (and ``logprobs``), the prompt's logprobs
-        come back too.
+        come back too. ``lora_path``: the LoRA adapter every prompt runs with.
         """
         return await self.tm.prepare_choices([GenerateRequest(
             text=text, input_ids=ids, sampling_params=params, stream=stream,
             return_logprob=logprobs is not None, top_logprobs_num=logprobs or 0,
             logprob_start_len=0 if prompt_logprobs and logprobs is not None else -1,
+            lora_path=lora_path,
         ) for text, ids in prompts])
 
     def _check_context(self, reqs: list[PreparedRequest], field: str,

@@ -72,11 +72,12 @@ class NativeRoutes(RouteBase):
             text=text, input_ids=ids, sampling_params=each, stream=body.stream,
             return_logprob=logprob, top_logprobs_num=top, logprob_start_len=start,
             return_text_in_logprobs=body.return_text_in_logprobs,
-            rid=rid if each.n == 1 else None,
-        ) for (text, ids), each, logprob, top, start, rid in zip(
+            rid=rid if each.n == 1 else None, lora_path=lora,
+        ) for (text, ids), each, logprob, top, start, rid, lora in zip(
             prompts, params, body.per_prompt("return_logprob", len(prompts)),
             body.per_prompt("top_logprobs_num", len(prompts)),
-            body.per_prompt("logprob_start_len", len(prompts)), rids, strict=True)])
+            body.per_prompt("logprob_start_len", len(prompts)), rids,
+            body.per_prompt("lora_path", len(prompts)), strict=True)])
         if body.stream:
             async def events() -> AsyncIterator[dict[str, Any]]:
                 async for i, out in merge_streams([self._generate(r) for r in reqs]):

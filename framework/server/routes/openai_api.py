@@ -77,7 +77,7 @@ class OpenAIRoutes(RouteBase):
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``: OpenAI's legacy completions, streamed or not."""
         body = await parse_body(request, oai.CompletionRequest)
-        self._check_model(body.model)
+        adapter = self._check_model(body.model)
         body.check_unsupported()
         body.check_stream_options()
         self._check_generation()
@@ -86,7 +86,8 @@ class OpenAIRoutes(RouteBase):
         prompts = oai.split_prompts(body.prompt, "prompt", self.state.model.vocab_size)
         with body.naming_fields(field):
             reqs = await self._prepare_all(prompts, params, body.stream,
-                                           body.top_logprobs_num(), prompt_logprobs=body.echo)
+                                           body.top_logprobs_num(), prompt_logprobs=body.echo,
+                                           lora_path=adapter)
         self._check_context(reqs, field, max_tokens)
         prefix = [self._prompt_text(r) for r in reqs[::params.n]] if body.echo else None
         if body.stream:
@@ -205,7 +206,8 @@ class OpenAIRoutes(RouteBase):
         keep_markers(params, tools.markers + reasoning_markers(reasoning), self.tm.tokenizer)
         with body.naming_fields(field):
             reqs = await self._prepare_all([(None, prompt)], params, body.stream,
-                                           body.top_logprobs_num())
+                                           body.top_logprobs_num(),
+                                           lora_path=self._check_model(body.model))
         self._check_context(reqs, field, max_tokens)
         return reqs, [self._choice_output(tools, thinking) for _ in reqs]
 
@@ -290,11 +292,19 @@ class OpenAIRoutes(RouteBase):
             "max_model_len": self.state.model.context_len,
         }
 
+    def _adapter_card(self, name: str) -> dict[str, Any]:
+        """A LoRA adapter's entry, its ``parent`` the base model (as vLLM lists them)."""
+        return {"id": name, "object": "model", "created": self.state.created,
+                "owned_by": "framework", "root": name, "parent": self.state.model_name,
+                "max_model_len": self.state.model.context_len}
+
     async def models(self, request: Request) -> Response:
-        """``GET /v1/models``: the served model, as a list of one."""
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        """``GET /v1/models``: the served model, then its LoRA adapters."""
+        return JSONResponse({"object": "list", "data": [self._model_card()] + [
+            self._adapter_card(name) for name in sorted(self.tm.lora_names)]})
 
     async def retrieve_model(self, request: Request) -> Response:
-        """``GET /v1/models/{model}``: the served model, or 404 for any other id."""
-        self._check_model(request.path_params["model"])
-        return JSONResponse(self._model_card())
+        """``GET /v1/models/{model}``: the served model or one of its adapters, or 404."""
+        adapter = self._check_model(request.path_params["model"])
+        return JSONResponse(self._model_card() if adapter is None
+                            else self._adapter_card(adapter))

@@ -1,0 +1,73 @@
+"""Online quantization of a loaded model's linear layers (``--quantization int8|fp8``).
+
+After the float weights load, each ``LinearBase`` layer's local weight (its tensor-parallel
+shard) is quantized per output channel, handed to the quantized-linear kernel's ``prepare``,
+and its float copy is freed; the layer then multiplies through the kernel's ``apply``.
+The LM head and embeddings are not ``LinearBase`` layers and stay float.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from framework.layers.linear import LinearBase
+from framework.layers.quantization.fp8 import Fp8Weight
+from framework.layers.quantization.int8 import Int8Weight
+from framework.layers.quantization.weights import QuantizedWeight
+from framework.registry import QUANT_LINEAR_BACKENDS
+
+#: The formats quantized online from a float checkpoint, by ``--quantization`` name.
+ONLINE_FORMATS: dict[str, type[Int8Weight] | type[Fp8Weight]] = {
+    "int8": Int8Weight, "fp8": Fp8Weight}
+
+
+def resolve_quant_backend(name: str, device: torch.device) -> str:
+    """``auto`` → ``cpu`` on a CPU, else ``torch``; any other name must be registered.
+
+    Raises:
+        ValueError: a name no quantized-linear kernel is registered under.
+    """
+    if name == "auto":
+        return "cpu" if device.type == "cpu" else "torch"
+    QUANT_LINEAR_BACKENDS.get(name)  # raises on an unknown name
+    return name
+
+
+def quantize_linear_layers(model: nn.Module, quantization: str, backend: str) -> int:
+    """Quantize every ``LinearBase`` of ``model`` online; returns how many layers.
+
+    Raises:
+        ValueError: a ``quantization`` that is not quantized online from float weights.
+    """
+    if quantization not in ONLINE_FORMATS:
+        raise ValueError(f"online quantization supports {sorted(ONLINE_FORMATS)}, "
+                         f"got {quantization!r}")
+    kernel: Any = QUANT_LINEAR_BACKENDS.get(backend)()
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    for layer in layers:
+        weight = ONLINE_FORMATS[quantization].from_float(layer.weight.data)
+        attach_quantized_weight(layer, weight, kernel)
+    return len(layers)
+
+
+def attach_quantized_weight(layer: LinearBase, weight: QuantizedWeight, kernel: Any) -> None:
+    """Make ``layer`` multiply by ``weight`` through ``kernel`` and free its float weight.
+
+    The float parameter stays (empty, same dtype and device) so code reading its
+    dtype still works; the layer's shape is ``weight.shape``.
+    """
+    layer.quant_weight = kernel.prepare(weight)
+    layer.quant_kernel = kernel
+    layer.packed_weight = None
+    layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device)
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """Bytes of the quantized tensors every quantized ``LinearBase`` of ``model`` holds."""
+    return sum(t.numel() * t.element_size()
+               for m in model.modules()
+               if isinstance(m, LinearBase) and m.quant_weight is not None
+               for t in m.quant_weight.tensors.values())

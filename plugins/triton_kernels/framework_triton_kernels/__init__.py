@@ -1,0 +1,1 @@
+"""Triton kernels for framework's LoRA registry (segmented shrink/expand)."""

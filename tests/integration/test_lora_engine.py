@@ -1,0 +1,173 @@
+"""LoRA adapters through the Engine: a batch mixing the base model and three adapters.
+
+Each prompt runs under the base model and every adapter, after the mixed batch
+cached it: KV shared across adapters in the prefix cache would change the tokens.
+
+Three PEFT adapters of different ranks and targets (random A and B:
+``init_lora_weights=False``) are served at once. The greedy tokens of a batch
+mixing them with base-model requests must equal each adapter served alone and
+transformers + peft with the adapter merged (float64); under TP=2 as well.
+Selecting adapter 0 for every row instead must change the tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from framework import Engine
+from framework.lora import serving
+from framework.lora.batch import NO_SLOT
+from tests.model_fixtures import (
+    make_tiny_checkpoint,
+    make_tiny_tokenizer,
+    reference_model,
+    transformers_greedy,
+)
+
+PROMPTS = ["the quick brown fox", "hello world, this is a test", "def add(a, b):", "x",
+           "once upon a time", "print(add(2, 3))", "a b c d e f", "the end"]
+NEW_TOKENS = 8
+GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+ENGINE_ARGS = {"log_level": "warning", "dtype": "float32", "launch_mode": "thread"}
+#: name -> (rank, alpha, targets, rsLoRA)
+ADAPTERS: dict[str, tuple[int, int, list[str], bool]] = {
+    "attn4": (4, 8, ["q_proj", "v_proj"], False),
+    "all8": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], True),
+    "mlp2": (2, 4, ["gate_proj", "up_proj", "down_proj"], False),
+}
+#: Each prompt's adapter in the mixed batch: base and every adapter, twice.
+MIXED = [None, "attn4", "all8", "mlp2"] * 2
+
+
+def _make_adapter(base_dir: Path, out_dir: Path, seed: int, rank: int, alpha: int,
+                  targets: list[str], rslora: bool) -> Path:
+    import peft
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                             use_rslora=rslora, init_lora_weights=False, lora_dropout=0.0)
+    peft_model = peft.get_peft_model(model, config)
+    with torch.no_grad():  # B large enough that every adapter changes the greedy tokens
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)
+    peft_model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def lora_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    base = make_tiny_checkpoint(root, "llama", seed=21)
+    dirs: dict[str, Path] = {"base": base}
+    for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        dirs[name] = _make_adapter(base, root / name, seed, rank, alpha, targets, rslora)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def prompt_ids() -> list[list[int]]:
+    tokenizer = make_tiny_tokenizer()
+    return [tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(lora_dirs: dict[str, Path], prompt_ids: list[list[int]]
+              ) -> dict[str | None, list[list[int]]]:
+    """Greedy tokens of every prompt from transformers (+ peft, merged), float64."""
+    import peft
+
+    tokens: dict[str | None, list[list[int]]] = {}
+    for name in (None, *ADAPTERS):
+        model = reference_model(lora_dirs["base"])
+        if name is not None:
+            model = peft.PeftModel.from_pretrained(model, lora_dirs[name]).merge_and_unload()
+        tokens[name] = [transformers_greedy(model.double(), ids, NEW_TOKENS)[0]
+                        for ids in prompt_ids]
+    return tokens
+
+
+def _lora_paths(lora_dirs: dict[str, Path]) -> list[str]:
+    return [f"{name}={lora_dirs[name]}" for name in ADAPTERS]
+
+
+def _mixed(engine: Engine, prompt_ids: list[list[int]]) -> list[list[int]]:
+    outs = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY, lora_path=MIXED)
+    return [o["output_ids"] for o in outs]
+
+
+def _expected(reference: dict[str | None, list[list[int]]]) -> list[list[int]]:
+    return [reference[name][i] for i, name in enumerate(MIXED)]
+
+
+def test_adapters_change_the_base_model_s_tokens(
+        reference: dict[str | None, list[list[int]]]) -> None:
+    for name in ADAPTERS:
+        differ = sum(a != b for a, b in zip(reference[name], reference[None], strict=True))
+        assert differ >= len(PROMPTS) / 2, f"{name} changes only {differ} prompts"
+
+
+@pytest.mark.timeout(300)
+def test_mixed_batch_equals_each_alone_and_peft(
+        lora_dirs: dict[str, Path], prompt_ids: list[list[int]],
+        reference: dict[str | None, list[list[int]]]) -> None:
+    with Engine(model_path=str(lora_dirs["base"]), lora_paths=_lora_paths(lora_dirs),
+                **ENGINE_ARGS) as engine:
+        mixed = _mixed(engine, prompt_ids)
+        alone = {name: [o["output_ids"] for o in engine.generate(
+            input_ids=prompt_ids, sampling_params=GREEDY, lora_path=name)]
+            for name in (None, *ADAPTERS)}
+        # Running each prompt again under every adapter reads the prefix cache the mixed
+        # batch filled: any KV shared across adapters would change these tokens.
+        assert engine.get_server_info()["kv_cache_idle_and_free"] is True
+    assert mixed == _expected(reference)
+    for name in (None, *ADAPTERS):
+        assert alone[name] == reference[name], name
+
+
+@pytest.mark.timeout(300)
+def test_every_row_on_adapter_zero_changes_tokens(
+        lora_dirs: dict[str, Path], prompt_ids: list[list[int]],
+        reference: dict[str | None, list[list[int]]], monkeypatch: pytest.MonkeyPatch) -> None:
+    build = serving.LoraBatch.build
+
+    def first_slot_for_all(request_slots: list[int], *args: Any, **kwargs: Any) -> Any:
+        return build([0 if slot != NO_SLOT else NO_SLOT for slot in request_slots],
+                     *args, **kwargs)
+
+    monkeypatch.setattr(serving.LoraBatch, "build", first_slot_for_all)
+    with Engine(model_path=str(lora_dirs["base"]), lora_paths=_lora_paths(lora_dirs),
+                **ENGINE_ARGS) as engine:
+        broken = _mixed(engine, prompt_ids)
+    assert broken != _expected(reference)
+
+
+def test_unknown_adapter_is_refused(lora_dirs: dict[str, Path]) -> None:
+    with Engine(model_path=str(lora_dirs["base"]), lora_paths=_lora_paths(lora_dirs),
+                **ENGINE_ARGS) as engine, pytest.raises(ValueError, match="lora_path"):
+        engine.generate("hello", GREEDY, lora_path="nope")
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_give_the_mixed_batch_s_tokens(
+        lora_dirs: dict[str, Path], prompt_ids: list[list[int]],
+        reference: dict[str | None, list[list[int]]]) -> None:
+    with Engine(model_path=str(lora_dirs["base"]), lora_paths=_lora_paths(lora_dirs),
+                tp_size=2, **{**ENGINE_ARGS, "launch_mode": "process"}) as engine:
+        mixed = _mixed(engine, prompt_ids)
+    assert mixed == _expected(reference)
+
+
+def test_weights_update_with_adapters_loaded(lora_dirs: dict[str, Path]) -> None:
+    with Engine(model_path=str(lora_dirs["base"]), lora_paths=_lora_paths(lora_dirs),
+                **ENGINE_ARGS) as engine:
+        before = engine.generate("hello", GREEDY, lora_path="all8")["output_ids"]
+        reply = engine.update_weights_from_disk(str(lora_dirs["base"]))
+        assert reply.success, reply.message
+        assert engine.generate("hello", GREEDY, lora_path="all8")["output_ids"] == before
