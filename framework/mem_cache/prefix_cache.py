@@ -71,7 +71,7 @@ def cache_key(tokens: list[int], adapter_key: int) -> list[int]:
 def request_cache_key(req: CachedRequest, end: int) -> list[int]:
     """The key of ``req.fill_ids[:end]``, in the key space of the request's LoRA adapter
     (its ``lora_key``; a request without one runs the base model)."""
-    return cache_key(list(req.fill_ids[:end]), getattr(req, "lora_key", 0))
+    return cache_key(req.fill_ids[:end], getattr(req, "lora_key", 0))
 
 
 @dataclass(frozen=True)

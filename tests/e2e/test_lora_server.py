@@ -17,9 +17,8 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.test_lora_engine import ADAPTERS, NEW_TOKENS, _make_adapter
+from tests.integration.test_lora_engine import ADAPTERS, NEW_TOKENS, make_lora_dirs
 from tests.model_fixtures import (
-    make_tiny_checkpoint,
     make_tiny_tokenizer,
     reference_model,
     transformers_greedy,
@@ -32,12 +31,7 @@ SERVED = "tiny"
 
 @pytest.fixture(scope="module")
 def lora_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("lora_server")
-    base = make_tiny_checkpoint(root, "llama", seed=21)
-    dirs: dict[str, Path] = {"base": base}
-    for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
-        dirs[name] = _make_adapter(base, root / name, seed, rank, alpha, targets, rslora)
-    return dirs
+    return make_lora_dirs(tmp_path_factory.mktemp("lora_server"))
 
 
 @pytest.fixture(scope="module")

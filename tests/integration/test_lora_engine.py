@@ -61,14 +61,18 @@ def _make_adapter(base_dir: Path, out_dir: Path, seed: int, rank: int, alpha: in
     return out_dir
 
 
-@pytest.fixture(scope="module")
-def lora_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("lora")
+def make_lora_dirs(root: Path) -> dict[str, Path]:
+    """The tiny Llama (``base``) and each of ``ADAPTERS`` for it, under ``root``."""
     base = make_tiny_checkpoint(root, "llama", seed=21)
     dirs: dict[str, Path] = {"base": base}
     for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
         dirs[name] = _make_adapter(base, root / name, seed, rank, alpha, targets, rslora)
     return dirs
+
+
+@pytest.fixture(scope="module")
+def lora_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_lora_dirs(tmp_path_factory.mktemp("lora"))
 
 
 @pytest.fixture(scope="module")

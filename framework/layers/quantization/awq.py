@@ -26,6 +26,7 @@ from framework.layers.quantization.weights import (
     QuantizedWeight,
     effective_group_size,
     pack_int4,
+    require_tensors,
     round_scale_up_to_half,
     unpack_int4,
 )
@@ -49,9 +50,7 @@ class AwqWeight(QuantizedWeight):
         Raises:
             ValueError: a missing tensor or shapes that do not fit together.
         """
-        missing = {"qweight", "qzeros", "scales"} - tensors.keys()
-        if missing:
-            raise ValueError(f"AWQ weight lacks {sorted(missing)}")
+        require_tensors(tensors, ("qweight", "qzeros", "scales"), "AWQ")
         qweight = tensors["qweight"]
         in_features, out_features = qweight.shape[0], qweight.shape[1] * 8
         groups = in_features // effective_group_size(group_size, in_features)

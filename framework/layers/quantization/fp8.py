@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from framework.layers.quantization.weights import QuantizedWeight
+from framework.layers.quantization.weights import QuantizedWeight, require_tensors
 
 #: The largest finite float8_e4m3fn value.
 FP8_MAX = 448.0
@@ -38,9 +38,7 @@ class Fp8Weight(QuantizedWeight):
             ValueError: a missing tensor, a weight that is not E4M3, or a scale that is
                 neither per tensor nor per output channel.
         """
-        missing = {"weight", "weight_scale"} - tensors.keys()
-        if missing:
-            raise ValueError(f"FP8 weight lacks {sorted(missing)}")
+        require_tensors(tensors, ("weight", "weight_scale"), "FP8")
         weight, scale = tensors["weight"], tensors["weight_scale"]
         if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
             raise ValueError(f"FP8 weight must be a 2-D float8_e4m3fn, got {weight.dtype} "

@@ -31,6 +31,7 @@ from framework.layers.quantization.weights import (
     QuantizedWeight,
     effective_group_size,
     pack_int4,
+    require_tensors,
     round_scale_up_to_half,
     unpack_int4,
 )
@@ -54,9 +55,7 @@ class GptqWeight(QuantizedWeight):
         Raises:
             ValueError: a missing tensor or shapes that do not fit together.
         """
-        missing = {"qweight", "qzeros", "scales"} - tensors.keys()
-        if missing:
-            raise ValueError(f"GPTQ weight lacks {sorted(missing)}")
+        require_tensors(tensors, ("qweight", "qzeros", "scales"), "GPTQ")
         qweight = tensors["qweight"]
         in_features, out_features = qweight.shape[0] * 8, qweight.shape[1]
         size = effective_group_size(group_size, in_features)

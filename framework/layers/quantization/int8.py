@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from framework.layers.quantization.weights import QuantizedWeight
+from framework.layers.quantization.weights import QuantizedWeight, require_tensors
 
 #: The largest magnitude written (symmetric: -128 is left unused).
 INT8_MAX = 127
@@ -33,9 +33,7 @@ class Int8Weight(QuantizedWeight):
         Raises:
             ValueError: a missing tensor, or a dtype or shape that does not fit.
         """
-        missing = {"qweight", "scale"} - tensors.keys()
-        if missing:
-            raise ValueError(f"int8 weight lacks {sorted(missing)}")
+        require_tensors(tensors, ("qweight", "scale"), "int8")
         qweight, scale = tensors["qweight"], tensors["scale"]
         if qweight.dtype != torch.int8 or qweight.dim() != 2:
             raise ValueError(f"int8 qweight must be a 2-D int8, got {qweight.dtype} "

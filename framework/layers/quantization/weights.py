@@ -49,6 +49,17 @@ class QuantizedWeight(ABC):
         """The float32 matrix ``[out, in]`` this weight stands for."""
 
 
+def require_tensors(tensors: dict[str, torch.Tensor], names: Sequence[str], what: str) -> None:
+    """Check that a layer's checkpoint ``tensors`` hold every one of ``names``.
+
+    Raises:
+        ValueError: naming the ``what`` weight and the tensors it lacks.
+    """
+    missing = set(names) - tensors.keys()
+    if missing:
+        raise ValueError(f"{what} weight lacks {sorted(missing)}")
+
+
 def effective_group_size(group_size: int, in_features: int) -> int:
     """``group_size``, with ``-1`` (one group) resolved to ``in_features``.
 
