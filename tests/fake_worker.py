@@ -71,6 +71,8 @@ class ForwardCall:
     mode: str
     prefix_lens: list[int]
     extend_lens: list[int]
+    #: Each request's LoRA adapter (None: the base model), when any request names one.
+    lora_names: list[str | None] | None = None
 
 
 class FakeModelWorker(ModelWorker):
@@ -108,6 +110,14 @@ class FakeModelWorker(ModelWorker):
                                         sample, forward_seconds)
         return StepResult.one_token_each(sample, forward_seconds)
 
+    def load_lora_adapter(self, name: str, path: str) -> tuple[bool, str]:
+        """Nothing to load: the fake model answers alike under every adapter."""
+        return True, f"loaded LoRA adapter {name!r}"
+
+    def unload_lora_adapter(self, name: str) -> tuple[bool, str]:
+        """Nothing to free."""
+        return True, f"unloaded LoRA adapter {name!r}"
+
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The next-token logits of each request, and those at its prompt-logprob rows (and
         a verify step's draft rows)."""
@@ -119,7 +129,7 @@ class FakeModelWorker(ModelWorker):
         prefix_lens = batch.extend_prefix_lens_cpu if extend else [
             n - 1 for n in batch.seq_lens_cpu or []]
         self.calls.append(ForwardCall(batch.forward_mode.name.lower(), list(prefix_lens or []),
-                                      list(new_lens or [])))
+                                      list(new_lens or []), batch.lora_names))
         logits = torch.full((batch.batch_size, TINY_VOCAB_SIZE), -30.0)
         for i, seq_len in enumerate(batch.seq_lens_cpu or []):
             row = int(batch.req_pool_indices[i])

@@ -84,7 +84,9 @@ class ServingBenchSettings:
     """The server to load, the workload and the limits of one run."""
 
     base_url: str = DEFAULT_BASE_URL
-    model: str | None = None  # None: the first model of GET /v1/models
+    # None: the first model of GET /v1/models; several names, comma-separated, are asked for
+    # in turn (request i names the i-th modulo their count: LoRA adapters, say).
+    model: str | None = None
     api_key: str | None = None
     num_prompts: int = 200
     input_len: int = 1024
@@ -193,6 +195,12 @@ class ServerInfo:
     model: str
     max_model_len: int | None
     stream_interval: int
+    #: Every model name asked for, in turn (``model`` is the first).
+    models: tuple[str, ...] = ()
+
+    def model_of(self, prompt: Prompt) -> str:
+        """The model name ``prompt``'s request asks for."""
+        return self.models[prompt.index % len(self.models)] if self.models else self.model
 
 
 # --------------------------------------------------------------------------- the workload
@@ -395,7 +403,8 @@ async def probe_server(client: httpx.AsyncClient, settings: ServingBenchSettings
               if isinstance(m, dict) and "id" in m]
     if settings.model is None and not models:
         raise ValueError(f"{client.base_url}/v1/models lists no model; name one with --model")
-    model = settings.model or models[0]["id"]
+    names = tuple(settings.model.split(",")) if settings.model else (models[0]["id"],)
+    model = names[0]
     entry = next((m for m in models if m.get("id") == model), {})
     interval = settings.stream_interval
     if interval is None:
@@ -405,7 +414,7 @@ async def probe_server(client: httpx.AsyncClient, settings: ServingBenchSettings
             interval = int(info.get("stream_interval") or 1)
         except (OSError, ValueError, AttributeError):
             interval = 1
-    return ServerInfo(model, entry.get("max_model_len"), interval)
+    return ServerInfo(model, entry.get("max_model_len"), interval, names)
 
 
 async def _prompt_tokens(client: httpx.AsyncClient, model: str, text: str,
@@ -501,7 +510,7 @@ async def send_request(client: httpx.AsyncClient, prompt: Prompt, server: Server
                        run_start: float) -> None:
     """One request, bounded by ``--request-timeout``; every failure ends in ``record.error``."""
     body = {
-        "model": server.model, "prompt": prompt.text, "max_tokens": prompt.output_len,
+        "model": server.model_of(prompt), "prompt": prompt.text, "max_tokens": prompt.output_len,
         "temperature": 0, "ignore_eos": True, "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -615,7 +624,7 @@ async def _run(settings: ServingBenchSettings) -> tuple[RunOutcome, dict[str, An
         after = await scheduler_seconds(client, timeout)
     context = {
         "scheduler_time": step_split(before, after),
-        "base_url": settings.root_url, "model": server.model,
+        "base_url": settings.root_url, "model": ",".join(server.models) or server.model,
         "stream_interval": server.stream_interval,
         "calibration": asdict(calibration), "max_in_flight": outcome.max_in_flight,
         "hit_run_limit": outcome.hit_run_limit,
@@ -806,7 +815,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--base-url", default=d.base_url, metavar="URL",
                         help=f"the server (default: {d.base_url}); a trailing /v1 is allowed")
     server.add_argument("--model", metavar="NAME",
-                        help="model to ask for (default: the first of GET /v1/models)")
+                        help="model to ask for (default: the first of GET /v1/models); "
+                        "several, comma-separated, are asked for in turn (e.g. LoRA adapters)")
     server.add_argument("--api-key", metavar="KEY", help="sent as a bearer token (not written)")
     server.add_argument("--stream-interval", type=int, metavar="N",
                         help="tokens per streamed chunk (default: the server's, from "

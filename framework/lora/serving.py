@@ -20,7 +20,7 @@ from framework.forward_batch import ForwardBatch
 from framework.lora.adapter import LoraAdapter
 from framework.lora.batch import NO_SLOT, LoraBatch
 from framework.lora.layers import LoraModel, apply_lora
-from framework.lora.names import parse_lora_paths
+from framework.lora.names import lora_slot_count, parse_lora_paths
 from framework.lora.slots import LoraSlots
 
 #: Projections an adapter loaded at run time may target when no ``--lora-paths``
@@ -59,7 +59,7 @@ class LoraServing:
         paths = parse_lora_paths(entries)
         adapters = [LoraAdapter.load(path, name) for name, path in paths.items()]
         rank = max_rank if max_rank is not None else max((a.rank for a in adapters), default=16)
-        loaded = max_loaded if max_loaded is not None else max(len(adapters), 1)
+        loaded = lora_slot_count(max_loaded, entries)
         if len(adapters) > loaded:
             raise ValueError(f"{len(adapters)} --lora-paths adapters but --max-loaded-loras "
                              f"is {loaded}")

@@ -33,6 +33,7 @@ from framework.messages import (
     AbortReq,
     ErrorReply,
     FlushCacheReqOutput,
+    LoraAdapterReqOutput,
     Message,
     SchedulerMetrics,
     TokenizedEmbeddingReqInput,
@@ -361,11 +362,11 @@ def merge_replies(replies: Sequence[Message]) -> Message:
     if len(replies) == 1:
         return replies[0]
     first = replies[0]
-    if isinstance(first, FlushCacheReqOutput):
+    if isinstance(first, (FlushCacheReqOutput, LoraAdapterReqOutput)):
         success = all(getattr(r, "success", False) for r in replies)
         message = "; ".join(f"{replica_name(i)}: {getattr(r, 'message', '') or 'ok'}"
                             for i, r in enumerate(replies))
-        return FlushCacheReqOutput(success=success, message=message)
+        return type(first)(success=success, message=message)
     return first
 
 

@@ -1,4 +1,5 @@
-"""The TokenizerManager's calls to the Schedulers: flush cache, update weights, get info.
+"""The TokenizerManager's calls to the Schedulers: flush cache, update weights, LoRA
+adapters, get info.
 
 Each call goes to every replica's Scheduler (through the ``DataParallelRouter``)
 and one exchange runs at a time; the replies of several replicas are merged
@@ -76,12 +77,30 @@ class SchedulerRpc:
             return await self.router.update_weights(msg, timeout=600.0)
 
     async def load_lora_adapter(self, name: str, path: str) -> Any:
-        """Load LoRA adapter ``name`` from ``path`` in every replica."""
-        return await self.call(LoadLoraAdapterReqInput(lora_name=name, lora_path=path))
+        """Load LoRA adapter ``name`` from ``path`` in every replica, or in none: where
+        some replica fails, those that loaded it unload it again."""
+        return await self._lora_everywhere(LoadLoraAdapterReqInput(lora_name=name, lora_path=path),
+                                           UnloadLoraAdapterReqInput(lora_name=name))
 
-    async def unload_lora_adapter(self, name: str) -> Any:
-        """Unload LoRA adapter ``name`` from every replica (refused while in use)."""
-        return await self.call(UnloadLoraAdapterReqInput(lora_name=name))
+    async def unload_lora_adapter(self, name: str, path: str) -> Any:
+        """Unload LoRA adapter ``name`` from every replica, or from none (refused while in
+        use): where some replica refuses, those that unloaded it load it from ``path``."""
+        return await self._lora_everywhere(UnloadLoraAdapterReqInput(lora_name=name),
+                                           LoadLoraAdapterReqInput(lora_name=name, lora_path=path))
+
+    async def _lora_everywhere(self, msg: Message, undo: Message) -> Message:
+        """``msg`` to every replica, then ``undo`` to those where it succeeded unless it
+        succeeded everywhere, in one turn; the merged reply."""
+        async with self._turn():
+            replies = await self.router.call_all(msg, timeout=600.0)
+            done = [i for i, reply in enumerate(replies) if getattr(reply, "success", False)]
+            if len(done) < len(replies):
+                await self.router.call_each(dict.fromkeys(done, undo), timeout=600.0)
+        check_replies(replies)
+        merged = merge_replies(replies)
+        if done and len(done) < len(replies):
+            merged.message += "; undone where it succeeded"  # type: ignore[attr-defined]
+        return merged
 
     async def scheduler_info(self) -> dict[str, Any]:
         """The Scheduler's state (memory, queues, configuration).

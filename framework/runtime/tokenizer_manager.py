@@ -23,7 +23,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
 
 from framework.comm.transport import Transport
@@ -110,7 +110,8 @@ class TokenizerManager:
         self._tokenizer = tokenizer
         self.server_args = server_args
         #: The LoRA adapters requests may name (``--lora-paths``, then loaded at run time).
-        self.lora_names: set[str] = set(parse_lora_paths(server_args.lora_paths))
+        #: The LoRA adapters served, and the directory each loads from.
+        self.lora_paths: dict[str, str] = parse_lora_paths(server_args.lora_paths)
         #: The served model (``start`` takes it from the Scheduler's ready message); until
         #: then None, and the checks that need it let requests through to the Scheduler's.
         self.model = model
@@ -233,7 +234,7 @@ class TokenizerManager:
         """Refuse (``RequestError``) the first value out of range in ``reqs``, the parts of
         one API request (or a request alone); no tokenizing (``check_values``)."""
         check_values(reqs, self.model)
-        check_lora(reqs, self.lora_names)
+        check_lora(reqs, self.lora_paths)
 
     def check_capacity(self) -> None:
         """Refuse (``OverloadedError``) a new request when the queue allowed is full; counted
@@ -387,25 +388,30 @@ class TokenizerManager:
         """Ask the Scheduler to flush its prefix cache."""
         return await self.scheduler_rpc.flush_cache()
 
+    @property
+    def lora_names(self) -> Collection[str]:
+        """The names of the LoRA adapters served."""
+        return self.lora_paths.keys()
+
     async def load_lora_adapter(self, name: str, path: str) -> Any:
         """Load LoRA adapter ``name`` (``SchedulerRpc.load_lora_adapter``); requests may name
         it once it is loaded."""
-        if name in self.lora_names:
+        if name in self.lora_paths:
             return LoraAdapterReqOutput(success=False,
                                         message=f"LoRA adapter {name!r} is already loaded")
         reply = await self.scheduler_rpc.load_lora_adapter(name, path)
         if reply.success:
-            self.lora_names.add(name)
+            self.lora_paths[name] = path
         return reply
 
     async def unload_lora_adapter(self, name: str) -> Any:
         """Unload LoRA adapter ``name``; new requests may no longer name it."""
-        if name not in self.lora_names:
+        if name not in self.lora_paths:
             return LoraAdapterReqOutput(success=False,
                                         message=f"LoRA adapter {name!r} is not loaded")
-        reply = await self.scheduler_rpc.unload_lora_adapter(name)
+        reply = await self.scheduler_rpc.unload_lora_adapter(name, self.lora_paths[name])
         if reply.success:
-            self.lora_names.discard(name)
+            del self.lora_paths[name]
         return reply
 
     async def update_weights_from_disk(self, model_path: str, load_format: str = "auto",

@@ -86,8 +86,8 @@ def _is_one_of(value: Any, candidates: tuple[Any, ...]) -> bool:
     return any(type(value) is type(c) and value == c for c in candidates)
 
 
-# Fields of both OpenAI routes (OpenAI's, and SGLang's and vLLM's extensions) that ask
-# for something this server does not do: LoRA adapters.
+# Fields of both OpenAI routes (OpenAI's, and SGLang's and vLLM's extensions) that this
+# server takes another way: a LoRA adapter is named by ``model`` on these routes.
 _UNSUPPORTED_SAMPLING: dict[str, tuple[Any, ...]] = {
     "lora_path": (None,),
 }

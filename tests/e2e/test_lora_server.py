@@ -10,8 +10,10 @@ with the base model as their parent; an unknown adapter is a 404
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -27,6 +29,8 @@ from tests.server_harness import ServerProcess, start_server
 
 PROMPT = "the quick brown fox"
 SERVED = "tiny"
+#: Tokens of a request that is still running while others load and unload adapters.
+LONG = 200
 
 
 @pytest.fixture(scope="module")
@@ -118,4 +122,38 @@ def test_load_and_unload_at_run_time(
         assert bad.status_code == 400
     assert _generate(server, "mlp2").json()["output_ids"] == reference["mlp2"]
     info = httpx.get(f"{base}/get_server_info", timeout=30).json()["scheduler"]
+    assert info["kv_cache_idle_and_free"] is True
+
+
+def test_adapters_load_and_unload_while_requests_run(
+        server: ServerProcess, lora_dirs: dict[str, Path]) -> None:
+    """A stream on one adapter runs while another adapter loads and serves: the stream's
+    tokens are those it gets alone, the loaded adapter's are those of its directory,
+    and unloading the stream's adapter is refused until it ends."""
+    base = server.base_url
+
+    def body(name: str, stream: bool) -> dict[str, Any]:
+        return {"text": PROMPT, "lora_path": name, "stream": stream,
+                "sampling_params": {"max_new_tokens": LONG, "temperature": 0,
+                                    "ignore_eos": True}}
+
+    with httpx.Client(timeout=120) as client:
+        alone = {name: client.post(f"{base}/generate", json=body(name, False)).json()[
+            "output_ids"] for name in ("attn4", "all8")}
+        with client.stream("POST", f"{base}/generate", json=body("attn4", True)) as stream:
+            events = (line.removeprefix("data: ") for line in stream.iter_lines()
+                      if line.startswith("data: "))
+            next(events)  # the request runs
+            refused = client.post(f"{base}/unload_lora_adapter", json={"lora_name": "attn4"})
+            assert refused.status_code == 400 and "in use by 1 requests" in refused.text
+            loaded = client.post(f"{base}/load_lora_adapter", json={
+                "lora_name": "late", "lora_path": str(lora_dirs["all8"])})
+            assert loaded.json()["success"] is True, loaded.text
+            late = client.post(f"{base}/generate", json=body("late", False)).json()
+            *chunks, done = list(events)
+        assert done == "[DONE]" and json.loads(chunks[-1])["output_ids"] == alone["attn4"]
+        assert late["output_ids"] == alone["all8"]
+        assert client.post(f"{base}/unload_lora_adapter",
+                           json={"lora_name": "late"}).json()["success"] is True
+        info = client.get(f"{base}/get_server_info").json()["scheduler"]
     assert info["kv_cache_idle_and_free"] is True

@@ -168,10 +168,23 @@ def test_two_ranks_give_the_mixed_batch_s_tokens(
     assert mixed == _expected(reference)
 
 
-def test_weights_update_with_adapters_loaded(lora_dirs: dict[str, Path]) -> None:
+def test_weights_update_with_adapters_loaded(
+        lora_dirs: dict[str, Path], prompt_ids: list[list[int]],
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """New base weights go under the adapters: an adapter then runs on the new base, as
+    transformers + peft merged onto it do."""
+    import peft
+
+    other = make_tiny_checkpoint(tmp_path_factory.mktemp("other_base"), "llama", seed=22)
+    merged = peft.PeftModel.from_pretrained(reference_model(other),
+                                            lora_dirs["all8"]).merge_and_unload()
+    expected = transformers_greedy(merged.double(), prompt_ids[0], NEW_TOKENS)[0]
     with Engine(model_path=str(lora_dirs["base"]), lora_paths=_lora_paths(lora_dirs),
                 **ENGINE_ARGS) as engine:
-        before = engine.generate("hello", GREEDY, lora_path="all8")["output_ids"]
-        reply = engine.update_weights_from_disk(str(lora_dirs["base"]))
+        before = engine.generate(input_ids=prompt_ids[0], sampling_params=GREEDY,
+                                 lora_path="all8")["output_ids"]
+        reply = engine.update_weights_from_disk(str(other))
         assert reply.success, reply.message
-        assert engine.generate("hello", GREEDY, lora_path="all8")["output_ids"] == before
+        after = engine.generate(input_ids=prompt_ids[0], sampling_params=GREEDY,
+                                lora_path="all8")["output_ids"]
+    assert after == expected != before

@@ -15,10 +15,13 @@ from framework.messages import (
     ErrorReply,
     FlushCacheReqInput,
     FlushCacheReqOutput,
+    LoadLoraAdapterReqInput,
+    LoraAdapterReqOutput,
     Message,
     SchedulerMetrics,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
+    UnloadLoraAdapterReqInput,
     UpdateWeightsFromDiskReqInput,
     UpdateWeightsFromDiskReqOutput,
 )
@@ -36,6 +39,7 @@ from framework.runtime.data_parallel import (
     total_metrics,
 )
 from framework.runtime.launch import ComponentTree, plan_components
+from framework.runtime.scheduler_rpc import SchedulerRpc
 from framework.sampling_params import SamplingParams
 
 
@@ -265,3 +269,46 @@ def test_a_replica_answering_with_an_error_has_failed_the_update() -> None:
     reply = _update(replicas, "new")
     assert not reply.success and replicas[0].path == "old"
     assert "replica 1: RuntimeError: boom" in reply.message
+
+
+class _LoraReplica:
+    """A replica's RPC end holding LoRA adapters by name; it cannot load ``broken`` and
+    refuses to unload ``busy`` (a request uses it)."""
+
+    def __init__(self, broken: str = "", busy: str = "") -> None:
+        self.adapters: set[str] = {"kept"}
+        self.broken, self.busy = broken, busy
+
+    async def call(self, msg: Message, timeout: float) -> Message:
+        name = msg.lora_name  # type: ignore[attr-defined]
+        if isinstance(msg, LoadLoraAdapterReqInput):
+            if name == self.broken:
+                return LoraAdapterReqOutput(False, "cannot read it")
+            self.adapters.add(name)
+            return LoraAdapterReqOutput(True, "loaded")
+        assert isinstance(msg, UnloadLoraAdapterReqInput)
+        if name == self.busy:
+            return LoraAdapterReqOutput(False, "in use")
+        self.adapters.discard(name)
+        return LoraAdapterReqOutput(True, "unloaded")
+
+
+def _lora_rpc(replicas: list[_LoraReplica]) -> SchedulerRpc:
+    channels = [ReplicaChannels(i, None, rpc, None, None, None)  # type: ignore[arg-type]
+                for i, rpc in enumerate(replicas)]
+    return SchedulerRpc(DataParallelRouter(channels, RoundRobin()), "round_robin", lambda: None)
+
+
+def test_a_lora_adapter_loads_and_unloads_in_every_replica_or_in_none() -> None:
+    replicas = [_LoraReplica(), _LoraReplica(broken="new", busy="kept"), _LoraReplica()]
+    rpc = _lora_rpc(replicas)
+    loaded = asyncio.run(rpc.load_lora_adapter("new", "/adapters/new"))
+    assert not loaded.success and [r.adapters for r in replicas] == [{"kept"}] * 3
+    assert loaded.message == ("replica 0: loaded; replica 1: cannot read it; replica 2: "
+                              "loaded; undone where it succeeded")
+    unloaded = asyncio.run(rpc.unload_lora_adapter("kept", "/adapters/kept"))
+    assert not unloaded.success and [r.adapters for r in replicas] == [{"kept"}] * 3
+    assert "replica 1: in use" in unloaded.message
+    replicas[1].busy = ""
+    assert asyncio.run(rpc.unload_lora_adapter("kept", "/adapters/kept")).success
+    assert [r.adapters for r in replicas] == [set()] * 3

@@ -72,12 +72,41 @@ def test_speculative_steps_match_the_reference_and_free_rejected_drafts(
 
 
 def test_unloading_a_lora_adapter_in_use_is_refused_with_the_reason(harness_factory) -> None:
-    h = harness_factory()
+    h = harness_factory(lora_paths=("a=/adapters/a",))
     h.submit("r0", prompt(0, 6), max_new_tokens=20, lora_name="a", **GREEDY)
     h.step()
     reply = h.scheduler.control.unload_lora_adapter("a")
     assert reply.success is False and "in use by 1 requests" in reply.message
     h.run()
+    h.assert_idle_invariant()
+
+
+def test_a_step_runs_at_most_max_loras_per_batch_adapters(harness_factory) -> None:
+    h = harness_factory(lora_paths=("a=/a", "b=/b", "c=/c"), max_loras_per_batch=2)
+    prompts = {f"{name}{i}": (name, prompt(3 * i + len(str(name)), 5 + i))
+               for name in ("a", "b", "c", None) for i in range(2)}
+    for rid, (name, ids) in prompts.items():
+        h.submit(rid, ids, max_new_tokens=6, ignore_eos=True, lora_name=name, **GREEDY)
+    outcomes = h.run()
+    for rid, (_, ids) in prompts.items():
+        assert outcomes[rid].output_ids == reference_output(ids, 6, ignore_eos=True), rid
+    per_step = [{n for n in call.lora_names if n is not None}
+                for call in h.worker.calls if call.lora_names]
+    assert max(map(len, per_step)) == 2  # the limit binds: three adapters never step together
+    assert {"a", "b", "c"} == set().union(*per_step)
+    h.assert_idle_invariant()
+
+
+def test_a_request_for_an_adapter_not_served_is_refused_on_arrival(harness_factory) -> None:
+    h = harness_factory(lora_paths=("a=/adapters/a",))
+    assert h.scheduler.control.unload_lora_adapter("a").success
+    h.submit("gone", prompt(0, 6), max_new_tokens=4, lora_name="a", **GREEDY)
+    h.submit("never", prompt(1, 6), max_new_tokens=4, lora_name="b", **GREEDY)
+    assert h.scheduler.control.load_lora_adapter("b", "/adapters/b").success
+    outcomes = h.run()
+    gone = outcomes["gone"].finished_reason
+    assert gone.type == "abort" and "LoRA adapter 'a' is not loaded" in gone.message
+    assert outcomes["never"].output_ids == reference_output(prompt(1, 6), 4)
     h.assert_idle_invariant()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from framework.lora.names import adapters_per_batch
 from framework.messages import FinishReason
 from framework.runtime.request import Req
 from framework.runtime.scheduler.batch import ScheduledBatch
@@ -45,6 +46,9 @@ class Admitter:
         self.req_to_token_pool = req_to_token_pool
         self.grammars = grammars
         self.stats = stats
+        self.max_adapters = adapters_per_batch(server_args.max_loras_per_batch,
+                                               server_args.max_loaded_loras,
+                                               server_args.lora_paths)
 
     def select_prefill(self, uncached: list[Req] | None = None) -> ScheduledBatch | None:
         """The partly prefilled request first, then waiting requests in the policy's order.
@@ -67,11 +71,15 @@ class Admitter:
         if queues.chunked_req is not None and not adder.add_chunked(queues.chunked_req):
             return None  # it goes first; wait until running requests free KV
         deferred: list[Req] = []
+        adapters = self.adapters_in_use(uncached or [])
         while queues.waiting:
             req = queues.waiting.popleft()
             if not self.grammar_ready(req):
                 if not req.finished:
                     deferred.append(req)  # its grammar is compiling; the others go on
+                continue
+            if not self.adapter_fits(req, adapters):
+                deferred.append(req)  # waits for a running adapter's requests to end
                 continue
             first = not req.admitted
             admission = adder.add(req)
@@ -80,11 +88,25 @@ class Admitter:
                 break
             if admission is Admission.DEFERRED:
                 deferred.append(req)
-            elif first:
+                continue
+            if req.lora_name is not None:
+                adapters.add(req.lora_name)
+            if first:
                 self.stats.count_admission(len(req.origin_input_ids), req.cached_tokens)
         queues.waiting.extendleft(reversed(deferred))
         queues.chunked_req = adder.chunked
         return adder.batch()
+
+    def adapters_in_use(self, in_flight: list[Req]) -> set[str]:
+        """The LoRA adapters of the requests that hold KV and of those whose prefill is in
+        flight: they all decode in one step with the requests admitted now."""
+        return {req.lora_name for req in (*self.queues.holding_kv(), *in_flight)
+                if req.lora_name is not None}
+
+    def adapter_fits(self, req: Req, adapters: set[str]) -> bool:
+        """Whether ``req`` keeps a step within ``--max-loras-per-batch`` distinct adapters."""
+        name = req.lora_name
+        return name is None or name in adapters or len(adapters) < self.max_adapters
 
     def grammar_ready(self, req: Req) -> bool:
         """Whether ``req``'s grammar (if any) is compiled; one that fails to compile ends it."""

@@ -65,11 +65,17 @@ class SchedulerControl:
         if isinstance(msg, GetInfoReqInput):
             return GetInfoReqOutput(info=self.scheduler.get_info())
         if isinstance(msg, LoadLoraAdapterReqInput):
-            ok, message = self.scheduler.worker.load_lora_adapter(msg.lora_name, msg.lora_path)
-            return LoraAdapterReqOutput(success=ok, message=message)
+            return self.load_lora_adapter(msg.lora_name, msg.lora_path)
         if isinstance(msg, UnloadLoraAdapterReqInput):
             return self.unload_lora_adapter(msg.lora_name)
         return ErrorReply(message=f"unknown RPC request {type(msg).__name__}")
+
+    def load_lora_adapter(self, name: str, path: str) -> LoraAdapterReqOutput:
+        """Load adapter ``name`` from ``path``; requests may name it from then on."""
+        ok, message = self.scheduler.worker.load_lora_adapter(name, path)
+        if ok:
+            self.scheduler.intake.lora_names.add(name)
+        return LoraAdapterReqOutput(success=ok, message=message)
 
     def unload_lora_adapter(self, name: str) -> LoraAdapterReqOutput:
         """Unload adapter ``name``; refused while requests use it. Its prefix-cache key

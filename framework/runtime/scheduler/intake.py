@@ -11,6 +11,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from framework.lora.names import parse_lora_paths
 from framework.messages import (
     AbortReq,
     FinishReason,
@@ -48,6 +49,9 @@ class Intake:
         #: reused, so that an adapter reloaded under a name gets a fresh one.
         self.lora_keys: dict[str, int] = {}
         self._lora_keys_made = 0
+        #: The LoRA adapters served (``--lora-paths``, then those loaded and unloaded over
+        #: RPC): a request naming another one, unloaded on its way here, is refused.
+        self.lora_names: set[str] = set(parse_lora_paths(server_args.lora_paths))
 
     def handle(self, msg: Message) -> None:
         """Queue a new request or apply an abort."""
@@ -93,7 +97,8 @@ class Intake:
         return self.lora_keys[name]
 
     def retire_lora(self, name: str) -> None:
-        """Forget adapter ``name``'s key space (it was unloaded)."""
+        """Forget adapter ``name`` and its key space (it was unloaded)."""
+        self.lora_names.discard(name)
         self.lora_keys.pop(name, None)
 
     @property
@@ -132,6 +137,8 @@ class Intake:
                     f"{self.kv_slots} (the prompt and one new token must fit)")
         if any(t < 0 or t >= self.vocab_size for t in req.origin_input_ids):
             return f"token ids must be in [0, {self.vocab_size})"
+        if req.lora_name is not None and req.lora_name not in self.lora_names:
+            return f"LoRA adapter {req.lora_name!r} is not loaded"
         if req.logprob_start_len >= n:
             return f"logprob_start_len must be below the prompt's length {n}"
         return None
