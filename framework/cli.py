@@ -58,6 +58,9 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
                 "load an OpenAI-compatible server with streaming requests"),
     "speculative": ("framework.bench.speculative",
                     "output tokens/s with speculative decoding (ngram) vs without"),
+    "quantized": ("framework.bench.quantized",
+                  "output tokens/s and weight bytes of int8 and GPTQ int4 checkpoints vs "
+                  "float32"),
     "structured": ("framework.bench.structured",
                    "output tokens/s with JSON-schema constraints vs without"),
     "soak": ("framework.bench.soak",
@@ -105,6 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
                              "and grammar backends, schedule policies, load balancers and "
                              "model architectures")
     plugins.set_defaults(handler=_cmd_plugins)
+
+    quantize = sub.add_parser(
+        "quantize", help="write a GPTQ, AWQ, FP8 or int8 copy of a float checkpoint",
+        description="Quantize the linear layers' weights of a float checkpoint into a new "
+                    "directory that serves as it is; see docs/quantization.md.",
+    )
+    from framework import cli_quantize
+
+    cli_quantize.add_cli_args(quantize)
+    quantize.set_defaults(handler=cli_quantize.run_from_cli)
 
     reference = sub.add_parser("reference", help="print the CLI reference (docs/cli.md)")
     reference.set_defaults(handler=lambda _: print(render_cli_reference(), end="") or 0)

@@ -86,10 +86,13 @@ class ServerArgs:
                                "auto: onednn for float32 on a CPU (torch, which is MKL, on "
                                "an Intel one), else torch", "runtime",
                                choices=("auto", "onednn", "torch"))
-    quantization: str | None = _opt(None, "quantize the linear layers' weights online from a "
-                                    "float checkpoint: int8 (per-channel weight-only) or fp8 "
-                                    "(E4M3, per-channel scales) (docs/quantization.md)",
-                                    "runtime", choices=("int8", "fp8"))
+    quantization: str | None = _opt(None, "quantized linear layers: a checkpoint's own "
+                                    "format (gptq, awq, fp8, int8; default: its "
+                                    "config.json's quantization_config), or for a float "
+                                    "checkpoint int8 (per-channel weight-only) or fp8 (E4M3, "
+                                    "per-channel scales), quantized online "
+                                    "(docs/quantization.md)",
+                                    "runtime", choices=("gptq", "awq", "fp8", "int8"))
     quantized_linear_backend: str = _opt("auto", "kernel of quantized linear layers: cpu, "
                                          "torch (the reference), or a plugin's; auto: cpu on "
                                          "a CPU, torch elsewhere", "runtime")
@@ -99,6 +102,11 @@ class ServerArgs:
                                            "Retry-After at once (default: no limit)", "runtime")
     max_total_tokens: int | None = _opt(None, "KV cache size in tokens (default: from "
                                         "--mem-fraction)", "runtime")
+    kv_cache_dtype: str = _opt("auto", "KV cache element type: auto (the model's), fp8_e4m3 "
+                               "(a static scale per head) or int8 (a scale per token and "
+                               "head); 8-bit codes hold about twice the tokens "
+                               "(docs/quantization.md)", "runtime",
+                               choices=("auto", "fp8_e4m3", "int8"))
     mem_fraction: float = _opt(0.8, "fraction of free memory for the KV cache: the GPU's; on "
                                "a CPU, a cap on its default size (of the host memory "
                                "available, shared by the machine's scheduler ranks)",

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from framework.layers.linear_kernel import linear
+from framework.layers.quantization.weights import QuantizedWeight
 
 
 @contextlib.contextmanager
@@ -171,6 +172,10 @@ class LinearBase(nn.Module):
         #: framework/layers/quantization/linear_method.py), multiplied by ``quant_kernel``.
         self.quant_weight: Any = None
         self.quant_kernel: Any = None
+        #: This rank's parts of a pre-quantized checkpoint's weight, by their first local
+        #: output row, until they are stacked into ``quant_weight``
+        #: (framework/layers/quantization/checkpoint.py).
+        self.quant_parts: dict[int, QuantizedWeight] = {}
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T (+ bias)`` with this rank's weight, quantized or float."""
@@ -187,6 +192,21 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply this rank's part of the layer to ``x`` of shape ``[..., in_local]``."""
         return self.product(x, self.bias)
+
+    def _load_rows(self, param: torch.Tensor, loaded_weight: CheckpointWeight | QuantizedWeight,
+                   *, param_offset: int, rows: int, loaded_start: int, loaded_rows: int,
+                   what: str) -> None:
+        """``_load_rows`` of a float tensor; a quantized weight's rows are kept in
+        ``quant_parts`` instead, to be stacked once all are in."""
+        if not isinstance(loaded_weight, QuantizedWeight):
+            _load_rows(param, loaded_weight, param_offset=param_offset, rows=rows,
+                       loaded_start=loaded_start, loaded_rows=loaded_rows, what=what)
+            return
+        expected = (loaded_rows, self.weight.shape[1])
+        if tuple(loaded_weight.shape) != expected:
+            raise ValueError(f"{what}: quantized checkpoint weight has shape "
+                             f"{tuple(loaded_weight.shape)}, expected {expected}")
+        self.quant_parts[param_offset] = loaded_weight.narrow_out(loaded_start, rows)
 
     def extra_repr(self) -> str:
         shape = self.weight.shape if self.quant_weight is None else self.quant_weight.shape
@@ -243,9 +263,9 @@ class ColumnParallelLinear(LinearBase):
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} takes no shard id, got {shard_id!r}")
         rows = param.shape[0]
-        _load_rows(param, loaded_weight, param_offset=0, rows=rows,
-                   loaded_start=self.tp_rank * rows, loaded_rows=rows * self.tp_size,
-                   what=type(self).__name__)
+        self._load_rows(param, loaded_weight, param_offset=0, rows=rows,
+                        loaded_start=self.tp_rank * rows, loaded_rows=rows * self.tp_size,
+                        what=type(self).__name__)
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -281,10 +301,11 @@ class MergedColumnParallelLinear(LinearBase):
                 f"shard_id must be an int in [0, {len(self.output_sizes)}), got {shard_id!r}"
             )
         rows = self.local_output_sizes[shard_id]
-        _load_rows(param, loaded_weight, param_offset=sum(self.local_output_sizes[:shard_id]),
-                   rows=rows, loaded_start=self.tp_rank * rows,
-                   loaded_rows=self.output_sizes[shard_id],
-                   what=f"{type(self).__name__} shard {shard_id}")
+        self._load_rows(param, loaded_weight,
+                        param_offset=sum(self.local_output_sizes[:shard_id]), rows=rows,
+                        loaded_start=self.tp_rank * rows,
+                        loaded_rows=self.output_sizes[shard_id],
+                        what=f"{type(self).__name__} shard {shard_id}")
 
 
 class QKVParallelLinear(LinearBase):
@@ -335,8 +356,9 @@ class QKVParallelLinear(LinearBase):
             offset = q_rows if shard_id == "k" else q_rows + kv_rows
             rows, start = kv_rows, (self.tp_rank // self.kv_replicas) * kv_rows
             full_rows = self.total_num_kv_heads * self.head_size
-        _load_rows(param, loaded_weight, param_offset=offset, rows=rows, loaded_start=start,
-                   loaded_rows=full_rows, what=f"{type(self).__name__} shard {shard_id!r}")
+        self._load_rows(param, loaded_weight, param_offset=offset, rows=rows,
+                        loaded_start=start, loaded_rows=full_rows,
+                        what=f"{type(self).__name__} shard {shard_id!r}")
 
 
 class RowParallelLinear(LinearBase):
@@ -372,6 +394,9 @@ class RowParallelLinear(LinearBase):
                     f"{type(self).__name__}: checkpoint tensor has shape "
                     f"{tuple(loaded_weight.shape)}, expected {expected}"
                 )
+            if isinstance(loaded_weight, QuantizedWeight):
+                self.quant_parts[0] = loaded_weight.narrow_in(self.tp_rank * cols, cols)
+                return
             param.data.copy_(loaded_weight.narrow(1, self.tp_rank * cols, cols))
             return
         check_loaded_shape(param, loaded_weight, type(self).__name__)

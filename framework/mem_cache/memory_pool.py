@@ -24,6 +24,13 @@ import torch
 
 from framework.host_memory import available_host_memory
 from framework.libc import linux_libc
+from framework.mem_cache.kv_quant import (
+    default_scales,
+    dequantize,
+    quantize,
+    scale_bytes_per_head,
+    storage_dtype,
+)
 
 # madvise(2) advice asking Linux for transparent huge pages.
 _MADV_HUGEPAGE = 14
@@ -157,7 +164,13 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
 
 
 class MHATokenToKVPool:
-    """Per-layer key and value buffers, ``[size + 1, num_kv_heads, head_dim]`` each."""
+    """Per-layer key and value buffers, ``[size + 1, num_kv_heads, head_dim]`` each.
+
+    ``dtype`` is the model's: what attention reads and what new keys and values
+    come in. With a quantized ``kv_cache_dtype`` (``kv_quant``) the buffers hold
+    8-bit codes and each layer its scales; ``read_kv`` turns the tokens asked for
+    back into ``dtype``.
+    """
 
     def __init__(
         self,
@@ -167,19 +180,32 @@ class MHATokenToKVPool:
         head_dim: int,
         num_layers: int,
         device: torch.device,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.size = size
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        self.store_dtype = storage_dtype(kv_cache_dtype, dtype)
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.num_layers = num_layers
         self.device = device
         shape = (size + 1, num_kv_heads, head_dim)  # + 1: the padding slot 0
-        self.k_buffers = [kv_buffer(shape, dtype, device) for _ in range(num_layers)]
-        self.v_buffers = [kv_buffer(shape, dtype, device) for _ in range(num_layers)]
+        self.k_buffers = [kv_buffer(shape, self.store_dtype, device) for _ in range(num_layers)]
+        self.v_buffers = [kv_buffer(shape, self.store_dtype, device) for _ in range(num_layers)]
+        # Per layer: [kv_heads] static (fp8) or [size + 1, kv_heads] per token (int8).
+        self.k_scales = [default_scales(kv_cache_dtype, size + 1, num_kv_heads, device)
+                         for _ in range(num_layers)]
+        self.v_scales = [default_scales(kv_cache_dtype, size + 1, num_kv_heads, device)
+                         for _ in range(num_layers)]
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the buffers hold quantized codes rather than ``dtype`` values."""
+        return self.kv_cache_dtype != "auto"
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The key and value buffers of one layer."""
+        """The key and value buffers of one layer (codes, when ``quantized``)."""
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
 
     def set_kv_buffer(
@@ -190,13 +216,45 @@ class MHATokenToKVPool:
         ``k`` and ``v`` are ``[n, num_kv_heads * head_dim]`` or ``[n, num_kv_heads, head_dim]``.
         """
         shape = (-1, self.num_kv_heads, self.head_dim)
-        self.k_buffers[layer_id][loc] = k.reshape(shape).to(self.dtype)
-        self.v_buffers[layer_id][loc] = v.reshape(shape).to(self.dtype)
+        if not self.quantized:
+            self.k_buffers[layer_id][loc] = k.reshape(shape).to(self.dtype)
+            self.v_buffers[layer_id][loc] = v.reshape(shape).to(self.dtype)
+            return
+        for x, buffers, scales in ((k, self.k_buffers, self.k_scales),
+                                   (v, self.v_buffers, self.v_scales)):
+            layer_scales = scales[layer_id]
+            assert layer_scales is not None  # quantized pools keep scales
+            codes, token_scales = quantize(x.reshape(shape), layer_scales, self.kv_cache_dtype)
+            buffers[layer_id][loc] = codes
+            if token_scales is not None:
+                layer_scales[loc] = token_scales
+
+    def read_kv(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at ``slots`` (any shape), ``[*slots.shape, kv_heads, head_dim]``
+        in ``dtype``; only those tokens are dequantized."""
+        flat = slots.reshape(-1)
+        out = []
+        for buffers, scales in ((self.k_buffers, self.k_scales),
+                                (self.v_buffers, self.v_scales)):
+            rows = buffers[layer_id].index_select(0, flat)
+            layer_scales = scales[layer_id]
+            if layer_scales is not None:
+                if layer_scales.dim() == 2:  # per token
+                    layer_scales = layer_scales.index_select(0, flat)
+                rows = dequantize(rows, layer_scales, self.dtype)
+            out.append(rows.view(*slots.shape, self.num_kv_heads, self.head_dim))
+        return out[0], out[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every buffer and scale of the pool."""
+        tensors = (*self.k_buffers, *self.v_buffers, *self.k_scales, *self.v_scales)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def bytes_per_token(self) -> int:
-        """Bytes of K and V that one token takes across all layers."""
+        """Bytes of K and V (and their scales) that one token takes across all layers."""
         return kv_cache_bytes_per_token(
-            self.num_kv_heads, self.head_dim, self.num_layers, self.dtype
+            self.num_kv_heads, self.head_dim, self.num_layers, self.dtype, self.kv_cache_dtype
         )
 
 
@@ -239,23 +297,27 @@ class KVCachePools:
         head_dim: int,
         num_layers: int,
         device: torch.device,
+        kv_cache_dtype: str = "auto",
     ) -> KVCachePools:
         """Allocate ``max_requests`` request rows and ``max_total_tokens`` KV slots."""
         return cls(
             req_to_token_pool=ReqToTokenPool(max_requests, context_len, device),
             token_to_kv_pool=MHATokenToKVPool(
-                max_total_tokens, dtype, num_kv_heads, head_dim, num_layers, device
+                max_total_tokens, dtype, num_kv_heads, head_dim, num_layers, device,
+                kv_cache_dtype
             ),
             allocator=TokenToKVPoolAllocator(max_total_tokens, device),
         )
 
 
 def kv_cache_bytes_per_token(
-    num_kv_heads: int, head_dim: int, num_layers: int, dtype: torch.dtype
+    num_kv_heads: int, head_dim: int, num_layers: int, dtype: torch.dtype,
+    kv_cache_dtype: str = "auto"
 ) -> int:
-    """Bytes of K and V that one token takes across all layers."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_kv_heads * head_dim * num_layers * element_size
+    """Bytes of K and V (and their scales) that one token takes across all layers."""
+    element_size = storage_dtype(kv_cache_dtype, dtype).itemsize
+    per_head = head_dim * element_size + scale_bytes_per_head(kv_cache_dtype)
+    return 2 * num_kv_heads * num_layers * per_head
 
 
 # The CPU's default pool: enough for every running request at full context, capped at

@@ -50,6 +50,10 @@ from framework.layers.linear_kernel import (
     resolve_linear_backend,
 )
 from framework.layers.moe.experts import FusedMoE, pack_expert_weights
+from framework.layers.quantization.checkpoint import (
+    attach_checkpoint_weights,
+    checkpoint_quantization,
+)
 from framework.layers.quantization.linear_method import (
     quantize_linear_layers,
     quantized_bytes,
@@ -213,6 +217,9 @@ class ModelRunner:
                                                      self.dtype)
         self.model_path = model_path
         self.load_format = server_args.load_format
+        #: A pre-quantized checkpoint's quantization (``quantization_config``), or None.
+        self.checkpoint_quantization = checkpoint_quantization(model_path,
+                                                               server_args.quantization)
         self.model = load_model(
             self.model_config,
             self.device,
@@ -224,6 +231,7 @@ class ModelRunner:
             pp_size=self.pp_size,
             ep_rank=self.ep_rank,
             ep_size=self.ep_size,
+            quantization=self.checkpoint_quantization,
         )
         if parallel is not None:
             bind_tp_group(self.model, parallel.tp)
@@ -277,12 +285,17 @@ class ModelRunner:
         return self._cpu_ops is not None
 
     def _quantize_linear_layers(self) -> None:
-        """With ``--quantization``, quantize the loaded linear layers (a no-op otherwise)."""
+        """Stack a pre-quantized checkpoint's layers for their kernel, or with
+        ``--quantization int8|fp8`` of a float checkpoint quantize the loaded linear layers
+        (a no-op otherwise)."""
         args = self.server_args
-        if args.quantization is None:
+        if args.quantization is None and self.checkpoint_quantization is None:
             return
         backend = resolve_quant_backend(args.quantized_linear_backend, self.device)
-        quantize_linear_layers(self.model, args.quantization, backend)
+        if self.checkpoint_quantization is not None:
+            attach_checkpoint_weights(self.model, backend)
+        else:
+            quantize_linear_layers(self.model, args.quantization, backend)
 
     def _pack_linear_weights(self) -> None:
         """With the onednn linear backend, pack the weights just loaded (a no-op otherwise)."""
@@ -294,15 +307,14 @@ class ModelRunner:
 
     def _decide_kv_cache_tokens(self) -> int:
         config = self.model_config
-        per_token = kv_cache_bytes_per_token(
-            config.num_kv_heads_per_rank(self.tp_size),
-            config.head_dim,
-            self.end_layer - self.start_layer,  # this stage's layers
-            self.dtype,
-        )
-        # Room for what the attention backend keeps beyond the pool (its kept copies).
+        shape = (config.num_kv_heads_per_rank(self.tp_size), config.head_dim,
+                 self.end_layer - self.start_layer)  # this stage's layers
+        per_token = kv_cache_bytes_per_token(*shape, self.dtype, self.server_args.kv_cache_dtype)
+        # Room for what the attention backend keeps beyond the pool (its kept copies, in
+        # the model's dtype).
         backend = ATTENTION_BACKENDS.get(self.attention_backend)
-        extra = getattr(backend, "extra_kv_copies", 0.0)
+        extra = getattr(backend, "extra_kv_copies", 0.0) * kv_cache_bytes_per_token(
+            *shape, self.dtype)
         # Every scheduler rank of this machine (each data-parallel replica's ranks too)
         # sizes its pool from the same host memory.
         local_ranks = (self.server_args.dp_size if self.parallel is None
@@ -310,7 +322,7 @@ class ModelRunner:
         tokens = decide_max_total_tokens(
             max_total_tokens=self.server_args.max_total_tokens,
             mem_fraction=self.server_args.mem_fraction,
-            bytes_per_token=int(per_token * (1 + extra)),
+            bytes_per_token=int(per_token + extra),
             context_len=config.context_len,
             max_running_requests=self.server_args.max_running_requests,
             device=self.device,
@@ -333,6 +345,7 @@ class ModelRunner:
             head_dim=config.head_dim,
             num_layers=self.end_layer - self.start_layer,
             device=self.device,
+            kv_cache_dtype=self.server_args.kv_cache_dtype,
         )
 
     def _build_attention_backend(self, name: str) -> AttentionBackend:
@@ -350,7 +363,12 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
-        return ATTENTION_BACKENDS.get(name)(args)
+        backend = ATTENTION_BACKENDS.get(name)
+        if args.token_to_kv_pool.quantized and not getattr(backend, "reads_quantized_kv", False):
+            raise ValueError(f"the {name} attention backend does not read a quantized KV cache "
+                             f"(--kv-cache-dtype {self.server_args.kv_cache_dtype}); use the "
+                             "torch or cpu attention backend")
+        return backend(args)
 
     def _gather_rank_info(self) -> list[dict[str, int]]:
         pool = self.pools.token_to_kv_pool
@@ -359,8 +377,7 @@ class ModelRunner:
             "pid": os.getpid(),
             "param_bytes": params,
             "weight_bytes": weights,
-            "kv_cache_bytes": sum(b.numel() * b.element_size()
-                                  for b in (*pool.k_buffers, *pool.v_buffers)),
+            "kv_cache_bytes": pool.nbytes,
         }
         if self.parallel is None:
             return [mine]

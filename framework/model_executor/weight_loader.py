@@ -25,6 +25,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from framework.layers.quantization.checkpoint import CheckpointQuantization
 from framework.model_executor.model_config import ModelConfig, check_model_dir
 from framework.models import get_model_class
 
@@ -175,14 +176,24 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
 
 
 def load_weights(
-    model: nn.Module, model_path: str | Path, load_format: str, *, seed: int = 0
+    model: nn.Module, model_path: str | Path, load_format: str, *, seed: int = 0,
+    quantization: CheckpointQuantization | None = None,
 ) -> None:
-    """Fill ``model``'s weights from ``model_path`` (or at random for ``dummy``)."""
+    """Fill ``model``'s weights from ``model_path`` (or at random for ``dummy``).
+
+    With the ``quantization`` of a pre-quantized checkpoint, each quantized layer's
+    tensors reach the model as one weight (``CheckpointQuantization.group``).
+    """
     check_load_format(load_format)
     if load_format == "dummy":
         fill_dummy_weights(model, seed)
         return
-    model.load_weights(checkpoint_weights(model, find_safetensors_files(model_path)))
+    files = find_safetensors_files(model_path)
+    weights = checkpoint_weights(model, files)
+    if quantization is not None:
+        names = (name for name, _ in iterate_safetensors_shapes(files))
+        weights = quantization.group(weights, names)
+    model.load_weights(weights)
 
 
 def dry_run_load(model_config: ModelConfig, model_path: str | Path) -> None:
@@ -206,8 +217,10 @@ def load_model(
     pp_size: int = 1,
     ep_rank: int = 0,
     ep_size: int = 1,
+    quantization: CheckpointQuantization | None = None,
 ) -> nn.Module:
-    """Build the model on ``device`` and fill its weights (this pipeline stage's share).
+    """Build the model on ``device`` and fill its weights (this pipeline stage's share);
+    ``quantization``: that of a pre-quantized checkpoint (``load_weights``).
 
     Raises:
         ValueError: unknown load format, missing checkpoint files, or weights that
@@ -218,5 +231,6 @@ def load_model(
         find_safetensors_files(model_config.model_path)  # fail before building the model
     model = create_model(model_config, device, tp_rank=tp_rank, tp_size=tp_size,
                          pp_rank=pp_rank, pp_size=pp_size, ep_rank=ep_rank, ep_size=ep_size)
-    load_weights(model, model_config.model_path, load_format, seed=seed)
+    load_weights(model, model_config.model_path, load_format, seed=seed,
+                 quantization=quantization)
     return model

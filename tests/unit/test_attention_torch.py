@@ -96,6 +96,7 @@ class RequestData:
     keys: torch.Tensor  # [seq_len, kv_heads, dim]
     values: torch.Tensor  # [seq_len, kv_heads, dim]
     queries: torch.Tensor  # [num_new, heads, dim]
+    slots: torch.Tensor | None = None  # [seq_len]: the KV slot of each token
 
     @property
     def seq_len(self) -> int:
@@ -139,19 +140,22 @@ def run_case(
     query_rows: torch.Tensor | None = None,
     variant: Variant | None = None,
     decode_tail: int = 0,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[list[RequestData], torch.Tensor, MHATokenToKVPool, torch.Tensor]:
     """Lay the requests out in shuffled pool slots and run one layer of the backend.
 
     ``group_slack`` (the backend's, when given): small values split the batch into
     several length groups. ``query_rows``: the layer answers only those new tokens' queries.
     ``variant``: the layer's sliding window and soft cap. ``decode_tail``: the last
-    requests (one new token each) decode in the step (a mixed step).
+    requests (one new token each) decode in the step (a mixed step). ``kv_cache_dtype``:
+    the pool's (``--kv-cache-dtype``).
     """
     generator = torch.Generator().manual_seed(seed)
     req_pool = ReqToTokenPool(
         size=len(prefix_lens) + 2, max_context_len=CONTEXT_LEN, device=CPU
     )
-    kv_pool = MHATokenToKVPool(POOL_TOKENS, torch.float32, num_kv_heads, HEAD_DIM, 2, CPU)
+    kv_pool = MHATokenToKVPool(POOL_TOKENS, torch.float32, num_kv_heads, HEAD_DIM, 2, CPU,
+                               kv_cache_dtype)
     free_slots = (torch.randperm(POOL_TOKENS, generator=generator) + 1).tolist()
     rows = req_pool.alloc(len(prefix_lens))
     assert rows is not None
@@ -167,7 +171,7 @@ def run_case(
             torch.randn(shape, generator=generator),
             torch.randn((num_new, num_heads, HEAD_DIM), generator=generator),
         )
-        slots = torch.tensor([free_slots.pop() for _ in range(seq_len)])
+        slots = request.slots = torch.tensor([free_slots.pop() for _ in range(seq_len)])
         req_pool.req_to_token[row, :seq_len] = slots
         # The prefix is already cached; new tokens are written by the backend
         # unless save_kv_cache is off, in which case they must be there already.
@@ -721,3 +725,26 @@ def test_every_padding_query_of_a_windowed_group_still_sees_a_key() -> None:
     assert groups is not None and len(groups) == 1
     mask = groups[0].layer_mask(3)
     assert mask is not None and mask.any(dim=-1).all()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("backend_cls", BACKENDS)
+def test_a_quantized_pool_is_attended_as_it_holds_the_tokens(
+        kv_cache_dtype: str, decode: bool, backend_cls: type[AttentionBackend]) -> None:
+    """With 8-bit KV codes every query, the new tokens' own included, sees the keys and
+    values the pool holds (rounded), exactly."""
+    prefix_lens = [0, 5, 9]
+    new_lens = [1, 1, 1] if decode else [7, 3, 1]
+    mode = ForwardMode.DECODE if decode else ForwardMode.EXTEND
+    requests, output, kv_pool, _ = run_case(mode, prefix_lens, new_lens, 4, 2,
+                                            backend_cls=backend_cls,
+                                            kv_cache_dtype=kv_cache_dtype)
+    assert kv_pool.get_kv_buffer(1)[0].itemsize == 1
+    held = []
+    for request in requests:
+        assert request.slots is not None
+        keys, values = kv_pool.read_kv(1, request.slots)
+        assert not torch.equal(keys, request.keys)  # rounded: the check below can tell
+        held.append(dataclasses.replace(request, keys=keys, values=values))
+    assert_matches_reference(held, output, 4)

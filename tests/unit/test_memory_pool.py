@@ -221,11 +221,17 @@ def test_on_cuda_the_pool_leaves_room_for_the_backend_s_kept_copies(
         model_config=config, tp_size=1, start_layer=0, end_layer=2, dtype=torch.float32,
         device=torch.device("cuda", 0), attention_backend="torch", parallel=None,
         server_args=SimpleNamespace(max_total_tokens=None, mem_fraction=0.5,
-                                    max_running_requests=4, dp_size=1))
+                                    max_running_requests=4, dp_size=1, kv_cache_dtype="auto"))
     per_token = kv_cache_bytes_per_token(2, 16, 2, torch.float32)
     assert TorchNativeAttnBackend.extra_kv_copies == 1.0
     tokens = ModelRunner._decide_kv_cache_tokens(runner)  # type: ignore[arg-type]
     assert tokens == 5_000_000 // (2 * per_token)
+    # An 8-bit pool: its codes and scales, and kept copies in the model's dtype.
+    runner.server_args.kv_cache_dtype = "int8"
+    codes = kv_cache_bytes_per_token(2, 16, 2, torch.float32, "int8")
+    assert codes == 2 * 2 * 2 * (16 + 2)
+    tokens = ModelRunner._decide_kv_cache_tokens(runner)  # type: ignore[arg-type]
+    assert tokens == 5_000_000 // (codes + per_token)
 
 
 def test_cpu_kv_buffers_are_zeroed_and_ask_for_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:

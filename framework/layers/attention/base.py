@@ -90,6 +90,10 @@ class AttentionBackend(ABC):
     #: pool's bytes per token: the pool is sized to leave room for it (on CUDA, where
     #: ``--mem-fraction`` sizes it). 0 for a backend that reads the pool in place.
     extra_kv_copies: ClassVar[float] = 0.0
+    #: Whether the backend reads a quantized KV cache (``--kv-cache-dtype``, through
+    #: ``MHATokenToKVPool.read_kv``); a backend that reads the buffers as model-dtype
+    #: values leaves it False and is refused with one.
+    reads_quantized_kv: ClassVar[bool] = False
 
     def __init__(self, args: AttentionBackendArgs) -> None:
         self.args = args

@@ -15,8 +15,8 @@ needs no room for copies. A layer's sliding window and soft cap go to the
 kernel with each call, which reads only the keys a window lets a query see.
 
 The backend runs the kernel for float32 or bfloat16 on a CPU when it could be built
-(``native_build``); anywhere else (another device or dtype, no C++ compiler)
-it is the torch backend, which it then delegates everything to.
+(``native_build``); anywhere else (another device or dtype, no C++ compiler, a
+quantized KV cache) it is the torch backend, which it then delegates everything to.
 """
 
 from __future__ import annotations
@@ -39,10 +39,14 @@ class CpuNativeAttnBackend(AttentionBackend):
     torch backend."""
 
     extra_kv_copies = 0.0
+    reads_quantized_kv = True
 
     def __init__(self, args: AttentionBackendArgs) -> None:
         super().__init__(args)
-        native = args.device.type == "cpu" and args.dtype in KERNEL_DTYPES
+        # The kernel reads the pool's rows as they are: a quantized pool goes to the torch
+        # backend, which dequantizes the tokens it gathers.
+        native = (args.device.type == "cpu" and args.dtype in KERNEL_DTYPES
+                  and not args.token_to_kv_pool.quantized)
         self._ops = load_cpu_kernels() if native else None
         self._fallback = None if self._ops is not None else TorchNativeAttnBackend(args)
         # Of the planned batch: each request's row in req_to_token, its tokens and its

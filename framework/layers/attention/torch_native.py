@@ -53,6 +53,7 @@ from framework.layers.attention.kept_kv import (
 if TYPE_CHECKING:
     from framework.forward_batch import ForwardBatch
     from framework.layers.attention.radix_attention import RadixAttention
+    from framework.mem_cache.memory_pool import MHATokenToKVPool
 
 
 @dataclass
@@ -121,6 +122,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     group_slack = 64
     #: The kept decode keys and values: up to a second copy of the running requests'.
     extra_kv_copies = 1.0
+    reads_quantized_kv = True
 
     def __init__(self, args: AttentionBackendArgs) -> None:
         super().__init__(args)
@@ -260,11 +262,13 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         if self._groups is None and self._steps is None:
             raise RuntimeError("init_forward_metadata must run before the layers")
+        pool = self.token_to_kv_pool
         if save_kv_cache:
-            self.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        else:  # the new tokens' keys and values are the ones already in the pool
-            k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-            k, v = k_buffer[forward_batch.out_cache_loc], v_buffer[forward_batch.out_cache_loc]
+            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        if not save_kv_cache or pool.quantized:
+            # The new tokens' keys and values as the pool holds them: a quantized pool's
+            # rounding then reaches every query alike, whatever step reads the tokens.
+            k, v = pool.read_kv(layer.layer_id, forward_batch.out_cache_loc)
         queries = q.view(q.shape[0], layer.num_heads, layer.head_dim)
         new_keys = k.view(k.shape[0], layer.num_kv_heads, layer.head_dim)
         new_values = v.view(new_keys.shape)
@@ -285,21 +289,21 @@ class TorchNativeAttnBackend(AttentionBackend):
         first): a newcomer's slot is gathered from there, new tokens already kept get
         appended.
         """
-        k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        pool = self.token_to_kv_pool
         group, layer_id = step.group, layer.layer_id
         keys, values = group.keys.get(layer_id), group.values.get(layer_id)
         if keys is None or values is None:
             # The layer's first sight of the group: fill every slot from the pool (after a
             # failed step, slots kept by the other layers may be new to this one).
             shape = (group.slots, self.num_kv_heads, group.capacity, self.head_dim)
-            keys = group.keys[layer_id] = k_buffer.new_zeros(shape)
-            values = group.values[layer_id] = v_buffer.new_zeros(shape)
+            keys = group.keys[layer_id] = torch.zeros(shape, dtype=pool.dtype, device=self.device)
+            values = group.values[layer_id] = torch.zeros_like(keys)
             occupied = step.occupied()
-            _fill(keys, values, k_buffer, v_buffer, torch.tensor(occupied, device=self.device),
+            _fill(keys, values, pool, layer_id, torch.tensor(occupied, device=self.device),
                   step.kv_slots(occupied))
         else:
             if step.fill_slots is not None and step.fill_kv is not None:
-                _fill(keys, values, k_buffer, v_buffer, step.fill_slots, step.fill_kv)
+                _fill(keys, values, pool, layer_id, step.fill_slots, step.fill_kv)
             if step.append_rows is not None and step.append_batch_rows is not None:
                 _append(keys, step.append_rows, new_keys[step.append_batch_rows])
                 _append(values, step.append_rows, new_values[step.append_batch_rows])
@@ -313,13 +317,13 @@ class TorchNativeAttnBackend(AttentionBackend):
                       new_values: torch.Tensor, layer: RadixAttention) -> torch.Tensor:
         """``[T, heads * dim]``: attention of the group's new tokens, in packed order."""
         assert group.token_src is not None and group.token_dst is not None  # extend groups
-        k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        q = self._padded_tokens(queries, group).to(k_buffer.dtype)
+        dtype = self.token_to_kv_pool.dtype
+        q = self._padded_tokens(queries, group).to(dtype)
         if group.kv_slots is None:  # no prefix: the keys are the new tokens themselves
-            keys = self._padded_tokens(new_keys.to(k_buffer.dtype), group)
-            values = self._padded_tokens(new_values.to(v_buffer.dtype), group)
+            keys = self._padded_tokens(new_keys.to(dtype), group)
+            values = self._padded_tokens(new_values.to(dtype), group)
         else:
-            keys, values = _gather(k_buffer, group.kv_slots), _gather(v_buffer, group.kv_slots)
+            keys, values = _gather(self.token_to_kv_pool, layer.layer_id, group.kv_slots)
         out = attention(q, keys, values, group.layer_mask(layer.sliding_window), layer.scaling,
                         layer.logit_cap)  # [G, heads, Q, dim]
         flat = out.transpose(1, 2).reshape(-1, layer.num_heads * layer.head_dim)
@@ -363,12 +367,13 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return (probs @ values).view(batch, heads, num_queries, dim)
 
 
-def _fill(keys: torch.Tensor, values: torch.Tensor, k_buffer: torch.Tensor,
-          v_buffer: torch.Tensor, slots: torch.Tensor, kv_slots: torch.Tensor) -> None:
+def _fill(keys: torch.Tensor, values: torch.Tensor, pool: MHATokenToKVPool, layer_id: int,
+          slots: torch.Tensor, kv_slots: torch.Tensor) -> None:
     """Gather the keys and values at ``kv_slots`` ``[n, L]`` into ``slots`` of a group."""
     length = kv_slots.shape[1]
-    keys[slots, :, :length] = _gather(k_buffer, kv_slots).to(keys.dtype)
-    values[slots, :, :length] = _gather(v_buffer, kv_slots).to(values.dtype)
+    gathered_keys, gathered_values = _gather(pool, layer_id, kv_slots)
+    keys[slots, :, :length] = gathered_keys.to(keys.dtype)
+    values[slots, :, :length] = gathered_values.to(values.dtype)
 
 
 def _append(kept: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -380,10 +385,10 @@ def _append(kept: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> torch.
     return kept.view(-1, dim).index_copy_(0, rows, new.reshape(-1, dim).to(kept.dtype))
 
 
-def _gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``[B, kv_heads, L, dim]`` rows of ``buffer`` at ``slots`` ``[B, L]``.
-
-    ``index_select`` on the flat slots is several times faster than advanced indexing.
-    """
-    rows = buffer.index_select(0, slots.flatten())
-    return rows.view(*slots.shape, *buffer.shape[1:]).transpose(1, 2)
+def _gather(pool: MHATokenToKVPool, layer_id: int, slots: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, kv_heads, L, dim]`` keys and values of one layer at ``slots`` ``[B, L]``, in
+    the model's dtype (``read_kv`` selects the flat slots: several times faster than
+    advanced indexing)."""
+    keys, values = pool.read_kv(layer_id, slots)
+    return keys.transpose(1, 2), values.transpose(1, 2)

@@ -17,14 +17,21 @@ a step of the grid).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from framework.layers.quantization.weights import (
+    NIBBLES_PER_INT32,
     QuantizedWeight,
+    cat_tensors,
+    check_aligned,
+    check_parts,
+    check_span,
     effective_group_size,
+    narrowed,
     pack_int4,
     require_tensors,
     round_scale_up_to_half,
@@ -76,6 +83,37 @@ class AwqWeight(QuantizedWeight):
         zeros = self.zeros().float().repeat_interleave(size, 0)
         scales = self.tensors["scales"].float().repeat_interleave(size, 0)
         return ((q - zeros) * scales).t().contiguous()
+
+    def narrow_out(self, start: int, length: int) -> AwqWeight:
+        """Output columns ``start:start+length`` (``qweight`` and ``qzeros`` pack eight)."""
+        check_span(start, length, self.out_features, "AWQ output rows")
+        check_aligned(start, length, NIBBLES_PER_INT32, "AWQ output rows (packed qweight)")
+        t = self.tensors
+        packed = {"qweight": narrowed(t["qweight"], 1, start // 8, length // 8),
+                  "qzeros": narrowed(t["qzeros"], 1, start // 8, length // 8),
+                  "scales": narrowed(t["scales"], 1, start, length)}
+        return AwqWeight(packed, (length, self.in_features), self.group_size)
+
+    def narrow_in(self, start: int, length: int) -> AwqWeight:
+        """Input rows ``start:start+length`` with their groups; a boundary must fall between
+        groups (with one group, ``group_size`` -1, it stays whole for any rows)."""
+        check_span(start, length, self.in_features, "AWQ input rows")
+        t = self.tensors
+        qzeros, scales = t["qzeros"], t["scales"]
+        if self.group_size != -1:
+            check_aligned(start, length, self.group_size, "AWQ input rows (groups)")
+            first, count = start // self.group_size, length // self.group_size
+            qzeros, scales = narrowed(qzeros, 0, first, count), narrowed(scales, 0, first, count)
+        packed = {"qweight": narrowed(t["qweight"], 0, start, length),
+                  "qzeros": qzeros, "scales": scales}
+        return AwqWeight(packed, (self.out_features, length), self.group_size)
+
+    @classmethod
+    def concat_out(cls, parts: Sequence[QuantizedWeight]) -> AwqWeight:
+        """``parts`` stacked along the output."""
+        in_features = check_parts(cls, parts)
+        packed = {name: cat_tensors(parts, name, 1) for name in ("qweight", "qzeros", "scales")}
+        return cls(packed, (packed["scales"].shape[1], in_features), parts[0].group_size)
 
 
 def quantize_awq(weight: torch.Tensor, group_size: int = 128) -> dict[str, torch.Tensor]:

@@ -11,12 +11,19 @@ finite value) and ``weight = (w / weight_scale)`` rounded to E4M3.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from framework.layers.quantization.weights import QuantizedWeight, require_tensors
+from framework.layers.quantization.weights import (
+    QuantizedWeight,
+    check_parts,
+    check_span,
+    narrowed,
+    require_tensors,
+)
 
 #: The largest finite float8_e4m3fn value.
 FP8_MAX = 448.0
@@ -60,6 +67,42 @@ class Fp8Weight(QuantizedWeight):
     def dequantize(self) -> torch.Tensor:
         """``weight * weight_scale`` as float32 ``[out, in]``."""
         return self.tensors["weight"].float() * self.channel_scales()[:, None]
+
+    def _with(self, weight: torch.Tensor, scale: torch.Tensor) -> Fp8Weight:
+        """A weight of these codes and scales, keeping any ``input_scale``."""
+        tensors = {"weight": weight, "weight_scale": scale}
+        if "input_scale" in self.tensors:
+            tensors["input_scale"] = self.tensors["input_scale"]
+        return Fp8Weight(tensors, (weight.shape[0], weight.shape[1]))
+
+    def narrow_out(self, start: int, length: int) -> Fp8Weight:
+        """Output rows ``start:start+length``; a per-channel scale is narrowed with them."""
+        check_span(start, length, self.out_features, "FP8 output rows")
+        scale = self.tensors["weight_scale"]
+        if scale.numel() != 1:
+            scale = narrowed(scale, 0, start, length)
+        return self._with(narrowed(self.tensors["weight"], 0, start, length), scale)
+
+    def narrow_in(self, start: int, length: int) -> Fp8Weight:
+        """Input columns ``start:start+length``; every row keeps its scale."""
+        check_span(start, length, self.in_features, "FP8 input columns")
+        return self._with(narrowed(self.tensors["weight"], 1, start, length),
+                          self.tensors["weight_scale"])
+
+    @classmethod
+    def concat_out(cls, parts: Sequence[QuantizedWeight]) -> Fp8Weight:
+        """``parts`` stacked along the output, their scales made per channel (parts quantized
+        per tensor keep their own scale for their rows); the largest ``input_scale`` stays."""
+        in_features = check_parts(cls, parts)
+        fp8_parts = [part for part in parts if isinstance(part, Fp8Weight)]
+        weight = torch.cat([part.tensors["weight"] for part in fp8_parts])
+        scale = torch.cat([part.channel_scales()[:, None] for part in fp8_parts])
+        tensors = {"weight": weight, "weight_scale": scale}
+        input_scales = [part.tensors["input_scale"].reshape(-1).float().max()
+                        for part in fp8_parts if "input_scale" in part.tensors]
+        if input_scales:
+            tensors["input_scale"] = torch.stack(input_scales).max()
+        return cls(tensors, (weight.shape[0], in_features))
 
 
 def quantize_fp8(weight: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -22,14 +22,21 @@ Without calibration data the default order is by descending column norm of the w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from framework.layers.quantization.weights import (
+    NIBBLES_PER_INT32,
     QuantizedWeight,
+    cat_tensors,
+    check_aligned,
+    check_parts,
+    check_span,
     effective_group_size,
+    narrowed,
     pack_int4,
     require_tensors,
     round_scale_up_to_half,
@@ -88,6 +95,63 @@ class GptqWeight(QuantizedWeight):
         zeros = self.zeros().float()[g_idx]
         scales = self.tensors["scales"].float()[g_idx]
         return ((q - zeros) * scales).t().contiguous()
+
+    def group_rows(self) -> int:
+        """Rows per group when groups hold consecutive input rows in order (no act-order):
+        row ``i`` in group ``i // size``; 0 otherwise."""
+        groups = self.tensors["scales"].shape[0]
+        size = self.in_features // groups
+        expected = torch.arange(self.in_features, dtype=torch.int32) // max(size, 1)
+        return size if torch.equal(self.tensors["g_idx"], expected) else 0
+
+    def narrow_out(self, start: int, length: int) -> GptqWeight:
+        """Output columns ``start:start+length`` of every tensor (``qzeros`` packs eight)."""
+        check_span(start, length, self.out_features, "GPTQ output rows")
+        check_aligned(start, length, NIBBLES_PER_INT32, "GPTQ output rows (packed qzeros)")
+        t = self.tensors
+        packed = {"qweight": narrowed(t["qweight"], 1, start, length),
+                  "qzeros": narrowed(t["qzeros"], 1, start // 8, length // 8),
+                  "scales": narrowed(t["scales"], 1, start, length),
+                  "g_idx": t["g_idx"]}
+        return GptqWeight(packed, (length, self.in_features), self.group_size)
+
+    def narrow_in(self, start: int, length: int) -> GptqWeight:
+        """Input rows ``start:start+length`` (``qweight`` packs eight).
+
+        With several groups in input order, the rows' groups come along (renumbered from
+        0), so a boundary must fall between groups. With one group, or act-order (any
+        ``g_idx``), every group's scales and zeros stay, and ``g_idx`` keeps pointing at them.
+        """
+        check_span(start, length, self.in_features, "GPTQ input rows")
+        check_aligned(start, length, NIBBLES_PER_INT32, "GPTQ input rows (packed qweight)")
+        t = self.tensors
+        g_idx = narrowed(t["g_idx"], 0, start, length)
+        qzeros, scales = t["qzeros"], t["scales"]
+        size = self.group_rows()
+        if size and scales.shape[0] > 1:
+            check_aligned(start, length, size, "GPTQ input rows (groups)")
+            first, count = start // size, length // size
+            qzeros, scales = narrowed(qzeros, 0, first, count), narrowed(scales, 0, first, count)
+            g_idx = g_idx - first
+        packed = {"qweight": narrowed(t["qweight"], 0, start // 8, length // 8),
+                  "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
+        return GptqWeight(packed, (self.out_features, length), self.group_size)
+
+    @classmethod
+    def concat_out(cls, parts: Sequence[QuantizedWeight]) -> GptqWeight:
+        """``parts`` stacked along the output; they must share ``g_idx`` (one input grouping).
+
+        Raises:
+            ValueError: parts whose input rows are grouped differently.
+        """
+        in_features = check_parts(cls, parts)
+        g_idx = parts[0].tensors["g_idx"]
+        if any(not torch.equal(part.tensors["g_idx"], g_idx) for part in parts):
+            raise ValueError("cannot stack GPTQ weights whose g_idx differ (act-order "
+                             "checkpoints must group the stacked projections' inputs alike)")
+        packed = {name: cat_tensors(parts, name, 1) for name in ("qweight", "qzeros", "scales")}
+        packed["g_idx"] = g_idx
+        return cls(packed, (packed["scales"].shape[1], in_features), parts[0].group_size)
 
 
 def act_order_g_idx(perm: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -3,16 +3,27 @@
 A layer ``[out, in]`` is held as ``qweight`` int8 ``[out, in]`` and ``scale`` float32
 ``[out]``, made online from a float weight: ``scale = amax / 127`` and
 ``qweight = round(w / scale)``. ``w = qweight * scale[:, None]``.
+
+A checkpoint (``framework quantize --format int8``, ``quant_method: int8``) stores them as
+``weight`` (the int8 ``qweight``) and ``weight_scale`` ``[out]`` (or ``[out, 1]``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from framework.layers.quantization.weights import QuantizedWeight, require_tensors
+from framework.layers.quantization.weights import (
+    QuantizedWeight,
+    cat_tensors,
+    check_parts,
+    check_span,
+    narrowed,
+    require_tensors,
+)
 
 #: The largest magnitude written (symmetric: -128 is left unused).
 INT8_MAX = 127
@@ -43,6 +54,20 @@ class Int8Weight(QuantizedWeight):
         return cls({"qweight": qweight, "scale": scale}, (qweight.shape[0], qweight.shape[1]))
 
     @classmethod
+    def from_checkpoint(cls, tensors: dict[str, torch.Tensor]) -> Int8Weight:
+        """Wrap a checkpoint's ``weight`` (int8) and ``weight_scale`` (``[out]`` or
+        ``[out, 1]``).
+
+        Raises:
+            ValueError: a missing tensor, or a dtype or shape that does not fit.
+        """
+        require_tensors(tensors, ("weight", "weight_scale"), "int8")
+        scale = tensors["weight_scale"]
+        if scale.dim() == 2 and scale.shape[1] == 1:
+            scale = scale[:, 0]
+        return cls.from_tensors({"qweight": tensors["weight"], "scale": scale})
+
+    @classmethod
     def from_float(cls, weight: torch.Tensor) -> Int8Weight:
         """Quantize a float ``[out, in]`` weight (``quantize_int8``) and wrap the result."""
         return cls.from_tensors(quantize_int8(weight))
@@ -51,9 +76,31 @@ class Int8Weight(QuantizedWeight):
         """``qweight * scale`` as float32 ``[out, in]``."""
         return self.tensors["qweight"].float() * self.tensors["scale"].float()[:, None]
 
+    def narrow_out(self, start: int, length: int) -> Int8Weight:
+        """Output rows ``start:start+length`` with their scales."""
+        check_span(start, length, self.out_features, "int8 output rows")
+        return Int8Weight({"qweight": narrowed(self.tensors["qweight"], 0, start, length),
+                           "scale": narrowed(self.tensors["scale"], 0, start, length)},
+                          (length, self.in_features))
+
+    def narrow_in(self, start: int, length: int) -> Int8Weight:
+        """Input columns ``start:start+length``; every row keeps its scale."""
+        check_span(start, length, self.in_features, "int8 input columns")
+        return Int8Weight({"qweight": narrowed(self.tensors["qweight"], 1, start, length),
+                           "scale": self.tensors["scale"]}, (self.out_features, length))
+
+    @classmethod
+    def concat_out(cls, parts: Sequence[QuantizedWeight]) -> Int8Weight:
+        """``parts`` stacked along the output."""
+        in_features = check_parts(cls, parts)
+        tensors = {"qweight": cat_tensors(parts, "qweight", 0),
+                   "scale": cat_tensors(parts, "scale", 0)}
+        return cls(tensors, (tensors["qweight"].shape[0], in_features))
+
 
 def quantize_int8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Quantize a float ``[out, in]`` weight to int8 with a float32 scale per output channel."""
+    """Quantize a float ``[out, in]`` weight to int8 with a float32 scale per output channel
+    (``qweight``, ``scale``; a checkpoint names them ``weight``, ``weight_scale``)."""
     w = weight.float()
     scale = (w.abs().amax(dim=1) / INT8_MAX).clamp(min=MIN_SCALE)
     qweight = torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -48,6 +48,51 @@ class QuantizedWeight(ABC):
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix ``[out, in]`` this weight stands for."""
 
+    def to(self, device: torch.device) -> QuantizedWeight:
+        """This weight with its tensors on ``device`` (a checkpoint's are read on CPU)."""
+        return replace(self, tensors={name: t.to(device) for name, t in self.tensors.items()})
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Refused: only a linear layer's loader takes a quantized weight (its parts with
+        ``narrow_out`` / ``narrow_in``); any other parameter reading it is an error."""
+        raise ValueError(f"a {self.format} quantized weight loads only into a linear layer")
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        """Refused, as ``narrow``."""
+        raise ValueError(f"a {self.format} quantized weight loads only into a linear layer")
+
+    def narrow_out(self, start: int, length: int) -> QuantizedWeight:
+        """Output rows ``start:start+length`` (a column-parallel rank's part).
+
+        Checkpoint formats override it; a kernel's repacked layout cannot be split.
+
+        Raises:
+            ValueError: a boundary that splits a packed int32, or a layout that cannot split.
+        """
+        raise ValueError(f"a {self.format} weight cannot be split")
+
+    def narrow_in(self, start: int, length: int) -> QuantizedWeight:
+        """Input columns ``start:start+length`` (a row-parallel rank's part).
+
+        Checkpoint formats override it; a kernel's repacked layout cannot be split.
+
+        Raises:
+            ValueError: a boundary that splits a packed int32 or a group of scales, or a
+                layout that cannot split.
+        """
+        raise ValueError(f"a {self.format} weight cannot be split")
+
+    @classmethod
+    def concat_out(cls, parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
+        """``parts`` stacked along the output (q/k/v, gate/up), as one weight.
+
+        Checkpoint formats override it; a kernel's repacked layout cannot be stacked.
+
+        Raises:
+            ValueError: parts of another format, or whose inputs are not quantized alike.
+        """
+        raise ValueError(f"{cls.format} weights cannot be stacked")
+
 
 def require_tensors(tensors: dict[str, torch.Tensor], names: Sequence[str], what: str) -> None:
     """Check that a layer's checkpoint ``tensors`` hold every one of ``names``.
@@ -58,6 +103,50 @@ def require_tensors(tensors: dict[str, torch.Tensor], names: Sequence[str], what
     missing = set(names) - tensors.keys()
     if missing:
         raise ValueError(f"{what} weight lacks {sorted(missing)}")
+
+
+def check_span(start: int, length: int, total: int, what: str) -> None:
+    """Raise ``ValueError`` unless ``start:start+length`` lies within ``0:total``."""
+    if start < 0 or length <= 0 or start + length > total:
+        raise ValueError(f"{what} {start}:{start + length} is outside 0:{total}")
+
+
+def check_aligned(start: int, length: int, multiple: int, what: str) -> None:
+    """Raise ``ValueError`` unless both ends of ``start:start+length`` are multiples of
+    ``multiple`` (a boundary inside a packed int32 or a group cannot be cut)."""
+    if start % multiple or length % multiple:
+        raise ValueError(f"{what} {start}:{start + length} splits a {multiple}-wide unit; "
+                         f"its ends must be multiples of {multiple}")
+
+
+def check_parts(cls: type[QuantizedWeight], parts: Sequence[QuantizedWeight]) -> int:
+    """Check ``parts`` can stack along the output: all of ``cls``, one input width and
+    group size; returns the input width.
+
+    Raises:
+        ValueError: no parts, or parts that differ in format, input width or group size.
+    """
+    if not parts:
+        raise ValueError(f"no {cls.format} weights to concatenate")
+    first = parts[0]
+    for part in parts:
+        if (not isinstance(part, cls) or part.in_features != first.in_features
+                or part.group_size != first.group_size):
+            raise ValueError(f"cannot stack a {part.format} weight {part.shape} (group size "
+                             f"{part.group_size}) on a {first.format} weight {first.shape} "
+                             f"(group size {first.group_size})")
+    return first.in_features
+
+
+def narrowed(tensor: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """A contiguous copy of ``tensor.narrow(dim, start, length)``: a rank's part must not
+    keep the whole checkpoint tensor alive through a view."""
+    return tensor.narrow(dim, start, length).clone(memory_format=torch.contiguous_format)
+
+
+def cat_tensors(parts: Sequence[QuantizedWeight], name: str, dim: int) -> torch.Tensor:
+    """Tensor ``name`` of every part, concatenated along ``dim``."""
+    return torch.cat([part.tensors[name] for part in parts], dim=dim)
 
 
 def effective_group_size(group_size: int, in_features: int) -> int:

@@ -189,8 +189,8 @@ class ModelRunnerWorker(ModelWorker):
                           f"unloaded LoRA adapter {name!r}")
 
     def info(self) -> dict[str, Any]:
-        """The runner's backends, device and dtype, each rank's pid and bytes of weights
-        and KV cache, and the pipeline micro-batches run so far (rank 0's)."""
+        """The runner's backends, device, dtype and KV cache dtype, each rank's pid and bytes
+        of weights and KV cache, and the pipeline micro-batches run so far (rank 0's)."""
         runner = self.runner
         return {
             **runner.ranks_info(),
@@ -199,6 +199,7 @@ class ModelRunnerWorker(ModelWorker):
             "linear_backend": runner.linear_backend,
             "device": str(runner.device),
             "dtype": str(runner.dtype).removeprefix("torch."),
+            "kv_cache_dtype": runner.pools.token_to_kv_pool.kv_cache_dtype,
         }
 
 

@@ -1,1 +1,1 @@
-"""Triton kernels for framework's LoRA registry (segmented shrink/expand)."""
+"""Triton kernels for framework's MoE, quantized-linear and LoRA registries."""

@@ -1,0 +1,162 @@
+"""`framework bench quantized`: output tokens/s and weight bytes, float32 against quantized.
+
+A random Llama of about 100M parameters (8 layers, hidden 1024, intermediate 2048, the
+embedded tokenizer's vocabulary) is written once in float32; ``framework quantize``
+writes its int8 (per-channel) and GPTQ int4 (``--group-size``, 128) checkpoints beside it. Each
+checkpoint is served by one ``framework.Engine`` (float32 activations, the default
+quantized-linear kernel) that runs greedy requests at 1 stream (one request at a time)
+and at 64 (sent together). Each configuration runs ``--rounds`` times after a warm-up
+and keeps its best round. Reported: output tokens/s, the speed-up over float32, and the
+weight bytes ``/get_server_info`` reports (``weight_bytes_rank_0``), with the machine
+and commit, in ``quantized.json`` and ``quantized.md`` under ``--output``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from framework.bench.environment import git_commit, machine_description
+
+DEFAULT_OUTPUT = "benchmarks/results/quantized"
+#: Checkpoint formats measured, after float32: ``framework quantize --format``.
+FORMATS = ("int8", "gptq")
+STREAMS = (1, 64)
+_WORDS = "the data value list index count result file name table row column key page model"
+
+
+@dataclass
+class Settings:
+    """What one run of the benchmark does."""
+
+    layers: int = 8
+    hidden: int = 1024
+    intermediate: int = 2048
+    group_size: int = 128  # of the GPTQ checkpoint
+    output_len: int = 32
+    single_requests: int = 4  # requests run one at a time for the 1-stream figure
+    rounds: int = 2
+    launch_mode: str = "process"  # the Engines' (``thread`` starts faster)
+
+
+def write_checkpoints(settings: Settings, root: Path) -> dict[str, Path]:
+    """The float32 checkpoint and each of ``FORMATS``' made from it, by name."""
+    from framework.bench.offline import OfflineBenchSettings, write_model_dir
+    from framework.cli_quantize import quantize_checkpoint
+
+    shape = OfflineBenchSettings(layers=settings.layers, hidden=settings.hidden,
+                                 heads=settings.hidden // 64,
+                                 intermediate=settings.intermediate)
+    paths = {"float32": root / "float32"}
+    paths["float32"].mkdir()
+    write_model_dir(shape, paths["float32"])
+    for fmt in FORMATS:
+        paths[fmt] = root / fmt
+        quantize_checkpoint(paths["float32"], paths[fmt], fmt, group_size=settings.group_size)
+    return paths
+
+
+def _prompts(count: int) -> list[str]:
+    words = _WORDS.split()
+    return [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(24 + i % 16))
+            for i in range(count)]
+
+
+def _tokens_per_second(engine: Any, prompts: list[str], streams: int, output_len: int) -> float:
+    params = {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
+    started = time.perf_counter()
+    tokens = 0
+    for first in range(0, len(prompts), streams):
+        outputs = engine.generate(prompts[first:first + streams], params)
+        tokens += sum(len(out["output_ids"]) for out in outputs)
+    return tokens / (time.perf_counter() - started)
+
+
+def run_format(name: str, path: Path, settings: Settings) -> list[dict[str, Any]]:
+    """The rows of one checkpoint: one per stream count."""
+    from framework import Engine
+
+    rows = []
+    with Engine(model_path=str(path), dtype="float32", log_level="warning",
+                max_running_requests=max(STREAMS), launch_mode=settings.launch_mode) as engine:
+        weight_bytes = engine.get_server_info()["weight_bytes_rank_0"]
+        _tokens_per_second(engine, _prompts(2), 2, 4)  # warm-up
+        for streams in STREAMS:
+            prompts = _prompts(settings.single_requests if streams == 1 else streams)
+            best = max(_tokens_per_second(engine, prompts, streams, settings.output_len)
+                       for _ in range(settings.rounds))
+            rows.append({"format": name, "streams": streams, "output_tokens_per_s": best,
+                         "weight_bytes": weight_bytes})
+    return rows
+
+
+def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """The markdown table, each row against float32's at the same streams."""
+    base = {r["streams"]: r for r in rows if r["format"] == "float32"}
+    lines = ["# Quantized weights", "",
+             f"- Machine: {meta['machine']}", f"- Commit: {meta['commit']}",
+             f"- Run: {meta['started_at']}", f"- Model: {meta['model']}",
+             f"- Greedy, {meta['output_len']} output tokens per request, best of "
+             f"{meta['rounds']} rounds", "",
+             "| format | streams | output tok/s | vs float32 | weight bytes | vs float32 |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ref = base[r["streams"]]
+        lines.append(
+            f"| {r['format']} | {r['streams']} | {r['output_tokens_per_s']:,.1f} | "
+            f"{r['output_tokens_per_s'] / ref['output_tokens_per_s']:.2f}x | "
+            f"{r['weight_bytes']:,} | {r['weight_bytes'] / ref['weight_bytes']:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_benchmark(settings: Settings, output: str) -> list[Path]:
+    """Write the checkpoints, measure each, write the results; returns the files written."""
+    meta = {"machine": machine_description(), "commit": git_commit(),
+            "started_at": datetime.datetime.now(datetime.timezone.utc).strftime(
+                "%Y-%m-%d %H:%M:%S UTC"),
+            "model": f"random Llama, {settings.layers} layers, hidden {settings.hidden}, "
+                     f"intermediate {settings.intermediate}",
+            "output_len": settings.output_len, "rounds": settings.rounds}
+    with tempfile.TemporaryDirectory(prefix="framework-quantized-") as tmp:
+        paths = write_checkpoints(settings, Path(tmp))
+        rows = [row for name, path in paths.items() for row in run_format(name, path, settings)]
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "quantized.json", out / "quantized.md"]
+    files[0].write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+    files[1].write_text(render(rows, meta))
+    return files
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """``framework bench quantized`` flags."""
+    default = Settings()
+    for flag, text in (("layers", "decoder layers"), ("hidden", "hidden size (heads of 64)"),
+                       ("intermediate", "MLP width"),
+                       ("group-size", "input features per GPTQ scale"),
+                       ("output-len", "output tokens per request"),
+                       ("single-requests", "requests run one at a time at 1 stream"),
+                       ("rounds", "runs per configuration, the best kept")):
+        value = getattr(default, flag.replace("-", "_"))
+        parser.add_argument(f"--{flag}", type=int, default=value, metavar="N",
+                            help=f"{text} (default: {value})")
+    parser.add_argument("--output", default=DEFAULT_OUTPUT, metavar="DIR",
+                        help=f"where the result files go (default: {DEFAULT_OUTPUT})")
+
+
+def run_from_cli(args: argparse.Namespace) -> int:
+    """Entry point of ``framework bench quantized``."""
+    settings = Settings(layers=args.layers, hidden=args.hidden,
+                        intermediate=args.intermediate, group_size=args.group_size,
+                        output_len=args.output_len,
+                        single_requests=args.single_requests, rounds=args.rounds)
+    for path in run_benchmark(settings, args.output):
+        print(f"wrote {path}")
+    print(Path(args.output, "quantized.md").read_text())
+    return 0

@@ -1,0 +1,138 @@
+"""Writing the shards of a quantized copy of a float checkpoint (``framework quantize``).
+
+Every weight a linear layer loads (the q/k/v/o, gate/up/down projections; MoE experts
+excepted) is quantized by its format's writer (round to nearest, no calibration data) and
+stored in the layout the hub's checkpoints of that format use, one output shard per input
+shard; every other tensor is copied as it is. ``quantization_config`` is what
+``config.json`` then says.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from framework.layers.quantization.awq import quantize_awq
+from framework.layers.quantization.fp8 import quantize_fp8
+from framework.layers.quantization.gptq import quantize_gptq
+from framework.layers.quantization.int8 import quantize_int8
+
+#: The formats ``framework quantize`` writes.
+WRITE_FORMATS = ("gptq", "awq", "fp8", "int8")
+#: The checkpoint projections that load into linear layers, hence the ones quantized.
+TARGET_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                      "down_proj")
+#: Projections that read one input and load stacked (q/k/v, gate/up): with act-order they
+#: share one row order, as the calibrated layers' shared input gives them, so that their
+#: ``g_idx`` agree.
+SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
+                "gate_proj": "gate_up", "up_proj": "gate_up"}
+#: The shards' index, written when the source has one.
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def quantization_config(fmt: str, group_size: int, act_order: bool) -> dict[str, Any]:
+    """The ``quantization_config`` the hub's checkpoints of ``fmt`` carry."""
+    if fmt == "gptq":
+        return {"quant_method": "gptq", "bits": 4, "group_size": group_size,
+                "desc_act": act_order, "sym": True, "checkpoint_format": "gptq"}
+    if fmt == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group_size,
+                "zero_point": True, "version": "gemm"}
+    if fmt == "fp8":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    return {"quant_method": "int8"}
+
+
+def is_target(name: str, tensor: torch.Tensor) -> bool:
+    """Whether checkpoint tensor ``name`` is a linear layer's weight to quantize."""
+    parts = name.split(".")
+    return (len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in TARGET_PROJECTIONS
+            and "experts" not in parts and tensor.dim() == 2 and tensor.is_floating_point())
+
+
+def _input_key(name: str) -> str:
+    """Projections of one layer that read the same input share a key (see SHARED_INPUT)."""
+    layer, projection = name.rsplit(".", 2)[:2]
+    return f"{layer}.{SHARED_INPUT.get(projection, projection)}"
+
+
+def _read(files: list[Path]) -> Iterator[tuple[Path, dict[str, torch.Tensor]]]:
+    """Each shard file with its tensors."""
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            yield file, {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+
+
+def act_orders(files: list[Path]) -> dict[str, torch.Tensor]:
+    """For each group of projections sharing an input, its act-order row order: input rows
+    by descending norm over all of the group's output rows (one pass over the files)."""
+    squares: dict[str, torch.Tensor] = {}
+    for _, tensors in _read(files):
+        for name, tensor in tensors.items():
+            if is_target(name, tensor):
+                key = _input_key(name)
+                squares[key] = squares.get(key, 0) + tensor.float().square().sum(dim=0)
+    return {key: total.argsort(descending=True, stable=True) for key, total in squares.items()}
+
+
+def quantize_tensor(name: str, weight: torch.Tensor, fmt: str, group_size: int,
+                    perm: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors (full names) of one linear layer's weight in ``fmt``.
+
+    Raises:
+        ValueError: a shape the format cannot hold (e.g. a group size that does not
+            divide the input features), naming the tensor.
+    """
+    layer = name.removesuffix(".weight")
+    try:
+        if fmt == "gptq":
+            parts = quantize_gptq(weight, group_size, act_order=perm is not None, perm=perm)
+        elif fmt == "awq":
+            parts = quantize_awq(weight, group_size)
+        elif fmt == "fp8":
+            parts = quantize_fp8(weight)
+        else:
+            int8 = quantize_int8(weight)
+            parts = {"weight": int8["qweight"], "weight_scale": int8["scale"]}
+    except ValueError as exc:
+        raise ValueError(f"cannot quantize {name} {tuple(weight.shape)} to {fmt}: {exc}") \
+            from None
+    return {f"{layer}.{part}": tensor.contiguous() for part, tensor in parts.items()}
+
+
+def write_quantized_shards(files: list[Path], dst: Path, fmt: str, *, group_size: int,
+                           act_order: bool, index: bool) -> int:
+    """Write each of ``files`` (a float checkpoint's shards, in order) to ``dst`` under its
+    own name, its linear layers' weights in ``fmt``, and with ``index`` the shards'
+    ``model.safetensors.index.json``; returns how many weights were quantized.
+
+    Raises:
+        ValueError: a weight ``fmt`` cannot hold (``quantize_tensor``).
+    """
+    orders = act_orders(files) if act_order else {}
+    weight_map: dict[str, str] = {}
+    total_size = count = 0
+    for file, tensors in _read(files):
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            if is_target(name, tensor):
+                out.update(quantize_tensor(name, tensor, fmt, group_size,
+                                           orders.get(_input_key(name))))
+                count += 1
+            else:
+                out[name] = tensor.contiguous()
+        save_file(out, str(dst / file.name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(out, file.name))
+        total_size += sum(t.numel() * t.element_size() for t in out.values())
+    if index:
+        contents = {"metadata": {"total_size": total_size},
+                    "weight_map": dict(sorted(weight_map.items()))}
+        (dst / INDEX_FILE).write_text(json.dumps(contents, indent=2), encoding="utf-8")
+    return count

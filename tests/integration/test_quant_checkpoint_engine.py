@@ -1,0 +1,181 @@
+"""Pre-quantized checkpoints through the Engine: ``framework quantize``, then serving.
+
+A tiny float Llama is quantized to each format (GPTQ with and without act-order, AWQ,
+FP8, int8; the AWQ copy through the CLI in a subprocess). The Engine on each copy, which
+finds the format in ``config.json``, must give the greedy tokens of transformers (float64)
+running the float model with every quantized layer's weight replaced by its dequantized
+one; with ``--tp-size 2`` (int8 and GPTQ), those of one rank, each rank holding its part.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from framework import Engine
+from framework.cli import main
+from framework.cli_quantize import quantize_checkpoint
+from framework.layers.quantization import AwqWeight, Fp8Weight, GptqWeight, Int8Weight
+from framework.layers.quantization.weights import QuantizedWeight
+from tests.model_fixtures import (
+    make_tiny_checkpoint,
+    make_tiny_tokenizer,
+    reference_model,
+    single_threaded_torch,
+    transformers_greedy,
+)
+
+PROMPTS = ["the quick brown fox", "hello world, this is a test", "def add(a, b):", "x"]
+NEW_TOKENS = 8
+GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+ENGINE_ARGS = {"log_level": "warning", "dtype": "float32"}
+#: Each quantized copy: its format and ``framework quantize`` options.
+COPIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "gptq": ("gptq", {"group_size": 32}),
+    "gptq_act_order": ("gptq", {"group_size": 16, "act_order": True}),
+    "awq": ("awq", {"group_size": 32}),
+    "fp8": ("fp8", {}),
+    "int8": ("int8", {}),
+}
+#: A layer's weight from its checkpoint tensors, per format (group size from the config).
+BUILDERS: dict[str, Callable[[dict[str, torch.Tensor], int], QuantizedWeight]] = {
+    "gptq": GptqWeight.from_checkpoint,
+    "awq": AwqWeight.from_checkpoint,
+    "fp8": lambda tensors, _: Fp8Weight.from_checkpoint(tensors),
+    "int8": lambda tensors, _: Int8Weight.from_checkpoint(tensors),
+}
+#: The tensor that marks a quantized layer, per format.
+MARKERS = {"gptq": "qweight", "awq": "qweight", "fp8": "weight_scale", "int8": "weight_scale"}
+# The quantized copies are made once, in the first test's setup.
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    with single_threaded_torch():
+        yield
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The float tiny Llama (``float``) and its quantized copies, by ``COPIES`` name."""
+    root = tmp_path_factory.mktemp("quant_checkpoints")
+    dirs = {"float": make_tiny_checkpoint(root, "llama", seed=5)}
+    for name, (fmt, options) in COPIES.items():
+        dirs[name] = root / name
+        if name == "awq":  # the command line, once
+            subprocess.run(
+                [sys.executable, "-m", "framework.cli", "quantize", "--model-path",
+                 str(dirs["float"]), "--output", str(dirs[name]), "--format", fmt,
+                 "--group-size", str(options["group_size"])],
+                check=True, capture_output=True, text=True, timeout=120)
+        else:
+            assert quantize_checkpoint(dirs["float"], dirs[name], fmt, **options) == 14
+    return dirs
+
+
+def dequantized_reference(float_dir: Path, quant_dir: Path) -> Any:
+    """transformers' float64 model of ``float_dir`` with each layer quantized in
+    ``quant_dir`` holding that layer's dequantized weight."""
+    config = json.loads((quant_dir / "config.json").read_text())["quantization_config"]
+    method = config["quant_method"]
+    tensors = load_file(str(quant_dir / "model.safetensors"))
+    model = reference_model(float_dir)
+    params = dict(model.named_parameters())
+    replaced = 0
+    for name in tensors:
+        layer, _, part = name.rpartition(".")
+        if part != MARKERS[method]:
+            continue
+        own = {key.rpartition(".")[2]: value for key, value in tensors.items()
+               if key.rpartition(".")[0] == layer}
+        weight = BUILDERS[method](own, config.get("group_size", -1))
+        with torch.no_grad():
+            params[f"{layer}.weight"].copy_(weight.dequantize().double())
+        replaced += 1
+    assert replaced == 14
+    return model
+
+
+@pytest.fixture(scope="module")
+def prompt_ids() -> list[list[int]]:
+    tokenizer = make_tiny_tokenizer()
+    return [tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def one_rank(checkpoints: dict[str, Path], prompt_ids: list[list[int]]
+             ) -> Callable[[str], dict[str, Any]]:
+    """Each copy's greedy tokens and server info on one rank (Engines started lazily)."""
+    results: dict[str, dict[str, Any]] = {}
+
+    def run(name: str) -> dict[str, Any]:
+        if name not in results:
+            with Engine(model_path=str(checkpoints[name]), launch_mode="thread",
+                        **ENGINE_ARGS) as engine:
+                outs = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)
+                results[name] = {"tokens": [o["output_ids"] for o in outs],
+                                 "info": engine.get_server_info()}
+        return results[name]
+
+    return run
+
+
+def _float_bytes(float_dir: Path) -> tuple[int, int]:
+    """Bytes of the float checkpoint: of the linear layers' weights, and of the rest."""
+    tensors = load_file(str(float_dir / "model.safetensors"))
+    linear = sum(t.numel() * t.element_size() for name, t in tensors.items()
+                 if name.endswith("_proj.weight"))
+    return linear, sum(t.numel() * t.element_size() for t in tensors.values()) - linear
+
+
+@pytest.mark.parametrize("name", list(COPIES))
+def test_engine_on_quantized_checkpoint_matches_dequantized_transformers(
+        name: str, checkpoints: dict[str, Path], prompt_ids: list[list[int]],
+        one_rank: Callable[[str], dict[str, Any]]) -> None:
+    model = dequantized_reference(checkpoints["float"], checkpoints[name])
+    expected = [transformers_greedy(model, ids, NEW_TOKENS)[0] for ids in prompt_ids]
+    result = one_rank(name)
+    assert result["tokens"] == expected
+    # The linear layers hold their quantized bytes (at most half of float32's); the
+    # embeddings, norms and LM head stay float.
+    linear, rest = _float_bytes(checkpoints["float"])
+    held = result["info"]["param_bytes_rank_0"]
+    assert rest < held < rest + linear // 2, (held, rest, linear)
+
+
+@pytest.mark.parametrize("name", ["int8", "gptq"])
+def test_two_ranks_give_one_rank_s_tokens(
+        name: str, checkpoints: dict[str, Path], prompt_ids: list[list[int]],
+        one_rank: Callable[[str], dict[str, Any]]) -> None:
+    with Engine(model_path=str(checkpoints[name]), tp_size=2, **ENGINE_ARGS) as engine:
+        outs = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)
+        info = engine.get_server_info()
+    whole = one_rank(name)
+    assert [o["output_ids"] for o in outs] == whole["tokens"]
+    for rank in (0, 1):  # each rank holds its part of every split layer
+        assert info[f"param_bytes_rank_{rank}"] < 0.6 * whole["info"]["param_bytes_rank_0"]
+
+
+def test_flag_contradicting_the_checkpoint_is_refused(checkpoints: dict[str, Path]) -> None:
+    with pytest.raises(Exception, match=r"--quantization int8 contradicts .*'gptq'"):
+        Engine(model_path=str(checkpoints["gptq"]), quantization="int8", launch_mode="thread",
+               **ENGINE_ARGS)
+
+
+def test_cli_reports_bad_input_in_one_line(checkpoints: dict[str, Path], tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["quantize", "--model-path", str(checkpoints["gptq"]), "--output",
+            str(tmp_path / "again"), "--format", "int8"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"framework: error: {checkpoints['gptq']} is already quantized (gptq); "
+        "quantize a float checkpoint"]

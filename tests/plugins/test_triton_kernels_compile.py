@@ -1,0 +1,59 @@
+"""The ``framework_triton_kernels`` kernels compile for an sm_90 GPU, without one, and spill
+no registers.
+
+Runs ``compile_kernels_for_gpu.py`` (Triton's compiler and the ``ptxas`` bundled with it)
+in a subprocess without ``TRITON_INTERPRET``: both fused-MoE kernels, at the tiles
+``moe_config`` picks for a decode step and for a prefill, in float32, float16 and
+bfloat16, the gate/up kernel with each gated activation; the quantized GEMMs (int4, and
+8-bit with int8 and E4M3 weights) at each of ``gemm_config``'s tiles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+SCRIPT = Path(__file__).with_name("compile_kernels_for_gpu.py")
+NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+DTYPES = {"torch.float32", "torch.float16", "torch.bfloat16"}
+
+
+def compile_rows(prefix: str, tmp_path: Path) -> list[dict]:
+    """The script's report lines for the kernels whose names start with ``prefix``."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    result = subprocess.run([sys.executable, str(SCRIPT), prefix], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+@pytest.mark.skipif(not (NVIDIA_BIN / "cuobjdump").exists(),
+                    reason="this Triton build has no bundled CUDA tools")
+def test_moe_kernels_compile_for_sm90_without_spilling(tmp_path: Path) -> None:
+    rows = compile_rows("moe/", tmp_path)
+    # 3 dtypes x 2 tile regimes x (gate/up with 2 activations + down)
+    assert len(rows) == 18
+    assert {row["dtype"] for row in rows} == DTYPES
+    assert {row["kernel"].split()[0] for row in rows} == {"moe/gate_up", "moe/down"}
+    spilled = [row for row in rows if row["stack_bytes"]]
+    assert not spilled, spilled
+
+
+@pytest.mark.skipif(not (NVIDIA_BIN / "cuobjdump").exists(),
+                    reason="this Triton build has no bundled CUDA tools")
+def test_quantized_gemms_compile_for_sm90_without_spilling(tmp_path: Path) -> None:
+    """The int4 and 8-bit (int8, E4M3) GEMMs at ``gemm_config``'s tiles."""
+    rows = compile_rows("quant/", tmp_path)
+    # float16 and bfloat16: 3 tile regimes x (int4 + int8 + E4M3); float32: 1 regime x 3
+    assert len(rows) == 21
+    assert {row["dtype"] for row in rows} == DTYPES
+    assert {row["kernel"].split()[0] for row in rows} == {"quant/int4", "quant/w8"}
+    spilled = [row for row in rows if row["stack_bytes"]]
+    assert not spilled, spilled

@@ -1,0 +1,24 @@
+"""`framework bench quantized` on a tiny model: every format measured and written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from framework.bench.quantized import Settings, run_benchmark
+
+
+def test_every_format_is_measured_and_written_with_its_bytes(tmp_path: Path) -> None:
+    settings = Settings(layers=1, hidden=64, intermediate=128, group_size=32, output_len=2,
+                        single_requests=1, rounds=1, launch_mode="thread")
+    json_path, md_path = run_benchmark(settings, str(tmp_path))
+    result = json.loads(json_path.read_text())
+    assert result["commit"] and result["machine"]
+    rows = {(r["format"], r["streams"]): r for r in result["rows"]}
+    assert set(rows) == {(f, s) for f in ("float32", "int8", "gptq") for s in (1, 64)}
+    assert all(r["output_tokens_per_s"] > 0 for r in rows.values())
+    # The projections shrink to a quarter (int8) and about an eighth (4-bit) of float32's
+    # bytes; the float embeddings and norms stay.
+    float_bytes = rows[("float32", 1)]["weight_bytes"]
+    assert float_bytes > rows[("int8", 1)]["weight_bytes"] > rows[("gptq", 1)]["weight_bytes"]
+    assert "| gptq | 64 |" in md_path.read_text()
