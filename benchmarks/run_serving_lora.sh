@@ -84,6 +84,12 @@ base, lora = (json.loads((out / f"{n}.json").read_text()) for n in ("base", "lor
 key = "output_throughput"
 ratio = lora[key] / base[key]
 text = (f"# LoRA serving vs the base model\n\n"
+        f"- Machine: {base['machine']}\n- Commit: {base['commit']}\n"
+        f"- Run: {base['started_at']}\n"
+        f"- Model: Llama, 8 layers, hidden 1024, intermediate 2048, float32, random weights\n"
+        f"- {base['requests']} requests of {base['target_input_tokens'] // base['requests']} "
+        f"prompt and {base['target_output_tokens'] // base['requests']} output tokens, "
+        f"{base['max_in_flight']} at a time\n\n"
         f"- base: {base[key]:.1f} output tok/s\n"
         f"- 8 rank-16 adapters on q/k/v/o, requests spread over them: {lora[key]:.1f} output "
         f"tok/s\n- ratio: {ratio:.2f} (goal >= 0.70)\n")

@@ -76,6 +76,9 @@ class ForwardBatch:
     # The directory of each adapter named there, set by rank 0 before it announces the
     # step: the other ranks load an adapter loaded at run time from it.
     lora_dirs: dict[str, str] | None = None
+    # The adapters of requests holding KV outside this batch (they step again soon):
+    # none of them is evicted to load one this batch needs.
+    lora_in_use: list[str] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,8 +9,9 @@ the same adapters in the same order, so a name means the same slot on every rank
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,9 @@ class LoraServing:
     slots: LoraSlots
     #: The directory each known adapter loads from.
     paths: dict[str, str]
+    #: The adapters of the requests of the last step and of those holding KV beside it:
+    #: pinned whenever another adapter loads, so that none of them is evicted.
+    in_use: set[str] = dataclasses.field(default_factory=set)
 
     @classmethod
     def build(cls, model: nn.Module, entries: Sequence[str], *, max_loaded: int | None,
@@ -83,6 +87,8 @@ class LoraServing:
     def set_batch(self, batch: ForwardBatch) -> None:
         """Use ``batch``'s adapters (``ForwardBatch.lora_names``) in its forward pass."""
         names = batch.lora_names
+        self.in_use = {name for name in names or () if name is not None}
+        self.in_use.update(batch.lora_in_use or ())
         if names is None or all(name is None for name in names):
             self.lora_model.set_batch(None)
             return
@@ -102,27 +108,36 @@ class LoraServing:
             request_slots, new_tokens, batch.input_ids.device, _output_rows(batch, new_tokens)))
 
     def _slots_of(self, names: set[str]) -> dict[str, int]:
-        """The slot of each adapter of a batch, reloading those the LRU evicted (each is
-        pinned while the others load, so that none evicts another of the same batch)."""
-        slots: dict[str, int] = {}
-        try:
-            for name in sorted(names):
-                if name not in self.slots.loaded:
-                    if name not in self.paths:
-                        raise KeyError(f"LoRA adapter {name!r} is not loaded")
+        """The slot of each adapter of a batch, reloading those the LRU evicted (the
+        adapters in use, this batch's among them, are pinned while they load)."""
+        for name in sorted(names):
+            if name not in self.slots.loaded:
+                if name not in self.paths:
+                    raise KeyError(f"LoRA adapter {name!r} is not loaded")
+                with self._in_use_pinned():
                     self.slots.load(LoraAdapter.load(self.paths[name], name))
-                slots[name] = self.slots.acquire(name)
+        return {name: self.slots.use(name) for name in names}
+
+    @contextlib.contextmanager
+    def _in_use_pinned(self) -> Iterator[None]:
+        """Pin the loaded adapters of ``in_use`` for the block (no load evicts them)."""
+        pinned = [name for name in self.in_use if name in self.slots.loaded]
+        for name in pinned:
+            self.slots.acquire(name)
+        try:
+            yield
         finally:
-            for name in slots:
+            for name in pinned:
                 self.slots.release(name)
-        return slots
 
     def load(self, name: str, path: str) -> None:
-        """Load adapter ``name`` from ``path`` into a slot (``ValueError`` if it does not fit
-        or the name is taken; ``RuntimeError`` when every slot is pinned)."""
+        """Load adapter ``name`` from ``path`` into a slot, evicting none in use
+        (``ValueError`` if it does not fit or the name is taken; ``RuntimeError`` when
+        every slot holds an adapter in use)."""
         if name in self.paths:
             raise ValueError(f"LoRA adapter {name!r} is already loaded")
-        self.slots.load(LoraAdapter.load(path, name))
+        with self._in_use_pinned():
+            self.slots.load(LoraAdapter.load(path, name))
         self.paths[name] = path
 
     def unload(self, name: str) -> None:

@@ -59,11 +59,16 @@ class LoraSlots:
         self._slots[adapter.name] = slot
         return slot
 
+    def use(self, name: str) -> int:
+        """The slot of loaded adapter ``name``, marked as the most recently used."""
+        slot = self.slot_of(name)
+        self._slots.move_to_end(name)
+        return slot
+
     def acquire(self, name: str) -> int:
         """Pin loaded adapter ``name`` for one user (a request); return its slot."""
-        slot = self.slot_of(name)
+        slot = self.use(name)
         self._pins[name] = self.pins(name) + 1
-        self._slots.move_to_end(name)
         return slot
 
     def release(self, name: str) -> None:

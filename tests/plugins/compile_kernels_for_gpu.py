@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 import triton
 from compile_for_gpu import TARGET, TRITON_TYPES, stack_bytes
-from framework_triton_kernels import moe, quant_gemm
+from framework_triton_kernels import lora, moe, quant_gemm
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -119,7 +119,38 @@ def quant_configurations() -> list[KernelConfig]:
     return out
 
 
-CONFIGS: list[KernelConfig] = moe_configurations() + quant_configurations()
+def lora_arg_types(dtype: torch.dtype) -> Callable[[str], str]:
+    """The LoRA kernels' argument types: rows, segments and slots int64, the shrunk rows
+    float32, the activations, adapter matrices and scalings in ``dtype``, sizes i32."""
+    data = "*" + TRITON_TYPES[dtype]
+
+    def of(name: str) -> str:
+        if name in ("rows_ptr", "starts_ptr", "lens_ptr", "slots_ptr"):
+            return "*i64"
+        if name == "mid_ptr":
+            return "*fp32"
+        return data if name.endswith("_ptr") else "i32"
+
+    return of
+
+
+def lora_configurations() -> list[KernelConfig]:
+    """Shrink and expand at ``triton_lora_delta``'s tiles, for ranks up to 16 and 64, in
+    every dtype."""
+    out = []
+    for dtype in DTYPES:
+        for block_r in (16, 64):
+            out.append(KernelConfig(f"lora/shrink rank<={block_r}", lora._shrink_kernel,
+                                    {"BLOCK_M": 16, "BLOCK_R": block_r, "BLOCK_K": 32}, 4, 2,
+                                    lora_arg_types(dtype), dtype))
+            out.append(KernelConfig(f"lora/expand rank<={block_r}", lora._expand_kernel,
+                                    {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_R": block_r}, 4, 2,
+                                    lora_arg_types(dtype), dtype))
+    return out
+
+
+CONFIGS: list[KernelConfig] = (moe_configurations() + quant_configurations()
+                               + lora_configurations())
 
 
 def compile_config(config: KernelConfig) -> Any:

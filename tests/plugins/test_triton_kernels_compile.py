@@ -5,7 +5,8 @@ Runs ``compile_kernels_for_gpu.py`` (Triton's compiler and the ``ptxas`` bundled
 in a subprocess without ``TRITON_INTERPRET``: both fused-MoE kernels, at the tiles
 ``moe_config`` picks for a decode step and for a prefill, in float32, float16 and
 bfloat16, the gate/up kernel with each gated activation; the quantized GEMMs (int4, and
-8-bit with int8 and E4M3 weights) at each of ``gemm_config``'s tiles.
+8-bit with int8 and E4M3 weights) at each of ``gemm_config``'s tiles; the segmented LoRA
+shrink and expand.
 """
 
 from __future__ import annotations
@@ -55,5 +56,16 @@ def test_quantized_gemms_compile_for_sm90_without_spilling(tmp_path: Path) -> No
     assert len(rows) == 21
     assert {row["dtype"] for row in rows} == DTYPES
     assert {row["kernel"].split()[0] for row in rows} == {"quant/int4", "quant/w8"}
+    spilled = [row for row in rows if row["stack_bytes"]]
+    assert not spilled, spilled
+
+
+@pytest.mark.skipif(not (NVIDIA_BIN / "cuobjdump").exists(),
+                    reason="this Triton build has no bundled CUDA tools")
+def test_lora_kernels_compile_for_sm90_without_spilling(tmp_path: Path) -> None:
+    """Shrink and expand at ``triton_lora_delta``'s tiles, ranks up to 16 and 64."""
+    rows = compile_rows("lora/", tmp_path)
+    assert len(rows) == 12  # 3 dtypes x 2 rank blocks x (shrink + expand)
+    assert {row["dtype"] for row in rows} == DTYPES
     spilled = [row for row in rows if row["stack_bytes"]]
     assert not spilled, spilled

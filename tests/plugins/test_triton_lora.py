@@ -1,16 +1,25 @@
-"""The Triton segmented LoRA kernel against a float64 reference and the torch backend."""
+"""The Triton segmented LoRA kernel against a float64 reference and the torch backend, and
+a mixed batch of adapters through the Engine with it selected."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from framework import Engine
 from framework.lora.batch import NO_SLOT, LoraBatch
 from framework.lora.ops import torch_lora_delta
 from framework.registry import LORA_BACKENDS
 
 pytest.importorskip("triton")
 from framework_triton_kernels.lora import triton_lora_delta
+
+from tests.integration.test_lora_engine import ADAPTERS, MIXED, PROMPTS, make_lora_dirs
+from tests.plugins.greedy_rule import (
+    FLOAT16_LOGPROB_TOLERANCE,
+    FLOAT16_NEAR_TIE,
+    assert_same_greedy,
+)
 
 #: Max abs error allowed against the float64 reference, per input dtype.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2}
@@ -57,3 +66,20 @@ def test_empty_batch_is_zero() -> None:
     x = torch.randn(3, 8)
     got = triton_lora_delta(x, torch.zeros(1, 4, 8), torch.zeros(1, 5, 4), torch.ones(1), batch)
     assert got.shape == (3, 5) and (got == 0).all()
+
+
+def test_a_mixed_batch_gives_the_torch_backend_s_greedy_tokens(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Base and three adapters (ranks 2 to 8, attention and MLP targets) in one batch of a
+    float16 tiny Llama: ``lora_backend="triton"`` gives the torch kernel's greedy tokens."""
+    dirs = make_lora_dirs(tmp_path_factory.mktemp("triton_lora"))
+    params = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+    outputs = {}
+    for backend in ("torch", "triton"):
+        with Engine(model_path=str(dirs["base"]), dtype="float16", launch_mode="thread",
+                    log_level="warning", lora_backend=backend,
+                    lora_paths=[f"{name}={dirs[name]}" for name in ADAPTERS]) as engine:
+            outputs[backend] = engine.generate(PROMPTS, params, lora_path=MIXED,
+                                               return_logprob=True, top_logprobs_num=2)
+    for got, ref in zip(outputs["triton"], outputs["torch"], strict=True):
+        assert_same_greedy(got, ref, FLOAT16_NEAR_TIE, FLOAT16_LOGPROB_TOLERANCE)

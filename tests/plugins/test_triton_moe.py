@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -29,13 +28,16 @@ from framework_triton_kernels.moe import (
     triton_fused_experts,
 )
 
+from tests.plugins.greedy_rule import (
+    FLOAT16_LOGPROB_TOLERANCE,
+    FLOAT16_NEAR_TIE,
+    assert_same_greedy,
+)
+
 DEVICE = torch.device("cpu" if is_interpreter() else "cuda")
 #: Max abs error allowed against the float64 reference, per dtype.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 DTYPES = [torch.float32, torch.float16] + ([] if is_interpreter() else [torch.bfloat16])
-#: Logprob difference allowed between the backends in a float16 Engine (and the top-2 gap
-#: below which a step is a near-tie).
-FLOAT16_LOGPROB_TOLERANCE = 1e-2
 #: The smallest tiles tl.dot takes: the case's sizes leave partial tiles and blocks.
 SMALL = MoeConfig(block_m=16, block_n=16, block_k=16, num_warps=4)
 FIRST_EXPERT, LOCAL_EXPERTS, ALL_EXPERTS = 2, 4, 8
@@ -162,18 +164,4 @@ def test_engine_greedy_parity_with_torch_backend(
             results[backend] = engine.generate(prompts, greedy, return_logprob=True,
                                                top_logprobs_num=2)
     for got, ref in zip(results["triton"], results["torch"], strict=True):
-        _assert_same_float16_greedy(got, ref)
-
-
-def _assert_same_float16_greedy(got: dict[str, Any], ref: dict[str, Any]) -> None:
-    """Equal tokens until the reference's first near-tie, logprobs close before it, at
-    float16's rounding (the kernels sum in different orders)."""
-    assert len(got["output_ids"]) == len(ref["output_ids"])
-    for step, (ref_id, top) in enumerate(zip(ref["output_ids"],
-                                             ref["meta_info"]["output_top_logprobs"])):
-        if top[0][0] - top[1][0] < FLOAT16_LOGPROB_TOLERANCE:
-            return  # a near-tie: the rest may legitimately differ
-        assert got["output_ids"][step] == ref_id, f"token {step} differs"
-        got_lp = got["meta_info"]["output_token_logprobs"][step][0]
-        ref_lp = ref["meta_info"]["output_token_logprobs"][step][0]
-        assert abs(got_lp - ref_lp) < FLOAT16_LOGPROB_TOLERANCE, f"logprob {step}"
+        assert_same_greedy(got, ref, FLOAT16_NEAR_TIE, FLOAT16_LOGPROB_TOLERANCE)

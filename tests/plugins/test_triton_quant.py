@@ -31,6 +31,12 @@ from framework_triton_kernels import quant_gemm
 from framework_triton_kernels.quant_gemm import GemmConfig, gemm_config, int4_block_k
 from framework_triton_kernels.quant_linear import TritonQuantLinear
 
+from tests.plugins.greedy_rule import (
+    FLOAT16_LOGPROB_TOLERANCE,
+    FLOAT16_NEAR_TIE,
+    assert_same_greedy,
+)
+
 ROWS, OUT, IN = 21, 72, 128
 SMALL = GemmConfig(block_m=16, block_n=32, block_k=32)
 #: Max abs error allowed against the float64 reference: outputs are of order one, and
@@ -171,9 +177,6 @@ def test_tile_choices() -> None:
 PROMPTS = ["hello", "the quick brown fox jumps over the lazy dog", "def add(a, b):"]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 #: float16 models round hidden states at 2^-11 of their size: DESIGN's greedy rule, at
-#: float16's scale (a near-tie below this gap in logprob, logprobs within this of each other).
-FP16_NEAR_TIE = 1e-2
-FP16_LOGPROB_TOLERANCE = 5e-3
 
 
 def _generate(model_dir: Path, quantization: str | None, backend: str) -> list[dict[str, Any]]:
@@ -185,19 +188,6 @@ def _generate(model_dir: Path, quantization: str | None, backend: str) -> list[d
         return engine.generate(PROMPTS, GREEDY, return_logprob=True, top_logprobs_num=2)
 
 
-def _assert_same_greedy(got: dict[str, Any], ref: dict[str, Any]) -> None:
-    """Equal tokens until the reference's first near-tie, logprobs close before it."""
-    for step, (ref_id, top) in enumerate(zip(ref["output_ids"],
-                                             ref["meta_info"]["output_top_logprobs"])):
-        if top[0][0] - top[1][0] < FP16_NEAR_TIE:
-            return
-        assert got["output_ids"][step] == ref_id, f"token {step} differs"
-        got_lp = got["meta_info"]["output_token_logprobs"][step][0]
-        ref_lp = ref["meta_info"]["output_token_logprobs"][step][0]
-        assert abs(got_lp - ref_lp) < FP16_LOGPROB_TOLERANCE, f"logprob {step}"
-    assert len(got["output_ids"]) == len(ref["output_ids"])
-
-
 @pytest.mark.parametrize("quantization", ["int8", "fp8"])
 def test_engine_greedy_tokens_match_the_torch_kernel(tiny_checkpoint: Callable[..., Path],
                                                      quantization: str) -> None:
@@ -207,7 +197,7 @@ def test_engine_greedy_tokens_match_the_torch_kernel(tiny_checkpoint: Callable[.
     model_dir = tiny_checkpoint("llama")
     for got, ref in zip(_generate(model_dir, quantization, "triton"),
                         _generate(model_dir, quantization, "torch"), strict=True):
-        _assert_same_greedy(got, ref)
+        assert_same_greedy(got, ref, FLOAT16_NEAR_TIE, FLOAT16_LOGPROB_TOLERANCE)
 
 
 def test_engine_on_an_act_order_gptq_checkpoint(tiny_checkpoint: Callable[..., Path],
@@ -219,4 +209,4 @@ def test_engine_on_an_act_order_gptq_checkpoint(tiny_checkpoint: Callable[..., P
                         act_order=True)
     for got, ref in zip(_generate(model_dir, None, "triton"),
                         _generate(model_dir, None, "torch"), strict=True):
-        _assert_same_greedy(got, ref)
+        assert_same_greedy(got, ref, FLOAT16_NEAR_TIE, FLOAT16_LOGPROB_TOLERANCE)

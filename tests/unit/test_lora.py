@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from framework.bench.lora_adapters import write_random_adapters
 from framework.forward_batch import ForwardBatch, ForwardMode
 from framework.layers.attention import AttentionBackendArgs
 from framework.layers.attention.radix_attention import bind_attention_backend
@@ -33,6 +34,7 @@ from framework.lora import NO_SLOT, LoraAdapter, LoraBatch, LoraModel, LoraSlots
 from framework.lora.adapter import LoraWeights, ModelLoraSpec
 from framework.lora.layers import LoraLinear, LoraState
 from framework.lora.ops import torch_lora_delta
+from framework.lora.serving import LoraServing
 from framework.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from framework.models.llama import LlamaForCausalLM
 from tests.model_fixtures import make_tiny_checkpoint, single_threaded_torch, tiny_config
@@ -416,3 +418,35 @@ def test_an_adapter_that_does_not_fit_is_not_loaded(slots: LoraSlots) -> None:
     with pytest.raises(ValueError, match="'big': rank 8 exceeds the maximum LoRA rank 4"):
         slots.load(tiny_adapter("big", 1.0, rank=8))
     assert slots.loaded == []
+
+
+def _decode_step(names: list[str | None], in_use: list[str] | None) -> ForwardBatch:
+    n = len(names)
+    return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=n,
+                        input_ids=torch.zeros(n, dtype=torch.int64),
+                        positions=torch.zeros(n, dtype=torch.int64),
+                        req_pool_indices=torch.arange(n), seq_lens=torch.ones(n, dtype=torch.int64),
+                        out_cache_loc=torch.arange(1, n + 1), lora_names=names,
+                        lora_in_use=in_use)
+
+
+def test_adapters_in_use_are_never_evicted_to_load_another(tmp_path: Path) -> None:
+    """Two slots: while requests of adapter 0 hold KV between their steps (a step of
+    adapter 1 ran), loading a third adapter is refused rather than evicting adapter 0;
+    once they end, the least recently used goes."""
+    config = tiny_config("llama")
+    config.save_pretrained(tmp_path / "model")
+    dirs = write_random_adapters(tmp_path / "model", tmp_path / "adapters", count=3, rank=4,
+                                 targets=("q_proj",))
+    lora_model = apply_lora(LlamaForCausalLM(config, torch.float32, torch.device("cpu")), 2,
+                            4, ["q_proj"])
+    serving = LoraServing(lora_model, LoraSlots(lora_model, 2), {})
+    serving.load("lora0", str(dirs["lora0"]))
+    serving.load("lora1", str(dirs["lora1"]))
+    serving.set_batch(_decode_step(["lora1", None], ["lora0", "lora1"]))
+    with pytest.raises(RuntimeError, match="cannot load LoRA adapter 'lora2'"):
+        serving.load("lora2", str(dirs["lora2"]))
+    assert serving.slots.loaded == ["lora0", "lora1"]
+    serving.set_batch(_decode_step(["lora1"], ["lora1"]))  # adapter 0's requests ended
+    serving.load("lora2", str(dirs["lora2"]))
+    assert serving.slots.loaded == ["lora1", "lora2"]
