@@ -4,7 +4,8 @@ For each kernel, at shapes of a Llama-3-8B / Mixtral-8x7B layer and for decode-s
 and prefill-sized batches:
 
 * **fused MoE** (``MOE_BACKENDS["triton"]``: 8 experts, top 2, hidden 4096,
-  intermediate 14336) against the torch reference (``torch_fused_experts``);
+  intermediate 14336) against the torch reference (``torch_fused_experts``) and, where
+  ``vllm`` is installed, its ``fused_experts``;
 * **int4 GEMM** (GPTQ and AWQ, group 128) and **8-bit GEMM** (FP8 E4M3 per-channel,
   int8) (``QUANT_LINEAR_BACKENDS["triton"]``, 4096 x 4096) against the torch reference
   (dequantize, then a product) and a plain 16-bit ``F.linear`` on the dequantized weight;
@@ -107,10 +108,22 @@ def bench_moe(tokens: int, device: torch.device, do_bench: Callable[..., float])
                                     ids, act)
         error = (triton_fused_experts(x, w13, w2, weights, ids, act).double()
                  - exact).abs().max().item()
+    peer = peer_fused_experts()
     return [Row("fused_moe", tokens,
                 _us(do_bench, lambda: triton_fused_experts(x, w13, w2, weights, ids, act)),
                 _us(do_bench, lambda: torch_fused_experts(x, w13, w2, weights, ids, act)),
-                "", None, error)]
+                "vLLM fused_experts" if peer else "",
+                _us(do_bench, lambda: peer(x, w13, w2, weights, ids)) if peer else None,
+                error)]
+
+
+def peer_fused_experts() -> Callable[..., Any] | None:
+    """vLLM's fused MoE (same ``[E, 2I, H]`` / ``[E, H, I]`` layout), where installed."""
+    try:
+        from vllm.model_executor.layers.fused_moe import fused_experts
+    except ImportError:
+        return None
+    return fused_experts
 
 
 def bench_quant(tokens: int, device: torch.device, do_bench: Callable[..., float]
