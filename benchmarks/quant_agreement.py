@@ -1,18 +1,22 @@
-"""Greedy agreement of the quantized default model with the float32 one.
+"""Greedy agreement and perplexity of the quantized default model against the float32 one.
 
 64 prompts of 4 to 30 code words, 16 greedy tokens each, through the Engine on the
 embedded default model in float32 with ``--linear-backend torch`` (the reference), then
 with int8 and FP8 quantized online and from GPTQ and AWQ checkpoints that
 ``framework quantize`` writes (round to nearest, group ``--group-size``): how many
-prompts give the reference's tokens exactly. Writes ``agreement.md`` and
-``agreement.json`` (machine, commit) to ``--output`` (default
-``benchmarks/results/quant_agreement``). Run: ``python benchmarks/quant_agreement.py``.
+prompts give the reference's tokens exactly; and each one's perplexity on a held-out
+code file (``HELD_OUT``: this project's own source, which the default model, trained on
+the Python standard library, never saw), scored in windows of ``WINDOW`` tokens through
+prompt logprobs. Writes ``agreement.md`` and ``agreement.json`` (machine, commit) to
+``--output`` (default ``benchmarks/results/quant_agreement``). Run:
+``python benchmarks/quant_agreement.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import tempfile
@@ -23,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("def return class import for while if else print self value list dict data result "
          "index count name file")
 GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+HELD_OUT = ROOT / "framework/mem_cache/radix_cache.py"
+WINDOW = 512
 
 
 def prompts(count: int = 64) -> list[str]:
@@ -33,14 +39,30 @@ def prompts(count: int = 64) -> list[str]:
             for _ in range(count)]
 
 
-def outputs(texts: list[str], **engine_args: Any) -> list[list[int]]:
-    """Each prompt's greedy tokens from an Engine on the default model, float32."""
+def measure(texts: list[str], windows: list[list[int]], **engine_args: Any
+            ) -> tuple[list[list[int]], float]:
+    """Each prompt's greedy tokens, and the perplexity over ``windows`` of token ids,
+    from an Engine on the default model in float32."""
     from framework import Engine
 
     args = {"log_level": "warning", "launch_mode": "thread", "dtype": "float32",
             "linear_backend": "torch", **engine_args}
     with Engine(**args) as engine:
-        return [out["output_ids"] for out in engine.generate(texts, GREEDY)]
+        tokens = [out["output_ids"] for out in engine.generate(texts, GREEDY)]
+        scored = engine.generate(input_ids=windows, sampling_params={"max_new_tokens": 0},
+                                 return_logprob=True, logprob_start_len=0)
+    logprobs = [lp for out in scored for lp, _, _ in out["meta_info"]["input_token_logprobs"]
+                if lp is not None]
+    return tokens, math.exp(-sum(logprobs) / len(logprobs))
+
+
+def held_out_windows() -> list[list[int]]:
+    """``HELD_OUT``'s tokens in windows of ``WINDOW``."""
+    from framework.default_model import default_model_path
+    from framework.runtime.hf_tokenizer import load_tokenizer
+
+    ids = load_tokenizer(default_model_path())(HELD_OUT.read_text())["input_ids"]
+    return [ids[i:i + WINDOW] for i in range(0, len(ids), WINDOW) if len(ids[i:i + WINDOW]) > 1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,28 +77,35 @@ def main(argv: list[str] | None = None) -> int:
     from framework.cli_quantize import quantize_checkpoint
     from framework.default_model import default_model_path
 
-    texts = prompts()
-    reference = outputs(texts)
-    results = {"int8 (online)": outputs(texts, quantization="int8"),
-               "fp8 (online)": outputs(texts, quantization="fp8")}
+    texts, windows = prompts(), held_out_windows()
+    reference, float_ppl = measure(texts, windows)
+    results = {"int8 (online)": measure(texts, windows, quantization="int8"),
+               "fp8 (online)": measure(texts, windows, quantization="fp8")}
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in ("gptq", "awq"):
             directory = Path(tmp) / fmt
             quantize_checkpoint(default_model_path(), directory, fmt, group_size=args.group_size)
-            results[f"{fmt} (group {args.group_size})"] = outputs(texts,
-                                                                  model_path=str(directory))
+            results[f"{fmt} (group {args.group_size})"] = measure(
+                texts, windows, model_path=str(directory))
     same = {name: sum(a == b for a, b in zip(reference, got, strict=True))
-            for name, got in results.items()}
+            for name, (got, _) in results.items()}
+    ppl = {"float32": float_ppl, **{name: value for name, (_, value) in results.items()}}
     meta = {"machine": machine_description(), "commit": git_commit(),
-            "prompts": len(texts), "new_tokens": GREEDY["max_new_tokens"]}
+            "prompts": len(texts), "new_tokens": GREEDY["max_new_tokens"],
+            "held_out": str(HELD_OUT.relative_to(ROOT)),
+            "held_out_tokens": sum(len(w) for w in windows)}
     args.output.mkdir(parents=True, exist_ok=True)
-    (args.output / "agreement.json").write_text(json.dumps({**meta, "identical": same},
-                                                           indent=2) + "\n")
-    lines = ["# Greedy agreement with float32 (default model)", "",
+    record = {**meta, "identical": same, "perplexity": ppl}
+    (args.output / "agreement.json").write_text(json.dumps(record, indent=2) + "\n")
+    lines = ["# Greedy agreement and perplexity against float32 (default model)", "",
              f"- Machine: {meta['machine']}", f"- Commit: {meta['commit']}",
-             f"- {len(texts)} prompts, {GREEDY['max_new_tokens']} greedy tokens each", "",
-             "| format | identical outputs |", "|---|---:|",
-             *(f"| {name} | {count} of {len(texts)} |" for name, count in same.items())]
+             f"- {len(texts)} prompts, {GREEDY['max_new_tokens']} greedy tokens each",
+             f"- Perplexity on {meta['held_out']} ({meta['held_out_tokens']} tokens, "
+             f"windows of {WINDOW})", "",
+             "| format | identical outputs | perplexity |", "|---|---:|---:|",
+             f"| float32 | {len(texts)} of {len(texts)} | {float_ppl:.3f} |",
+             *(f"| {name} | {count} of {len(texts)} | {ppl[name]:.3f} |"
+               for name, count in same.items())]
     (args.output / "agreement.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
