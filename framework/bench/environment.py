@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import platform
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from framework.cpuinfo import cpuinfo_fields
 
@@ -34,3 +37,22 @@ def git_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return f"{commit}-dirty" if changed else commit
+
+
+def run_stamp() -> dict[str, str]:
+    """The machine, the commit and the time (UTC) of a run starting now."""
+    started = datetime.datetime.now(datetime.timezone.utc)
+    return {"machine": machine_description(), "commit": git_commit(),
+            "started_at": started.strftime("%Y-%m-%d %H:%M:%S UTC")}
+
+
+def write_results(output: str | Path, stem: str, record: dict[str, Any],
+                  markdown: str) -> list[Path]:
+    """``stem.json`` (``record``) and ``stem.md`` (``markdown``) in ``output``, made if
+    needed; returns both paths."""
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.json", out / f"{stem}.md"]
+    paths[0].write_text(json.dumps(record, indent=2) + "\n")
+    paths[1].write_text(markdown)
+    return paths

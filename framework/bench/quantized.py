@@ -14,15 +14,13 @@ and commit, in ``quantized.json`` and ``quantized.md`` under ``--output``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from framework.bench.environment import git_commit, machine_description
+from framework.bench.environment import run_stamp, write_results
 
 DEFAULT_OUTPUT = "benchmarks/results/quantized"
 #: Checkpoint formats measured, after float32: ``framework quantize --format``.
@@ -117,21 +115,14 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 def run_benchmark(settings: Settings, output: str) -> list[Path]:
     """Write the checkpoints, measure each, write the results; returns the files written."""
-    meta = {"machine": machine_description(), "commit": git_commit(),
-            "started_at": datetime.datetime.now(datetime.timezone.utc).strftime(
-                "%Y-%m-%d %H:%M:%S UTC"),
+    meta = {**run_stamp(),
             "model": f"random Llama, {settings.layers} layers, hidden {settings.hidden}, "
                      f"intermediate {settings.intermediate}",
             "output_len": settings.output_len, "rounds": settings.rounds}
     with tempfile.TemporaryDirectory(prefix="framework-quantized-") as tmp:
         paths = write_checkpoints(settings, Path(tmp))
         rows = [row for name, path in paths.items() for row in run_format(name, path, settings)]
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    files = [out / "quantized.json", out / "quantized.md"]
-    files[0].write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
-    files[1].write_text(render(rows, meta))
-    return files
+    return write_results(output, "quantized", {**meta, "rows": rows}, render(rows, meta))
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

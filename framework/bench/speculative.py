@@ -18,14 +18,12 @@ commit, go to ``--output`` as ``speculative.json`` and ``speculative.md``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from framework.bench.environment import git_commit, machine_description
+from framework.bench.environment import run_stamp, write_results
 
 DEFAULT_OUTPUT = "benchmarks/results/speculative"
 FUNCTIONS = [
@@ -126,19 +124,12 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 def run_benchmark(settings: Settings, output: str) -> list[Path]:
     """Run every mode, write the results; returns the files written."""
-    meta = {"machine": machine_description(), "commit": git_commit(),
-            "started_at": datetime.datetime.now(datetime.timezone.utc).strftime(
-                "%Y-%m-%d %H:%M:%S UTC"),
+    meta = {**run_stamp(),
             "model": settings.model_path or "the embedded default model",
             "output_len": settings.output_len, "num_draft_tokens": settings.num_draft_tokens,
             "rounds": settings.rounds}
     rows = [row for mode in MODES for row in run_mode(mode, settings)]
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "speculative.json", out / "speculative.md"]
-    paths[0].write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
-    paths[1].write_text(render(rows, meta))
-    return paths
+    return write_results(output, "speculative", {**meta, "rows": rows}, render(rows, meta))
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
