@@ -121,7 +121,8 @@ class LoraServing:
     @contextlib.contextmanager
     def _in_use_pinned(self) -> Iterator[None]:
         """Pin the loaded adapters of ``in_use`` for the block (no load evicts them)."""
-        pinned = [name for name in self.in_use if name in self.slots.loaded]
+        # In LRU order (pinning marks an adapter used): the same order on every run.
+        pinned = [name for name in self.slots.loaded if name in self.in_use]
         for name in pinned:
             self.slots.acquire(name)
         try:
