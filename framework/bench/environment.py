@@ -1,4 +1,5 @@
-"""Where a benchmark ran: the machine and the commit, written next to every result."""
+"""Where a benchmark ran (the machine and the commit, written next to every result), how
+it writes its results, and the throughput of greedy requests through an Engine."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,3 +58,15 @@ def write_results(output: str | Path, stem: str, record: dict[str, Any],
     paths[0].write_text(json.dumps(record, indent=2) + "\n")
     paths[1].write_text(markdown)
     return paths
+
+
+def greedy_tokens_per_second(engine: Any, prompts: list[str], streams: int,
+                             output_len: int) -> float:
+    """Output tokens/s of greedy ``prompts`` through ``engine``, ``streams`` at a time."""
+    params = {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
+    started = time.perf_counter()
+    tokens = 0
+    for first in range(0, len(prompts), streams):
+        outputs = engine.generate(prompts[first:first + streams], params)
+        tokens += sum(len(out["output_ids"]) for out in outputs)
+    return tokens / (time.perf_counter() - started)

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from framework.bench.environment import run_stamp, write_results
+from framework.bench.environment import greedy_tokens_per_second, run_stamp, write_results
 
 DEFAULT_OUTPUT = "benchmarks/results/quantized"
 #: Checkpoint formats measured, after float32: ``framework quantize --format``.
@@ -66,16 +65,6 @@ def _prompts(count: int) -> list[str]:
             for i in range(count)]
 
 
-def _tokens_per_second(engine: Any, prompts: list[str], streams: int, output_len: int) -> float:
-    params = {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
-    started = time.perf_counter()
-    tokens = 0
-    for first in range(0, len(prompts), streams):
-        outputs = engine.generate(prompts[first:first + streams], params)
-        tokens += sum(len(out["output_ids"]) for out in outputs)
-    return tokens / (time.perf_counter() - started)
-
-
 def run_format(name: str, path: Path, settings: Settings) -> list[dict[str, Any]]:
     """The rows of one checkpoint: one per stream count."""
     from framework import Engine
@@ -84,10 +73,10 @@ def run_format(name: str, path: Path, settings: Settings) -> list[dict[str, Any]
     with Engine(model_path=str(path), dtype="float32", log_level="warning",
                 max_running_requests=max(STREAMS), launch_mode=settings.launch_mode) as engine:
         weight_bytes = engine.get_server_info()["weight_bytes_rank_0"]
-        _tokens_per_second(engine, _prompts(2), 2, 4)  # warm-up
+        greedy_tokens_per_second(engine, _prompts(2), 2, 4)  # warm-up
         for streams in STREAMS:
             prompts = _prompts(settings.single_requests if streams == 1 else streams)
-            best = max(_tokens_per_second(engine, prompts, streams, settings.output_len)
+            best = max(greedy_tokens_per_second(engine, prompts, streams, settings.output_len)
                        for _ in range(settings.rounds))
             rows.append({"format": name, "streams": streams, "output_tokens_per_s": best,
                          "weight_bytes": weight_bytes})

@@ -18,12 +18,11 @@ commit, go to ``--output`` as ``speculative.json`` and ``speculative.md``.
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from framework.bench.environment import run_stamp, write_results
+from framework.bench.environment import greedy_tokens_per_second, run_stamp, write_results
 
 DEFAULT_OUTPUT = "benchmarks/results/speculative"
 FUNCTIONS = [
@@ -60,17 +59,6 @@ def _prompts(workload: str, streams: int) -> list[str]:
     return [base[i % len(base)] for i in range(max(streams, len(base)))]
 
 
-def _tokens_per_second(engine: Any, prompts: list[str], streams: int, output_len: int) -> float:
-    """Output tokens/s of ``prompts``, ``streams`` at a time."""
-    params = {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
-    started = time.perf_counter()
-    tokens = 0
-    for first in range(0, len(prompts), streams):
-        outputs = engine.generate(prompts[first:first + streams], params)
-        tokens += sum(len(out["output_ids"]) for out in outputs)
-    return tokens / (time.perf_counter() - started)
-
-
 def _spec_counters(engine: Any) -> tuple[int, int]:
     info = engine.get_server_info()
     return info.get("spec_verifications", 0), info.get("spec_accepted_tokens", 0)
@@ -87,12 +75,12 @@ def run_mode(mode: str, settings: Settings) -> list[dict[str, Any]]:
         args["model_path"] = settings.model_path
     rows = []
     with Engine(**args) as engine:
-        _tokens_per_second(engine, WORKLOADS["free"][:1], 1, 8)  # warm-up
+        greedy_tokens_per_second(engine, WORKLOADS["free"][:1], 1, 8)  # warm-up
         for workload in WORKLOADS:
             for streams in STREAMS:
                 prompts = _prompts(workload, streams)
                 before = _spec_counters(engine)
-                best = max(_tokens_per_second(engine, prompts, streams, settings.output_len)
+                best = max(greedy_tokens_per_second(engine, prompts, streams, settings.output_len)
                            for _ in range(settings.rounds))
                 after = _spec_counters(engine)
                 steps = after[0] - before[0]

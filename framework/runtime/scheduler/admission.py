@@ -100,8 +100,8 @@ class Admitter:
     def adapters_in_use(self, in_flight: list[Req]) -> set[str]:
         """The LoRA adapters of the requests that hold KV and of those whose prefill is in
         flight: they all decode in one step with the requests admitted now."""
-        return {req.lora_name for req in (*self.queues.holding_kv(), *in_flight)
-                if req.lora_name is not None}
+        return self.queues.adapters_holding_kv() | {
+            req.lora_name for req in in_flight if req.lora_name is not None}
 
     def adapter_fits(self, req: Req, adapters: set[str]) -> bool:
         """Whether ``req`` keeps a step within ``--max-loras-per-batch`` distinct adapters."""

@@ -60,6 +60,10 @@ class RequestQueues:
         chunked = [self.chunked_req] if self.chunked_req is not None else []
         return [*chunked, *self.running]
 
+    def adapters_holding_kv(self) -> set[str]:
+        """The LoRA adapters of the requests that hold KV slots."""
+        return {req.lora_name for req in self.holding_kv() if req.lora_name is not None}
+
     def abort(self, msg: AbortReq) -> None:
         """End the named request (or all) with an abort reason the client sees."""
         reason = FinishReason("abort", message=msg.reason)

@@ -148,7 +148,7 @@ class StepExecutor:
         try:
             forward_batch = batch.to_forward_batch(
                 self.req_to_token_pool.req_to_token, out_cache_loc, self.worker.device)
-            forward_batch.lora_in_use = self._adapters_in_use()
+            forward_batch.lora_in_use = sorted(self.queues.adapters_holding_kv()) or None
             # Requests whose prompt is then fully in the cache sample a token; a partial
             # chunk does not (its logits are for a token in the middle of the prompt).
             sampled = [i for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens))
@@ -162,11 +162,6 @@ class StepExecutor:
         drafts = None if batch.drafts is None else [batch.drafted(i) for i in sampled]
         return PreparedStep(batch, WorkerBatch(forward_batch, sampling, drafts=drafts),
                             out_cache_loc, sampled, spans)
-
-    def _adapters_in_use(self) -> list[str] | None:
-        """The LoRA adapters of the requests holding KV (None when there are none)."""
-        names = {r.lora_name for r in self.queues.holding_kv() if r.lora_name is not None}
-        return sorted(names) or None
 
     def execute(self, step: PreparedStep) -> StepResult:
         """Run ``step`` on the worker; on failure it is taken back (it can be retried)."""
