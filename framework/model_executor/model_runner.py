@@ -366,8 +366,8 @@ class ModelRunner:
         backend = ATTENTION_BACKENDS.get(name)
         if args.token_to_kv_pool.quantized and not getattr(backend, "reads_quantized_kv", False):
             raise ValueError(f"the {name} attention backend does not read a quantized KV cache "
-                             f"(--kv-cache-dtype {self.server_args.kv_cache_dtype}); use the "
-                             "torch or cpu attention backend")
+                             f"(--kv-cache-dtype {self.server_args.kv_cache_dtype}); use one "
+                             "that does (torch, cpu, triton)")
         return backend(args)
 
     def _gather_rank_info(self) -> list[dict[str, int]]:

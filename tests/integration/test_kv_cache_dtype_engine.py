@@ -12,6 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from framework.layers.attention.torch_native import TorchNativeAttnBackend
+from framework.registry import ATTENTION_BACKENDS
 from framework.runtime.engine import Engine
 
 ENGINE_ARGS = {"log_level": "warning", "launch_mode": "thread", "max_total_tokens": 4096}
@@ -66,8 +68,18 @@ def test_the_pool_reports_its_bytes(outputs: dict[str, tuple[list[list[int]], di
     assert ratio == pytest.approx({"fp8_e4m3": 2.0, "int8": 64 / 34}[kv_cache_dtype], rel=1e-3)
 
 
+class _ModelDtypeOnlyBackend(TorchNativeAttnBackend):
+    """A plugin's backend that reads only K/V in the model's dtype."""
+
+    reads_quantized_kv = False
+
+
 def test_a_backend_that_cannot_read_codes_is_refused(tiny_checkpoint) -> None:
-    pytest.importorskip("framework_triton_attention")
-    with pytest.raises(Exception, match="does not read a quantized KV cache"):
-        Engine(model_path=str(tiny_checkpoint("llama")), attention_backend="triton",
-               kv_cache_dtype="int8", **ENGINE_ARGS)
+    ATTENTION_BACKENDS.register("model-dtype-only", _ModelDtypeOnlyBackend, source="test")
+    try:
+        with pytest.raises(Exception, match="model-dtype-only attention backend does not read "
+                                            "a quantized KV cache"):
+            Engine(model_path=str(tiny_checkpoint("llama")), attention_backend="model-dtype-only",
+                   kv_cache_dtype="int8", **ENGINE_ARGS)
+    finally:
+        ATTENTION_BACKENDS.unregister("model-dtype-only")

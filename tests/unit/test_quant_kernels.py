@@ -1,8 +1,9 @@
 """Quantized-linear kernels (reference and CPU) against a float64 product of the weight.
 
-Every kernel and path (torch's packed int8/int4 kernels, and widening by blocks) must give
-``x @ dequantize(w).T + bias`` to float32 accuracy for 1, 7 and 64 rows, act-order GPTQ
-included; a repacked weight must still dequantize to the same matrix.
+Every kernel and path (torch's packed int8/int4 kernels, widening by blocks, and the native
+kernels) must give ``x @ dequantize(w).T + bias`` to float32 accuracy for 1 to 4, 7, 64
+and 65 rows, act-order GPTQ included; a repacked weight must still dequantize to
+the same matrix.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from framework.layers.quantization import (
 from framework.layers.quantization.cpu_kernels import CpuFp8Weight, CpuInt4Weight, CpuQuantLinear
 from framework.layers.quantization.torch_kernels import TorchQuantLinear
 from framework.registry import QUANT_LINEAR_BACKENDS
+from tests.unit.test_attention_cpu import kernels as native_kernels
 
 OUT, IN = 32, 128
 
@@ -47,12 +49,18 @@ WEIGHTS: dict[str, Callable[[], QuantizedWeight]] = {
         "weight": (float_weight() * 50).to(torch.float8_e4m3fn),
         "weight_scale": torch.tensor(0.02)}),
     "int8": lambda: Int8Weight.from_float(float_weight()),
+    # 30 outputs: the native kernels' last features outside their blocks of 2 and 4.
+    "int8-30-out": lambda: Int8Weight.from_float(float_weight(30)),
 }
 KERNELS: dict[str, Callable[[], object]] = {
     "torch": TorchQuantLinear,
-    "cpu-packed": lambda: CpuQuantLinear(packed_ops=True),
-    "cpu-widen": lambda: CpuQuantLinear(packed_ops=False),
+    "cpu-packed": lambda: CpuQuantLinear(packed_ops=True, native=False),
+    "cpu-widen": lambda: CpuQuantLinear(packed_ops=False, native=False),
+    "cpu-native": lambda: CpuQuantLinear(packed_ops=False),
 }
+#: Row counts: each of the native kernels' blocks of 1 to 4 rows, several blocks, and past
+#: their limit (NATIVE_ROWS).
+ROWS = (1, 2, 3, 4, 7, 64, 65)
 
 
 def reference(weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -64,14 +72,48 @@ def reference(weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor) -> t
 @pytest.mark.parametrize("weight_name", sorted(WEIGHTS))
 def test_kernel_matches_float64_reference(kernel_name: str, weight_name: str) -> None:
     weight = WEIGHTS[weight_name]()
+    if kernel_name == "cpu-native":
+        native_kernels()  # built (or the test says why not)
     kernel = KERNELS[kernel_name]()
     prepared = kernel.prepare(weight)
     bias = torch.randn(weight.out_features, generator=torch.Generator().manual_seed(1))
-    for rows in (1, 7, 64):
+    for rows in ROWS:
         x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(rows))
         y = kernel.apply(prepared, x, bias)
         assert y.shape == (rows, weight.out_features) and y.dtype == torch.float32
         torch.testing.assert_close(y.double(), reference(weight, x, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("weight_name", ["gptq-act-order", "awq", "fp8-per-tensor", "int8"])
+def test_few_rows_run_the_native_kernels(monkeypatch: pytest.MonkeyPatch,
+                                         weight_name: str) -> None:
+    # The other paths refused: up to NATIVE_ROWS rows must not need them.
+    native_kernels()
+    kernel = CpuQuantLinear(packed_ops=False)
+    monkeypatch.setattr(kernel, "_apply_torch", lambda *_: pytest.fail("not native"))
+    weight = WEIGHTS[weight_name]()
+    prepared = kernel.prepare(weight)
+    bias = torch.zeros(weight.out_features)
+    for rows in range(1, cpu_kernels.NATIVE_ROWS + 1):
+        x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(kernel.apply(prepared, x).double(), reference(weight, x, bias),
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_native_kernels_take_every_fp8_code() -> None:
+    # All 254 finite E4M3 encodings, normal and subnormal (and two zeros), each times an
+    # input of one: K = 16, one step of the kernel.
+    finite = [b for b in range(256) if b not in (0x7F, 0xFF)]
+    rows = torch.tensor([*finite, 0, 0], dtype=torch.uint8).view(16, 16)
+    weight = Fp8Weight.from_checkpoint({"weight": rows.view(torch.float8_e4m3fn),
+                                        "weight_scale": torch.tensor(1.0)})
+    prepared = CpuQuantLinear(packed_ops=False).prepare(weight)
+    ops = native_kernels()
+    for column in range(16):
+        x = torch.zeros(1, 16)
+        x[0, column] = 1.0
+        y = ops.fp8_rows(x, prepared.tensors["bits"], prepared.tensors["scale"])
+        assert torch.equal(y[0], weight.dequantize()[:, column])
 
 
 @pytest.mark.parametrize("packed_ops", [True, False])

@@ -14,9 +14,15 @@ is a request with one new token); nothing is kept between steps, so the pool
 needs no room for copies. A layer's sliding window and soft cap go to the
 kernel with each call, which reads only the keys a window lets a query see.
 
+A quantized KV cache (``--kv-cache-dtype fp8_e4m3|int8``) is read as it is held: the
+kernel takes the layer's 8-bit codes and scales and widens each row it reads to
+float32 (code times scale), so that a decode step reads a quarter of float32's bytes
+(half of bfloat16's). The new tokens are quantized into the pool by the pool itself
+(``set_kv_buffer``) before the kernel reads them, as every other token.
+
 The backend runs the kernel for float32 or bfloat16 on a CPU when it could be built
-(``native_build``); anywhere else (another device or dtype, no C++ compiler, a
-quantized KV cache) it is the torch backend, which it then delegates everything to.
+(``native_build``); anywhere else (another device or dtype, no C++ compiler) it is the
+torch backend, which it then delegates everything to.
 """
 
 from __future__ import annotations
@@ -33,6 +39,10 @@ if TYPE_CHECKING:
     from framework.forward_batch import ForwardBatch
     from framework.layers.attention.radix_attention import RadixAttention
 
+#: A layer's pool as the kernel takes it: key and value buffers (values, or 8-bit codes)
+#: and the codes' key and value scales (None and None for values).
+_LayerPool = tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, torch.Tensor | None]]
+
 
 class CpuNativeAttnBackend(AttentionBackend):
     """Causal attention by the native CPU kernel (float32 or bfloat16 on a CPU), else the
@@ -43,10 +53,7 @@ class CpuNativeAttnBackend(AttentionBackend):
 
     def __init__(self, args: AttentionBackendArgs) -> None:
         super().__init__(args)
-        # The kernel reads the pool's rows as they are: a quantized pool goes to the torch
-        # backend, which dequantizes the tokens it gathers.
-        native = (args.device.type == "cpu" and args.dtype in KERNEL_DTYPES
-                  and not args.token_to_kv_pool.quantized)
+        native = args.device.type == "cpu" and args.dtype in KERNEL_DTYPES
         self._ops = load_cpu_kernels() if native else None
         self._fallback = None if self._ops is not None else TorchNativeAttnBackend(args)
         # Of the planned batch: each request's row in req_to_token, its tokens and its
@@ -105,7 +112,7 @@ class CpuNativeAttnBackend(AttentionBackend):
         """
         if self._ops is None or self._batch is None or self._few_rows_cost_more(q, rows):
             return super().forward_rows(q, k, v, layer, forward_batch, rows)
-        k_buffer, v_buffer = self._kv_buffers(k, v, layer, forward_batch, save_kv_cache=True)
+        k_buffer, v_buffer, scales = self._pool(k, v, layer, forward_batch, save_kv_cache=True)
         req_pool_indices, seq_lens, new = self._batch
         ends = torch.cumsum(new, dim=0)  # past each request's last row in the batch
         owner = torch.searchsorted(ends, rows, right=True)
@@ -117,7 +124,7 @@ class CpuNativeAttnBackend(AttentionBackend):
                                         self.req_to_token_pool.req_to_token,
                                         req_pool_indices[owner], visible,
                                         torch.ones_like(visible), layer.scaling,
-                                        *_variant(layer))
+                                        *_variant(layer), *scales)
         return out.view(rows.shape[0], layer.num_heads * layer.head_dim)
 
     def _few_rows_cost_more(self, q: torch.Tensor, rows: torch.Tensor) -> bool:
@@ -131,24 +138,27 @@ class CpuNativeAttnBackend(AttentionBackend):
                 forward_batch: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
         if self._ops is None or self._batch is None:
             raise RuntimeError("init_forward_metadata must run before the layers")
-        k_buffer, v_buffer = self._kv_buffers(k, v, layer, forward_batch, save_kv_cache)
+        k_buffer, v_buffer, scales = self._pool(k, v, layer, forward_batch, save_kv_cache)
         queries = q.reshape(q.shape[0], layer.num_heads, layer.head_dim).contiguous()
         out = self._ops.paged_attention(queries, k_buffer, v_buffer,
                                         self.req_to_token_pool.req_to_token, *self._batch,
-                                        layer.scaling, *_variant(layer))
+                                        layer.scaling, *_variant(layer), *scales)
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)
 
-    def _kv_buffers(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
-                    forward_batch: ForwardBatch, save_kv_cache: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's key and value buffers, the new tokens' rows written first when asked."""
+    def _pool(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+              forward_batch: ForwardBatch, save_kv_cache: bool) -> _LayerPool:
+        """The layer's key and value buffers and their scales, the new tokens' rows
+        written first when asked (else they are in the pool already)."""
         assert self._ops is not None  # callers run the kernels only
-        k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        if save_kv_cache:  # else the new tokens' keys and values are in the pool already
+        pool, layer_id = self.token_to_kv_pool, layer.layer_id
+        k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
+        if save_kv_cache and pool.quantized:  # quantized by the pool's own rounding
+            pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)
+        elif save_kv_cache:
             rows = k.shape[0]
             self._ops.write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc,
                                k.reshape(rows, -1), v.reshape(rows, -1))
-        return k_buffer, v_buffer
+        return k_buffer, v_buffer, (pool.k_scales[layer_id], pool.v_scales[layer_id])
 
 
 def _variant(layer: RadixAttention) -> tuple[int, float]:

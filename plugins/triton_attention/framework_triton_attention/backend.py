@@ -9,6 +9,9 @@ new keys and values into the pool and runs the decode or extend kernel; the
 layers run no Python loop over requests. A layer's sliding window and logit cap
 (``RadixAttention.sliding_window`` / ``logit_cap``) select the kernels' windowed
 and capped variants; a windowed layer's decode splits only its window's keys.
+A quantized pool (``--kv-cache-dtype fp8_e4m3|int8``) is written as 8-bit codes
+and read back in the kernels' registers (``kv_codes``); every query, the new
+tokens' own included, sees the keys and values as the pool holds them.
 
 The backend needs a CUDA device, or Triton's CPU interpreter
 (``TRITON_INTERPRET=1``, set before this module is imported), which runs the
@@ -34,6 +37,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from framework_triton_attention.common import check_head_dim, is_interpreter
 from framework_triton_attention.decode import decode_attention
 from framework_triton_attention.extend import extend_attention
+from framework_triton_attention.kv_codes import layer_kv
 from framework_triton_attention.kv_store import store_kv
 
 if TYPE_CHECKING:
@@ -90,6 +94,9 @@ def splits_within_window(num_kv_splits: int, sliding_window: int | None) -> int:
 
 class TritonAttnBackend(AttentionBackend):
     """Paged-KV attention with Triton kernels: split-KV decode, extend over a cached prefix."""
+
+    # The kernels read fp8_e4m3 and int8 codes, dequantizing them as they load them.
+    reads_quantized_kv = True
 
     def __init__(self, args: AttentionBackendArgs) -> None:
         super().__init__(args)
@@ -163,14 +170,15 @@ class TritonAttnBackend(AttentionBackend):
         metadata = self._require_metadata()
         assert metadata.qo_indptr is not None  # an extend batch's metadata has it
         queries, keys, values = self._split_heads(q, k, v)
-        k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        k_buffer, v_buffer, codes = layer_kv(self.token_to_kv_pool, layer.layer_id)
         if save_kv_cache:
-            store_kv(keys, values, forward_batch.out_cache_loc, k_buffer, v_buffer)
+            store_kv(keys, values, forward_batch.out_cache_loc, k_buffer, v_buffer, codes)
         out = torch.empty(queries.shape, dtype=q.dtype, device=q.device)
         extend_attention(queries, keys, values, out, k_buffer, v_buffer, metadata.qo_indptr,
                          metadata.kv_indptr, metadata.kv_indices, metadata.max_new_tokens,
                          layer.scaling, has_prefix=metadata.has_prefix,
-                         sliding_window=layer.sliding_window, logit_cap=layer.logit_cap)
+                         sliding_window=layer.sliding_window, logit_cap=layer.logit_cap,
+                         codes=codes, new_loc=forward_batch.out_cache_loc)
         return out.view(-1, self.num_heads * self.head_dim)
 
     def forward_decode(
@@ -185,15 +193,15 @@ class TritonAttnBackend(AttentionBackend):
         """Decode: each request's one new token attends to its tokens (split-KV)."""
         metadata = self._require_metadata()
         queries, keys, values = self._split_heads(q, k, v)
-        k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        k_buffer, v_buffer, codes = layer_kv(self.token_to_kv_pool, layer.layer_id)
         if save_kv_cache:
-            store_kv(keys, values, forward_batch.out_cache_loc, k_buffer, v_buffer)
+            store_kv(keys, values, forward_batch.out_cache_loc, k_buffer, v_buffer, codes)
         out = torch.empty(queries.shape, dtype=q.dtype, device=q.device)
         decode_attention(queries, k_buffer, v_buffer, out, metadata.kv_indptr,
                          metadata.kv_indices, self.partial_out, self.partial_lse,
                          splits_within_window(metadata.num_kv_splits, layer.sliding_window),
                          layer.scaling, sliding_window=layer.sliding_window,
-                         logit_cap=layer.logit_cap)
+                         logit_cap=layer.logit_cap, codes=codes)
         return out.view(-1, self.num_heads * self.head_dim)
 
     def _require_metadata(self) -> TritonForwardMetadata:

@@ -16,7 +16,9 @@ lists every request's KV slots back to back, ``kv_indptr`` where each starts.
 A sliding window (``SLIDING_WINDOW`` W > 0) narrows the keys to the last W of
 each request, and the splits cut only those; a logit cap (``LOGIT_CAP`` C > 0)
 soft-caps the base-2 scores to ``C * tanh(s / C)``. Both are compiled in only
-when asked for, so that the default kernels are today's.
+when asked for, so that the default kernels are today's. Over a quantized pool
+(``_decode_split_codes_kernel``) keys and values are loaded as 8-bit codes and
+dequantized in registers (``kv_codes.load_kv``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from framework_triton_attention.common import (
     soft_cap,
     window_arg,
 )
+from framework_triton_attention.kv_codes import KV_PLAIN, KVCodes, load_kv
 
 # Rows of the per-group dot: the query heads sharing one KV head, padded up to the
 # smallest tile tl.dot accepts.
@@ -50,7 +53,7 @@ def _first_key(seq_len, SLIDING_WINDOW: tl.constexpr):
 
 
 @triton.jit
-def _decode_split_kernel(
+def _decode_split_codes_kernel(
     q_ptr, k_buffer_ptr, v_buffer_ptr, kv_indptr_ptr, kv_indices_ptr,
     partial_out_ptr, partial_lse_ptr,
     qk_scale,  # the softmax scale times log2(e): scores in base 2
@@ -60,10 +63,12 @@ def _decode_split_kernel(
     stride_po_req, stride_po_head, stride_po_split,
     stride_pl_req, stride_pl_head,
     num_splits,
+    k_scale_ptr, v_scale_ptr, stride_scale_slot,  # a quantized pool's scales (kv_codes)
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,  # keys the new token sees, its own included; 0: all
     LOGIT_CAP: tl.constexpr,  # soft cap of the base-2 scores; 0: none
+    KV_QUANT: tl.constexpr,  # the pool's format (kv_codes): codes are dequantized on load
 ):
     """Stage 1: the partial output and log-sum-exp of one (request, KV head, split)."""
     req = tl.program_id(0)
@@ -91,8 +96,8 @@ def _decode_split_kernel(
         pos = start + tl.arange(0, BLOCK_N)
         in_range = pos < hi
         slots = tl.load(kv_indices_ptr + kv_start + pos, mask=in_range, other=0).to(tl.int64)
-        k = tl.load(k_buffer_ptr + slots[:, None] * stride_k_slot + kv_head * stride_k_head
-                    + dims[None, :], mask=in_range[:, None], other=0.0)
+        k = load_kv(k_buffer_ptr, k_scale_ptr, slots, kv_head, dims, in_range, stride_k_slot,
+                    stride_k_head, stride_scale_slot, KV_QUANT).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if LOGIT_CAP > 0:
             qk = soft_cap(qk, LOGIT_CAP)
@@ -102,8 +107,8 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_buffer_ptr + slots[:, None] * stride_v_slot + kv_head * stride_v_head
-                    + dims[None, :], mask=in_range[:, None], other=0.0)
+        v = load_kv(v_buffer_ptr, v_scale_ptr, slots, kv_head, dims, in_range, stride_v_slot,
+                    stride_v_head, stride_scale_slot, KV_QUANT).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -117,6 +122,34 @@ def _decode_split_kernel(
     tl.store(po, out, mask=row_valid[:, None])
     tl.store(partial_lse_ptr + req * stride_pl_req + heads * stride_pl_head + split, lse,
              mask=row_valid)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_buffer_ptr, v_buffer_ptr, kv_indptr_ptr, kv_indices_ptr,
+    partial_out_ptr, partial_lse_ptr,
+    qk_scale,  # the softmax scale times log2(e): scores in base 2
+    stride_q_tok, stride_q_head,
+    stride_k_slot, stride_k_head,
+    stride_v_slot, stride_v_head,
+    stride_po_req, stride_po_head, stride_po_split,
+    stride_pl_req, stride_pl_head,
+    num_splits,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # keys the new token sees, its own included; 0: all
+    LOGIT_CAP: tl.constexpr,  # soft cap of the base-2 scores; 0: none
+):
+    """Stage 1 over a pool in the model's dtype."""
+    _decode_split_codes_kernel(
+        q_ptr, k_buffer_ptr, v_buffer_ptr, kv_indptr_ptr, kv_indices_ptr,
+        partial_out_ptr, partial_lse_ptr, qk_scale,
+        stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+        stride_po_req, stride_po_head, stride_po_split, stride_pl_req, stride_pl_head,
+        num_splits,
+        k_buffer_ptr, v_buffer_ptr, 0,  # no scales: never read
+        GROUP, HEAD_DIM, BLOCK_H, BLOCK_N, DOT_PRECISION, SLIDING_WINDOW, LOGIT_CAP, KV_PLAIN,
+    )
 
 
 @triton.jit
@@ -157,12 +190,17 @@ def _decode_merge_kernel(
              out.to(o_ptr.dtype.element_ty))
 
 
-def decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+def decode_config(head_dim: int, dtype: torch.dtype, token_scales: bool = False
+                  ) -> tuple[int, int]:
     """``(BLOCK_N, num_warps)`` of stage 1, picked so that no configuration spills registers.
 
     Checked with ptxas for sm_90: float32 (full-precision dots on the CUDA cores) and
-    256-wide heads need the registers of eight warps.
+    256-wide heads need the registers of eight warps. ``token_scales``: the pool holds
+    int8 codes with a scale per token, whose 16-bit tiles need eight warps from head
+    dim 128 and half as many keys at 256.
     """
+    if token_scales and dtype != torch.float32 and head_dim > 64:
+        return (16 if head_dim > 128 else 32), 8
     return 32, 8 if head_dim > 128 or dtype == torch.float32 else 4
 
 
@@ -179,38 +217,45 @@ def decode_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_cap: float | None = None,
+    codes: KVCodes | None = None,
 ) -> None:
     """Write into ``o`` ``[B, heads, dim]`` the attention of ``q`` ``[B, heads, dim]``.
 
     ``k_buffer``/``v_buffer`` are ``[slots, kv_heads, dim]``; request ``b``'s keys are at
-    ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` (at least one each). ``partial_out``
-    ``[>= B, heads, >= num_splits, dim]`` and ``partial_lse`` ``[>= B, heads, >= num_splits]``
-    are float32 scratch buffers for the splits. ``sliding_window`` and ``logit_cap`` are
-    the layer's (``RadixAttention``): the token sees its request's last
-    ``sliding_window`` keys, and scores ``s`` become ``logit_cap * tanh(s / logit_cap)``;
-    ``None``: all keys, scores as they are.
+    ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` (at least one each); with ``codes``
+    (``kv_codes.layer_kv``) they hold 8-bit codes, dequantized as they are loaded.
+    ``partial_out`` ``[>= B, heads, >= num_splits, dim]`` and ``partial_lse``
+    ``[>= B, heads, >= num_splits]`` are float32 scratch buffers for the splits.
+    ``sliding_window`` and ``logit_cap`` are the layer's (``RadixAttention``): the token
+    sees its request's last ``sliding_window`` keys, and scores ``s`` become
+    ``logit_cap * tanh(s / logit_cap)``; ``None``: all keys, scores as they are.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     check_head_dim(head_dim)
     group = num_heads // num_kv_heads
     block_h = max(_MIN_GROUP_ROWS, triton.next_power_of_2(group))
-    block_n, num_warps = decode_config(head_dim, q.dtype)
+    block_n, num_warps = decode_config(head_dim, q.dtype,
+                                       token_scales=codes is not None and codes.per_token)
     extra = {} if is_interpreter() else {"num_warps": num_warps, "num_stages": 2}
     window = window_arg(sliding_window)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, partial_out, partial_lse,
-        sm_scale * LOG2E,  # scores in base 2, so that the softmax can use exp2
-        q.stride(0), q.stride(1),
-        k_buffer.stride(0), k_buffer.stride(1),
-        v_buffer.stride(0), v_buffer.stride(1),
-        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-        partial_lse.stride(0), partial_lse.stride(1),
-        num_splits,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(q.dtype), SLIDING_WINDOW=window,
-        LOGIT_CAP=cap_arg(logit_cap), **extra,
-    )
+    args = (q, k_buffer, v_buffer, kv_indptr, kv_indices, partial_out, partial_lse,
+            sm_scale * LOG2E,  # scores in base 2, so that the softmax can use exp2
+            q.stride(0), q.stride(1),
+            k_buffer.stride(0), k_buffer.stride(1),
+            v_buffer.stride(0), v_buffer.stride(1),
+            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+            partial_lse.stride(0), partial_lse.stride(1),
+            num_splits)
+    constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_N=block_n,
+                     DOT_PRECISION=dot_precision(q.dtype), SLIDING_WINDOW=window,
+                     LOGIT_CAP=cap_arg(logit_cap), **extra)
+    grid = (batch, num_kv_heads, num_splits)
+    if codes is None:
+        _decode_split_kernel[grid](*args, **constants)
+    else:
+        _decode_split_codes_kernel[grid](*args, codes.k_scales, codes.v_scales,
+                                         codes.scale_stride, KV_QUANT=codes.fmt, **constants)
     _decode_merge_kernel[(batch, num_heads)](
         partial_out, partial_lse, kv_indptr, o,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),

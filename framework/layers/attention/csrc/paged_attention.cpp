@@ -37,6 +37,13 @@
 // too): bfloat16 rows are widened to float32 as they are read, and everything is
 // computed in float32; the output is rounded to bfloat16 at the end.
 //
+// It may also hold 8-bit codes (Pool), whatever q's dtype: FP8 E4M3 with one float32
+// scale per KV head, or int8 with one float16 scale per slot and KV head (x = code *
+// scale, framework/mem_cache/kv_quant.py). Codes are widened to float32 where rows are
+// read, a quarter of float32's bytes, and multiplied by their scale: into the blocks the
+// extend paths copy, and for a decode token, which reads rows in place, into one float
+// row (eight for the values) that every query head of the row's KV heads then reads.
+//
 // Built at first use by framework/layers/attention/native_build.py; registered
 // as torch.ops.framework_cpu.paged_attention (and .write_kv, which stores a step's new
 // keys and values in the pool).
@@ -44,12 +51,14 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -59,6 +68,7 @@ namespace {
 
 using framework_cpu::bf16;
 using framework_cpu::float8;
+using framework_cpu::fp8;
 using framework_cpu::load8;
 using framework_cpu::round_to;
 using framework_cpu::splat8;
@@ -77,23 +87,78 @@ inline void prefetch(const T* p, int64_t count) {
     __builtin_prefetch(p + i, 0, 1);
 }
 
-// Copies `dim` elements to float32.
-inline void copy_row(const float* __restrict from, int64_t dim, float* __restrict to) {
+// How a pool's rows become values: as they are (the model's dtype), or 8-bit codes times
+// one scale per KV head (FP8: [kv_heads] float32) or per slot and KV head (int8: [slots,
+// kv_heads] float16). Each gives a row's scale (1 for Unscaled) and prefetches it.
+struct Unscaled {
+  static constexpr bool kScaled = false;
+  float operator()(int64_t /*slot*/, int64_t /*head*/) const { return 1.f; }
+  void prefetch(int64_t /*slot*/) const {}
+};
+
+struct HeadScales {
+  static constexpr bool kScaled = true;
+  const float* scales;
+  float operator()(int64_t /*slot*/, int64_t head) const { return scales[head]; }
+  void prefetch(int64_t /*slot*/) const {}  // a few floats, read by every row
+};
+
+struct SlotScales {
+  static constexpr bool kScaled = true;
+  const c10::Half* scales;
+  int64_t kv_heads;
+  float operator()(int64_t slot, int64_t head) const {
+    return static_cast<float>(scales[slot * kv_heads + head]);
+  }
+  // A slot's scales sit apart from its codes, one more line to ask for per row.
+  void prefetch(int64_t slot) const { __builtin_prefetch(scales + slot * kv_heads, 0, 1); }
+};
+
+// One layer's pool as the kernel reads it: rows of T [slots, kv_heads, dim], and scales.
+template <typename T, typename S>
+struct Pool {
+  const T* k;
+  const T* v;
+  S k_scales;
+  S v_scales;
+};
+
+// Asks for a pool row and its scales.
+template <typename T, typename S>
+inline void prefetch_row(const T* buffer, const S& scales, int64_t slot, int64_t row) {
+  prefetch(buffer + slot * row, row);
+  scales.prefetch(slot);
+}
+
+// Copies `dim` elements to float32: values as they are, codes times their scale.
+inline void copy_row(const float* __restrict from, int64_t dim, float /*scale: 1*/,
+                     float* __restrict to) {
   std::memcpy(to, from, dim * sizeof(float));
 }
 
-inline void copy_row(const bf16* __restrict from, int64_t dim, float* __restrict to) {
+inline void copy_row(const bf16* __restrict from, int64_t dim, float /*scale: 1*/,
+                     float* __restrict to) {
   for (int64_t d = 0; d < dim; ++d) to[d] = to_float(from[d]);
 }
 
+template <typename Code>
+inline void copy_row(const Code* __restrict from, int64_t dim, float scale,
+                     float* __restrict to) {
+  int64_t d = 0;
+  for (; d + 8 <= dim; d += 8) store8(to + d, load8(from + d) * splat8(scale));
+  for (; d < dim; ++d) to[d] = to_float(from[d]) * scale;
+}
+
 // Copies head `head`'s [dim] slice of each token's pool row into out [len, dim].
-template <typename T>
-void gather_head(const T* __restrict buffer, const int64_t* __restrict slots, int64_t len,
-                 int64_t row, int64_t head, int64_t dim, float* __restrict out) {
+template <typename T, typename S>
+void gather_head(const T* __restrict buffer, const S& scales, const int64_t* __restrict slots,
+                 int64_t len, int64_t row, int64_t head, int64_t dim, float* __restrict out) {
   for (int64_t t = 0; t < len; ++t) {
-    if (t + kPrefetchDistance < len)
+    if (t + kPrefetchDistance < len) {
       prefetch(buffer + slots[t + kPrefetchDistance] * row + head * dim, dim);
-    copy_row(buffer + slots[t] * row + head * dim, dim, out + t * dim);
+      scales.prefetch(slots[t + kPrefetchDistance]);
+    }
+    copy_row(buffer + slots[t] * row + head * dim, dim, scales(slots[t], head), out + t * dim);
   }
 }
 
@@ -271,36 +336,56 @@ void block_values(const Shapes& sh, const float* __restrict w,
   }
 }
 
+// Pool row `slot` [kv_heads, dim] as a decode token reads it: in place for values in the
+// model's dtype; for codes, widened once into `to` (code times its KV head's scale), so
+// that the query heads of a group read floats rather than each widening the codes again.
+template <typename T, typename S>
+inline auto read_row(const T* buffer, const S& scales, int64_t slot, const Shapes& sh,
+                     float* to) {
+  const T* row = buffer + slot * sh.kv_heads * sh.dim;
+  if constexpr (S::kScaled) {
+    for (int64_t g = 0; g < sh.kv_heads; ++g)
+      copy_row(row + g * sh.dim, sh.dim, scales(slot, g), to + g * sh.dim);
+    return static_cast<const float*>(to);
+  } else {
+    return row;
+  }
+}
+
 // One decode token: q, out [heads, dim]; the request's len tokens at `slots`.
-template <typename T>
-void decode_one(const Shapes& sh, const Variant& var, const float* q, const T* k_buffer,
-                const T* v_buffer, const int64_t* slots, int64_t len, float scale,
-                float* out, std::vector<float>& scratch) {
+template <typename T, typename S>
+void decode_one(const Shapes& sh, const Variant& var, const float* q, const Pool<T, S>& pool,
+                const int64_t* slots, int64_t len, float scale, float* out,
+                std::vector<float>& scratch) {
   const int64_t row = sh.kv_heads * sh.dim;
   // The token, at position len - 1, reads only the rows of its window.
   const int64_t skipped = first_key(len - 1, var);
   slots += skipped;
   len -= skipped;
-  scratch.resize(static_cast<size_t>(sh.heads * len));
-  float* s = scratch.data();  // [heads, len]
+  // [heads, len] scores, then room for kValueBlock widened rows (codes only).
+  scratch.resize(static_cast<size_t>(sh.heads * len + (S::kScaled ? kValueBlock * row : 0)));
+  float* s = scratch.data();
+  float* wide = s + sh.heads * len;
   // Each pass starts by asking for its first rows, so that it does not begin on a miss
   // per row until its prefetches ahead take over.
   for (int64_t t = 0; t < std::min(kDecodePrefetchRows, len); ++t)
-    prefetch(k_buffer + slots[t] * row, row);
+    prefetch_row(pool.k, pool.k_scales, slots[t], row);
   for (int64_t t = 0; t < len; ++t) {
     if (t + kDecodePrefetchRows < len)
-      prefetch(k_buffer + slots[t + kDecodePrefetchRows] * row, row);
-    row_scores(sh, q, k_buffer + slots[t] * row, scale, len, s + t);
+      prefetch_row(pool.k, pool.k_scales, slots[t + kDecodePrefetchRows], row);
+    row_scores(sh, q, read_row(pool.k, pool.k_scales, slots[t], sh, wide), scale, len, s + t);
   }
-  for (int64_t t = 0; t < std::min(kValueBlock, len); ++t) prefetch(v_buffer + slots[t] * row, row);
+  for (int64_t t = 0; t < std::min(kValueBlock, len); ++t)
+    prefetch_row(pool.v, pool.v_scales, slots[t], row);
   for (int64_t h = 0; h < sh.heads; ++h) weights(s + h * len, len, var);
   std::fill(out, out + sh.heads * sh.dim, 0.f);
-  const T* rows[kValueBlock];
+  decltype(read_row(pool.v, pool.v_scales, 0, sh, wide)) rows[kValueBlock];
   for (int64_t t0 = 0; t0 < len; t0 += kValueBlock) {
     const int64_t n = std::min(kValueBlock, len - t0);
     for (int64_t j = 0; j < n; ++j) {
-      rows[j] = v_buffer + slots[t0 + j] * row;
-      if (t0 + j + kValueBlock < len) prefetch(v_buffer + slots[t0 + j + kValueBlock] * row, row);
+      rows[j] = read_row(pool.v, pool.v_scales, slots[t0 + j], sh, wide + j * row);
+      if (t0 + j + kValueBlock < len)
+        prefetch_row(pool.v, pool.v_scales, slots[t0 + j + kValueBlock], row);
     }
     block_values(sh, s + t0, rows, n, len, out);
   }
@@ -312,16 +397,22 @@ constexpr int64_t kKeyTile = 16;
 
 // Copies head `head`'s [dim] slice of each token's pool row into the columns of
 // out [dim, ld] (keys transposed: a key tile's values of one feature are contiguous);
-// columns len..ld are zeroed.
-template <typename T>
-void gather_head_transposed(const T* __restrict buffer, const int64_t* __restrict slots,
-                            int64_t len, int64_t row, int64_t head, int64_t dim, int64_t ld,
-                            float* __restrict out) {
+// columns len..ld are zeroed. dim: a multiple of 8.
+template <typename T, typename S>
+void gather_head_transposed(const T* __restrict buffer, const S& scales,
+                            const int64_t* __restrict slots, int64_t len, int64_t row,
+                            int64_t head, int64_t dim, int64_t ld, float* __restrict out) {
   for (int64_t t = 0; t < len; ++t) {
-    if (t + kPrefetchDistance < len)
+    if (t + kPrefetchDistance < len) {
       prefetch(buffer + slots[t + kPrefetchDistance] * row + head * dim, dim);
+      scales.prefetch(slots[t + kPrefetchDistance]);
+    }
     const T* src = buffer + slots[t] * row + head * dim;
-    for (int64_t d = 0; d < dim; ++d) out[d * ld + t] = to_float(src[d]);
+    const float8 scale = splat8(scales(slots[t], head));
+    for (int64_t d = 0; d < dim; d += 8) {
+      const float8 x = load8(src + d) * scale;
+      for (int64_t i = 0; i < 8; ++i) out[(d + i) * ld + t] = x[i];
+    }
   }
   for (int64_t d = 0; d < dim; ++d) std::fill(out + d * ld + len, out + (d + 1) * ld, 0.f);
 }
@@ -382,10 +473,10 @@ void tile_values(const float* __restrict p, int64_t ld, const float* __restrict 
 // zero. Missing queries of a last, partial tile read zeros and write to scratch. Keys
 // are copied from the first one the request's first new token sees (`start`) and
 // indexed from there.
-template <typename T>
-void extend_tiled(const Shapes& sh, const Variant& var, const float* q, const T* k_buffer,
-                  const T* v_buffer, const int64_t* slots, int64_t seq_len, int64_t num_new,
-                  int64_t g, float scale, float* out, std::vector<float>& scratch) {
+template <typename T, typename S>
+void extend_tiled(const Shapes& sh, const Variant& var, const float* q, const Pool<T, S>& pool,
+                  const int64_t* slots, int64_t seq_len, int64_t num_new, int64_t g,
+                  float scale, float* out, std::vector<float>& scratch) {
   const int64_t dim = sh.dim, group = sh.heads / sh.kv_heads, row = sh.kv_heads * dim;
   const int64_t prefix = seq_len - num_new;
   const int64_t start = first_key(prefix, var);
@@ -398,8 +489,8 @@ void extend_tiled(const Shapes& sh, const Variant& var, const float* q, const T*
   float* zeros = s + kQueryTile * ld;
   float* spill = zeros + dim;
   std::fill(zeros, zeros + dim, 0.f);
-  gather_head_transposed(k_buffer, slots + start, len, row, g, dim, ld, keys_t);
-  gather_head(v_buffer, slots + start, len, row, g, dim, values);
+  gather_head_transposed(pool.k, pool.k_scales, slots + start, len, row, g, dim, ld, keys_t);
+  gather_head(pool.v, pool.v_scales, slots + start, len, row, g, dim, values);
   const float* q_rows[kQueryTile];
   float* out_rows[kQueryTile];
   for (int64_t h = g * group; h < (g + 1) * group; ++h) {
@@ -433,10 +524,10 @@ void extend_tiled(const Shapes& sh, const Variant& var, const float* q, const T*
 // Every new token of one request, for the query heads of key/value head g: any dim, one
 // query at a time. Keys are copied from the first one the request's first new token
 // sees (`start`) and indexed from there.
-template <typename T>
-void extend_one(const Shapes& sh, const Variant& var, const float* q, const T* k_buffer,
-                const T* v_buffer, const int64_t* slots, int64_t seq_len, int64_t num_new,
-                int64_t g, float scale, float* out, std::vector<float>& scratch) {
+template <typename T, typename S>
+void extend_one(const Shapes& sh, const Variant& var, const float* q, const Pool<T, S>& pool,
+                const int64_t* slots, int64_t seq_len, int64_t num_new, int64_t g,
+                float scale, float* out, std::vector<float>& scratch) {
   const int64_t dim = sh.dim, group = sh.heads / sh.kv_heads, row = sh.kv_heads * dim;
   const int64_t prefix = seq_len - num_new;
   const int64_t start = first_key(prefix, var);
@@ -445,8 +536,8 @@ void extend_one(const Shapes& sh, const Variant& var, const float* q, const T* k
   float* keys = scratch.data();
   float* values = keys + len * dim;
   float* s = values + len * dim;
-  gather_head(k_buffer, slots + start, len, row, g, dim, keys);
-  gather_head(v_buffer, slots + start, len, row, g, dim, values);
+  gather_head(pool.k, pool.k_scales, slots + start, len, row, g, dim, keys);
+  gather_head(pool.v, pool.v_scales, slots + start, len, row, g, dim, values);
   for (int64_t i = 0; i < num_new; ++i) {
     // Causal: the token's window up to itself, keys lo .. lo + visible - 1.
     const int64_t lo = first_key(prefix + i, var) - start;
@@ -469,10 +560,15 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_buffer, const at::Ten
               cap);
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.dim() == 3,
               "paged_attention: q and the KV buffers must be 3-dimensional");
-  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
-                  k_buffer.scalar_type() == q.scalar_type() &&
-                  v_buffer.scalar_type() == q.scalar_type(),
-              "paged_attention: float32 or bfloat16 only, q and the KV buffers alike");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "paged_attention: float32 or bfloat16 only (q), got ", q.scalar_type());
+  const auto stored = k_buffer.scalar_type();
+  TORCH_CHECK(v_buffer.scalar_type() == stored &&
+                  (stored == q.scalar_type() || stored == at::kFloat8_e4m3fn ||
+                   stored == at::kChar),
+              "paged_attention: the KV buffers alike, in q's dtype or as 8-bit codes "
+              "(float8_e4m3fn, int8), got ", stored, " and ", v_buffer.scalar_type(),
+              " for q in ", q.scalar_type());
   for (const at::Tensor* t : {&req_to_token, &req_pool_indices, &seq_lens, &extend_seq_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong, "paged_attention: int64 indices only");
   for (const at::Tensor* t : {&q, &k_buffer, &v_buffer, &req_to_token, &req_pool_indices,
@@ -500,11 +596,52 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_buffer, const at::Ten
               " query rows for ", tokens, " new tokens");
 }
 
+// 8-bit codes come with both scales, FP8's [kv_heads] float32, int8's [slots, kv_heads]
+// float16; a pool in the model's dtype with none.
+void check_scales(const at::Tensor& k_buffer, const std::optional<at::Tensor>& k_scale,
+                  const std::optional<at::Tensor>& v_scale) {
+  const bool fp8_codes = k_buffer.scalar_type() == at::kFloat8_e4m3fn;
+  const bool int8_codes = k_buffer.scalar_type() == at::kChar;
+  if (!fp8_codes && !int8_codes) {
+    TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(),
+                "paged_attention: scales are for 8-bit KV codes only");
+    return;
+  }
+  TORCH_CHECK(k_scale.has_value() && v_scale.has_value(),
+              "paged_attention: 8-bit KV codes need k_scale and v_scale");
+  const int64_t slots = k_buffer.size(0), heads = k_buffer.size(1);
+  for (const at::Tensor* t : {&*k_scale, &*v_scale}) {
+    if (fp8_codes) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == heads &&
+                      t->is_contiguous(),
+                  "paged_attention: FP8 codes take contiguous float32 scales [kv_heads] ([",
+                  heads, "]), got ", t->scalar_type(), " ", t->sizes());
+    } else {
+      TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 2 && t->size(0) == slots &&
+                      t->size(1) == heads && t->is_contiguous(),
+                  "paged_attention: int8 codes take contiguous float16 scales [slots, "
+                  "kv_heads] ([", slots, ", ", heads, "]), got ", t->scalar_type(), " ",
+                  t->sizes());
+    }
+  }
+}
+
+// The batch's requests: req_to_token [requests, context] (table) and, per request, its
+// row there, its tokens and its new tokens.
+struct Requests {
+  const int64_t* table;
+  const int64_t* idx;
+  const int64_t* lens;
+  const int64_t* news;
+  int64_t batch;
+};
+
 // The kernel over a pool of T (q and out in float32, [tokens, heads, dim]).
-template <typename T>
-void attend(const Shapes& sh, const Variant& var, const float* qp, const T* kp, const T* vp, const int64_t* table,
-            const int64_t* idx, const int64_t* lens, const int64_t* news, int64_t batch,
-            float s, float* op) {
+template <typename T, typename S>
+void attend(const Shapes& sh, const Variant& var, const float* qp, const Pool<T, S>& pool,
+            const Requests& reqs, float s, float* op) {
+  const int64_t batch = reqs.batch;
+  const int64_t *idx = reqs.idx, *lens = reqs.lens, *news = reqs.news;
   std::vector<int64_t> first(static_cast<size_t>(batch));  // each request's first q row
   for (int64_t b = 0, row = 0; b < batch; row += news[b++]) first[b] = row;
   const int64_t row_floats = sh.heads * sh.dim;
@@ -522,47 +659,28 @@ void attend(const Shapes& sh, const Variant& var, const float* qp, const T* kp, 
     std::vector<float> scratch;
     for (int64_t item = begin; item < end; ++item) {
       const auto [b, g] = items[item];
-      const int64_t* slots = table + idx[b] * sh.context;
+      const int64_t* slots = reqs.table + idx[b] * sh.context;
       const float* q_rows = qp + first[b] * row_floats;
       float* out_rows = op + first[b] * row_floats;
       if (g < 0) {
-        decode_one(sh, var, q_rows, kp, vp, slots, lens[b], s, out_rows, scratch);
+        decode_one(sh, var, q_rows, pool, slots, lens[b], s, out_rows, scratch);
       } else if (sh.dim % 16 == 0) {
-        extend_tiled(sh, var, q_rows, kp, vp, slots, lens[b], news[b], g, s, out_rows,
-                     scratch);
+        extend_tiled(sh, var, q_rows, pool, slots, lens[b], news[b], g, s, out_rows, scratch);
       } else {
-        extend_one(sh, var, q_rows, kp, vp, slots, lens[b], news[b], g, s, out_rows,
-                   scratch);
+        extend_one(sh, var, q_rows, pool, slots, lens[b], news[b], g, s, out_rows, scratch);
       }
     }
   });
 }
 
-// q: [tokens, heads, dim], the batch's new tokens packed request after request;
-// k_buffer, v_buffer: [pool_slots, kv_heads, dim], the new tokens' keys and values
-// already written; req_to_token: [requests, context]; req_pool_indices, seq_lens,
-// extend_seq_lens: [batch], int64; window: the sliding window (0: none); cap: the scores'
-// soft cap (0: none). Returns [tokens, heads, dim] in q's dtype.
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buffer,
-                           const at::Tensor& v_buffer, const at::Tensor& req_to_token,
-                           const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                           const at::Tensor& extend_seq_lens, double scale, int64_t window,
-                           double cap) {
-  check_inputs(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-               extend_seq_lens, window, cap);
-  const Shapes sh{q.size(1), k_buffer.size(1), q.size(2), req_to_token.size(1)};
-  const Variant var{window, static_cast<float>(cap)};
-  const int64_t batch = req_pool_indices.numel();
-  const int64_t* idx = req_pool_indices.const_data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
-  const int64_t* news = extend_seq_lens.const_data_ptr<int64_t>();
-  const int64_t* table = req_to_token.const_data_ptr<int64_t>();
-  const float s = static_cast<float>(scale);
+// The kernel over `pool` for q in float32 or bfloat16; returns [tokens, heads, dim] in
+// q's dtype.
+template <typename T, typename S>
+at::Tensor attend_q(const at::Tensor& q, const Shapes& sh, const Variant& var,
+                    const Pool<T, S>& pool, const Requests& reqs, float s) {
+  at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.scalar_type() == at::kFloat) {
-    at::Tensor out = at::empty(q.sizes(), q.options());
-    attend(sh, var, q.const_data_ptr<float>(), k_buffer.const_data_ptr<float>(),
-           v_buffer.const_data_ptr<float>(), table, idx, lens, news, batch, s,
-           out.mutable_data_ptr<float>());
+    attend(sh, var, q.const_data_ptr<float>(), pool, reqs, s, out.mutable_data_ptr<float>());
     return out;
   }
   // bfloat16: the queries widened once, the output computed in float32 and rounded.
@@ -570,12 +688,61 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buffer,
   std::vector<float> qf(static_cast<size_t>(count)), of(static_cast<size_t>(count));
   const bf16* qb = q.const_data_ptr<bf16>();
   for (int64_t i = 0; i < count; ++i) qf[i] = to_float(qb[i]);
-  attend(sh, var, qf.data(), k_buffer.const_data_ptr<bf16>(), v_buffer.const_data_ptr<bf16>(),
-         table, idx, lens, news, batch, s, of.data());
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  attend(sh, var, qf.data(), pool, reqs, s, of.data());
   bf16* ob = out.mutable_data_ptr<bf16>();
   for (int64_t i = 0; i < count; ++i) ob[i] = round_to<bf16>(of[i]);
   return out;
+}
+
+// q: [tokens, heads, dim], the batch's new tokens packed request after request;
+// k_buffer, v_buffer: [pool_slots, kv_heads, dim], the new tokens' keys and values
+// already written, in q's dtype or as 8-bit codes (FP8 E4M3 or int8) with k_scale and
+// v_scale (FP8: [kv_heads] float32, int8: [pool_slots, kv_heads] float16);
+// req_to_token: [requests, context]; req_pool_indices, seq_lens, extend_seq_lens:
+// [batch], int64; window: the sliding window (0: none); cap: the scores' soft cap
+// (0: none). Returns [tokens, heads, dim] in q's dtype.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buffer,
+                           const at::Tensor& v_buffer, const at::Tensor& req_to_token,
+                           const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                           const at::Tensor& extend_seq_lens, double scale, int64_t window,
+                           double cap, const std::optional<at::Tensor>& k_scale,
+                           const std::optional<at::Tensor>& v_scale) {
+  check_inputs(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+               extend_seq_lens, window, cap);
+  check_scales(k_buffer, k_scale, v_scale);
+  const Shapes sh{q.size(1), k_buffer.size(1), q.size(2), req_to_token.size(1)};
+  const Variant var{window, static_cast<float>(cap)};
+  const Requests reqs{req_to_token.const_data_ptr<int64_t>(),
+                      req_pool_indices.const_data_ptr<int64_t>(),
+                      seq_lens.const_data_ptr<int64_t>(),
+                      extend_seq_lens.const_data_ptr<int64_t>(), req_pool_indices.numel()};
+  const float s = static_cast<float>(scale);
+  switch (k_buffer.scalar_type()) {
+    case at::kFloat8_e4m3fn: {
+      const Pool<fp8, HeadScales> pool{k_buffer.const_data_ptr<fp8>(),
+                                       v_buffer.const_data_ptr<fp8>(),
+                                       {k_scale->const_data_ptr<float>()},
+                                       {v_scale->const_data_ptr<float>()}};
+      return attend_q(q, sh, var, pool, reqs, s);
+    }
+    case at::kChar: {
+      const Pool<int8_t, SlotScales> pool{k_buffer.const_data_ptr<int8_t>(),
+                                          v_buffer.const_data_ptr<int8_t>(),
+                                          {k_scale->const_data_ptr<c10::Half>(), sh.kv_heads},
+                                          {v_scale->const_data_ptr<c10::Half>(), sh.kv_heads}};
+      return attend_q(q, sh, var, pool, reqs, s);
+    }
+    case at::kFloat: {
+      const Pool<float, Unscaled> pool{k_buffer.const_data_ptr<float>(),
+                                       v_buffer.const_data_ptr<float>(), {}, {}};
+      return attend_q(q, sh, var, pool, reqs, s);
+    }
+    default: {  // bfloat16, as q (check_inputs)
+      const Pool<bf16, Unscaled> pool{k_buffer.const_data_ptr<bf16>(),
+                                      v_buffer.const_data_ptr<bf16>(), {}, {}};
+      return attend_q(q, sh, var, pool, reqs, s);
+    }
+  }
 }
 
 // k_buffer[loc[i]] = k[i] and v_buffer[loc[i]] = v[i] for the n new tokens: k and v are
@@ -626,6 +793,6 @@ TORCH_LIBRARY(framework_cpu, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
       "Tensor req_pool_indices, Tensor seq_lens, Tensor extend_seq_lens, float scale, "
-      "int window=0, float cap=0.) -> Tensor");
+      "int window=0, float cap=0., Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
 }

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <cstdint>
 #include <cstring>
@@ -71,5 +72,46 @@ inline bf16 round_to<bf16>(float x) {
   const uint16_t rounded = static_cast<uint16_t>((bits + ((bits >> 16) & 1u) + 0x7fffu) >> 16);
   return bf16(nan ? static_cast<uint16_t>(0x7fc0) : rounded, bf16::from_bits());
 }
+
+// 8-bit KV codes, read as float32 without their scale (the kernel applies it): int8 as
+// the integer, FP8 E4M3 as its value. E4M3 is a sign, 4 exponent bits (bias 7) and 3
+// mantissa bits; a normal code's exponent and mantissa are moved into float32's fields
+// with the bias raised by 120. A subnormal (exponent 0: m * 2^-9) is made as
+// 2^-6 * (1 + m / 8) - 2^-6, an exact difference, so that no float32 subnormal is formed
+// and denormals-are-zero cannot change it. The NaN codes (0x7f, 0xff) are not told apart.
+using fp8 = c10::Float8_e4m3fn;
+typedef int8_t int8x8 __attribute__((vector_size(8)));
+typedef uint8_t uint8x8 __attribute__((vector_size(8)));
+
+inline float8 load8(const int8_t* p) {
+  int8x8 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  return __builtin_convertvector(raw, float8);
+}
+
+inline float8 load8(const fp8* p) {
+  uint8x8 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  const uint8v b = __builtin_convertvector(raw, uint8v);
+  const uint8v fields = (b & 0x7fu) << 20;  // exponent and mantissa, at float32's
+  const uint8v normal = fields + (120u << 23);
+  const uint8v tiny = fields + (121u << 23);  // 2^-6 * (1 + m / 8), exponent field 0
+  float8 n, t;
+  std::memcpy(&n, &normal, sizeof(n));
+  std::memcpy(&t, &tiny, sizeof(t));
+  t -= splat8(0x1p-6f);
+  uint8v nb, tb;
+  std::memcpy(&nb, &n, sizeof(nb));
+  std::memcpy(&tb, &t, sizeof(tb));
+  const uint8v subnormal = reinterpret_cast<uint8v>((b & 0x78u) == 0u);  // all ones, or 0
+  const uint8v bits = ((tb & subnormal) | (nb & ~subnormal)) | ((b & 0x80u) << 24);
+  float8 v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
+inline float to_float(fp8 x) { return static_cast<float>(x); }  // c10's: exact
 
 }  // namespace framework_cpu
