@@ -6,10 +6,14 @@ front end, its MLIR passes and the bundled ``ptxas`` run on the CPU, so type
 errors, unsupported constructs and spilling tile configurations show up on a
 machine with no GPU. Every attention kernel is compiled as the default layer runs
 it and with a sliding window and a logit cap (``VARIANT``, Gemma 2's values).
-Prints one JSON line per compiled kernel configuration:
+Every kernel is compiled at grouped-query ratio 8; the kernels whose constants hold
+the ratio (``GROUP``) are compiled at ratio 1 too, in the dtypes asked for. Prints one
+JSON line per compiled kernel configuration:
 ``{"kernel", "dtype", "head_dim", "group", "stack_bytes"}``.
 
-Usage: ``python tests/plugins/compile_for_gpu.py [head_dims] [dtypes]``, comma lists.
+Usage: ``python tests/plugins/compile_for_gpu.py [head_dims] [dtypes] [ratio_1_dtypes]``,
+comma lists (``ratio_1_dtypes``: those of ``dtypes`` compiled at ratio 1 too; all of them
+by default).
 """
 
 from __future__ import annotations
@@ -105,11 +109,18 @@ def configurations(head_dim: int, dtype: torch.dtype, group: int
     return out
 
 
-def compile_rows(dtype_name: str, head_dim: int, group: int) -> list[dict[str, Any]]:
-    """The report line of every kernel of one dtype, head dim and group size."""
+def compile_rows(dtype_name: str, head_dim: int, group: int,
+                 grouped_only: bool = False) -> list[dict[str, Any]]:
+    """The report line of every kernel of one dtype, head dim and group size.
+
+    ``grouped_only``: only the kernels whose constants hold the group size (the others
+    compile the same at every group size).
+    """
     dtype = getattr(torch, dtype_name)
     rows = []
     for name, kernel, constants, num_warps in configurations(head_dim, dtype, group):
+        if grouped_only and "GROUP" not in constants:
+            continue
         compiled = compile_kernel(kernel, dtype, constants, num_warps)
         rows.append({"kernel": name, "dtype": str(dtype), "head_dim": head_dim,
                      "group": group, "stack_bytes": stack_bytes(compiled)})
@@ -123,8 +134,10 @@ def main(argv: list[str]) -> int:
         return 2
     head_dims = [int(d) for d in (argv[0] if argv else "16,32,64,128,256").split(",")]
     dtypes = (argv[1] if len(argv) > 1 else "float32,float16,bfloat16").split(",")
-    jobs = [(dtype, head_dim, group) for dtype in dtypes for head_dim in head_dims
-            for group in (1, 8)]
+    ratio_1 = argv[2].split(",") if len(argv) > 2 else dtypes
+    jobs = [(dtype, head_dim, 8, False) for dtype in dtypes for head_dim in head_dims]
+    jobs += [(dtype, head_dim, 1, True) for dtype in dtypes if dtype in ratio_1
+             for head_dim in head_dims]
     workers = min(len(jobs), len(os.sched_getaffinity(0)))
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         for rows in pool.map(compile_rows, *zip(*jobs, strict=True)):

@@ -25,20 +25,31 @@ NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 DTYPES = {"torch.float32", "torch.float16", "torch.bfloat16"}
 
 
-def compile_rows(prefix: str, tmp_path: Path) -> list[dict]:
-    """The script's report lines for the kernels whose names start with ``prefix``."""
+# One run of the script for every family (one process pool, its imports paid once); the
+# first test waits for all of it.
+FAMILIES = ("moe/", "quant/", "lora/")
+pytestmark = pytest.mark.timeout(600)
+needs_cuda_tools = pytest.mark.skipif(not (NVIDIA_BIN / "cuobjdump").exists(),
+                                      reason="this Triton build has no bundled CUDA tools")
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """The script's report lines for every family, by family (``"moe/"``...)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    result = subprocess.run([sys.executable, str(SCRIPT), prefix], env=env,
-                            capture_output=True, text=True, timeout=600)
+    env.update(TRITON_CACHE_DIR=str(tmp_path_factory.mktemp("triton_cache")),
+               TRITON_DEFAULT_FP_FUSION="1")
+    result = subprocess.run([sys.executable, str(SCRIPT), ",".join(FAMILIES)], env=env,
+                            capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line) for line in result.stdout.splitlines()]
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    return {family: [row for row in rows if row["kernel"].startswith(family)]
+            for family in FAMILIES}
 
 
-@pytest.mark.skipif(not (NVIDIA_BIN / "cuobjdump").exists(),
-                    reason="this Triton build has no bundled CUDA tools")
-def test_moe_kernels_compile_for_sm90_without_spilling(tmp_path: Path) -> None:
-    rows = compile_rows("moe/", tmp_path)
+@needs_cuda_tools
+def test_moe_kernels_compile_for_sm90_without_spilling(compiled: dict[str, list[dict]]) -> None:
+    rows = compiled["moe/"]
     # 3 dtypes x 2 tile regimes x (gate/up with 2 activations + down)
     assert len(rows) == 18
     assert {row["dtype"] for row in rows} == DTYPES
@@ -47,11 +58,11 @@ def test_moe_kernels_compile_for_sm90_without_spilling(tmp_path: Path) -> None:
     assert not spilled, spilled
 
 
-@pytest.mark.skipif(not (NVIDIA_BIN / "cuobjdump").exists(),
-                    reason="this Triton build has no bundled CUDA tools")
-def test_quantized_gemms_compile_for_sm90_without_spilling(tmp_path: Path) -> None:
+@needs_cuda_tools
+def test_quantized_gemms_compile_for_sm90_without_spilling(
+        compiled: dict[str, list[dict]]) -> None:
     """The int4 and 8-bit (int8, E4M3) GEMMs at ``gemm_config``'s tiles."""
-    rows = compile_rows("quant/", tmp_path)
+    rows = compiled["quant/"]
     # float16 and bfloat16: 3 tile regimes x (int4 + int8 + E4M3); float32: 1 regime x 3
     assert len(rows) == 21
     assert {row["dtype"] for row in rows} == DTYPES
@@ -60,11 +71,11 @@ def test_quantized_gemms_compile_for_sm90_without_spilling(tmp_path: Path) -> No
     assert not spilled, spilled
 
 
-@pytest.mark.skipif(not (NVIDIA_BIN / "cuobjdump").exists(),
-                    reason="this Triton build has no bundled CUDA tools")
-def test_lora_kernels_compile_for_sm90_without_spilling(tmp_path: Path) -> None:
+@needs_cuda_tools
+def test_lora_kernels_compile_for_sm90_without_spilling(
+        compiled: dict[str, list[dict]]) -> None:
     """Shrink and expand at ``triton_lora_delta``'s tiles, ranks up to 16 and 64."""
-    rows = compile_rows("lora/", tmp_path)
+    rows = compiled["lora/"]
     assert len(rows) == 12  # 3 dtypes x 2 rank blocks x (shrink + expand)
     assert {row["dtype"] for row in rows} == DTYPES
     spilled = [row for row in rows if row["stack_bytes"]]

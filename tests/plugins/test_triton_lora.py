@@ -56,9 +56,9 @@ def test_matches_float64_reference(dtype: torch.dtype) -> None:
 
 def test_layer_parity_with_torch_backend() -> None:
     (x, a, b, scalings), batch = _case(torch.float32, seed=1)
-    torch.testing.assert_close(LORA_BACKENDS.get("triton")(x, a, b, scalings, batch),
-                               torch_lora_delta(x, a, b, scalings, batch),
-                               atol=1e-4, rtol=1e-4)
+    got = LORA_BACKENDS.get("triton")(x, a, b, scalings, batch)
+    # A plain max: torch.testing.assert_close's first call imports for seconds.
+    assert (got - torch_lora_delta(x, a, b, scalings, batch)).abs().max().item() < 1e-4
 
 
 def test_empty_batch_is_zero() -> None:

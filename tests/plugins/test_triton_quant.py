@@ -109,9 +109,27 @@ def _max_error(weight: QuantizedWeight, dtype: torch.dtype) -> float:
     return (got.double() - expected).abs().max().item()  # NaN anywhere makes this NaN
 
 
+#: Each format in the activation dtype(s) it is checked in: each kernel (int4, 8-bit)
+#: meets each dtype in two formats or more, each format one dtype at least (the
+#: interpreter runs every program in Python, and a format's own code does not depend on
+#: the dtype).
+FORMAT_DTYPES = {
+    "gptq-g32": (torch.float32, torch.float16),
+    "gptq-g32-act-order": (torch.float16,),
+    "gptq-channel": (torch.float32,),
+    "awq-g32": (torch.float16,),
+    "awq-channel": (torch.float32,),
+    "awq-g8-padded": (torch.float16,),
+    "gptq-act-order-uneven-groups": (torch.float32,),
+    "fp8-channel": (torch.float32,),
+    "fp8-tensor": (torch.float16,),
+    "int8": (torch.float32, torch.float16),
+}
+
+
 @pytest.mark.usefixtures("poisoned_outputs")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize(("name", "dtype"), [(name, dtype) for name in FORMATS
+                                             for dtype in FORMAT_DTYPES[name]])
 def test_matches_float64_dequantized_reference(weights: dict[str, QuantizedWeight], name: str,
                                                dtype: torch.dtype) -> None:
     err = _max_error(weights[name], dtype)
@@ -152,8 +170,8 @@ def test_leading_dims_and_an_empty_batch(weights: dict[str, QuantizedWeight]) ->
     prepared = kernel.prepare(weights["int8"])
     x = torch.randn(2, 3, IN)
     got = kernel.apply(prepared, x)
-    torch.testing.assert_close(got, TorchQuantLinear().apply(weights["int8"], x),
-                               rtol=1e-5, atol=1e-5)
+    # A plain max: torch.testing.assert_close's first call imports for seconds.
+    assert (got - TorchQuantLinear().apply(weights["int8"], x)).abs().max().item() < 1e-5
     assert kernel.apply(prepared, torch.randn(0, IN)).shape == (0, OUT)
 
 
