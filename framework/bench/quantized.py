@@ -40,6 +40,9 @@ class Settings:
     single_requests: int = 4  # requests run one at a time for the 1-stream figure
     rounds: int = 2
     launch_mode: str = "process"  # the Engines' (``thread`` starts faster)
+    #: The Scheduler's torch threads (``--torch-threads``); None: the Engine's default plan,
+    #: which leaves one core to the other components.
+    torch_threads: int | None = None
 
 
 def write_checkpoints(settings: Settings, root: Path) -> dict[str, Path]:
@@ -71,7 +74,8 @@ def run_format(name: str, path: Path, settings: Settings) -> list[dict[str, Any]
 
     rows = []
     with Engine(model_path=str(path), dtype="float32", log_level="warning",
-                max_running_requests=max(STREAMS), launch_mode=settings.launch_mode) as engine:
+                max_running_requests=max(STREAMS), launch_mode=settings.launch_mode,
+                torch_threads=settings.torch_threads) as engine:
         weight_bytes = engine.get_server_info()["weight_bytes_rank_0"]
         greedy_tokens_per_second(engine, _prompts(2), 2, 4)  # warm-up
         for streams in STREAMS:
@@ -90,7 +94,8 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              f"- Machine: {meta['machine']}", f"- Commit: {meta['commit']}",
              f"- Run: {meta['started_at']}", f"- Model: {meta['model']}",
              f"- Greedy, {meta['output_len']} output tokens per request, best of "
-             f"{meta['rounds']} rounds", "",
+             f"{meta['rounds']} rounds", f"- Scheduler torch threads: {meta['torch_threads']}",
+             "",
              "| format | streams | output tok/s | vs float32 | weight bytes | vs float32 |",
              "|---|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -107,7 +112,8 @@ def run_benchmark(settings: Settings, output: str) -> list[Path]:
     meta = {**run_stamp(),
             "model": f"random Llama, {settings.layers} layers, hidden {settings.hidden}, "
                      f"intermediate {settings.intermediate}",
-            "output_len": settings.output_len, "rounds": settings.rounds}
+            "output_len": settings.output_len, "rounds": settings.rounds,
+            "torch_threads": settings.torch_threads or "the default plan"}
     with tempfile.TemporaryDirectory(prefix="framework-quantized-") as tmp:
         paths = write_checkpoints(settings, Path(tmp))
         rows = [row for name, path in paths.items() for row in run_format(name, path, settings)]
@@ -126,6 +132,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         value = getattr(default, flag.replace("-", "_"))
         parser.add_argument(f"--{flag}", type=int, default=value, metavar="N",
                             help=f"{text} (default: {value})")
+    parser.add_argument("--torch-threads", type=int, default=None, metavar="N",
+                        help="the Engines' scheduler torch threads (default: the Engine's "
+                        "plan, which leaves a core to the other components)")
     parser.add_argument("--output", default=DEFAULT_OUTPUT, metavar="DIR",
                         help=f"where the result files go (default: {DEFAULT_OUTPUT})")
 
@@ -135,7 +144,8 @@ def run_from_cli(args: argparse.Namespace) -> int:
     settings = Settings(layers=args.layers, hidden=args.hidden,
                         intermediate=args.intermediate, group_size=args.group_size,
                         output_len=args.output_len,
-                        single_requests=args.single_requests, rounds=args.rounds)
+                        single_requests=args.single_requests, rounds=args.rounds,
+                        torch_threads=args.torch_threads)
     for path in run_benchmark(settings, args.output):
         print(f"wrote {path}")
     print(Path(args.output, "quantized.md").read_text())

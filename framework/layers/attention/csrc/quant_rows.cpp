@@ -122,7 +122,9 @@ inline void widen_nibbles(const uint8_t* p, float8& low, float8& high) {
 
 // The weight formats: how sixteen codes of a feature's row are read (two vectors, in the
 // order of x's copy), and each feature's scale and zero term per group.
-struct Int8Codes {
+// One byte a code (int8, or FP8 E4M3 whose scales carry 2^8), widened by Widen.
+template <float8 (*Widen)(const int8_t*)>
+struct ByteCodes {
   static constexpr int64_t kBytesPerStep = kStep;
   static constexpr bool kPairs = false;  // x in its own order
   const int8_t* codes;
@@ -131,24 +133,12 @@ struct Int8Codes {
   const float* zeros = nullptr;
   void load16(int64_t n, int64_t k, float8& a, float8& b) const {
     const int8_t* p = codes + n * row_bytes + k;
-    a = widen_int8(p);
-    b = widen_int8(p + 8);
+    a = Widen(p);
+    b = Widen(p + 8);
   }
 };
-
-struct Fp8Codes {
-  static constexpr int64_t kBytesPerStep = kStep;
-  static constexpr bool kPairs = false;
-  const int8_t* codes;
-  int64_t row_bytes;
-  const float* scales;  // [N], times 2^8
-  const float* zeros = nullptr;
-  void load16(int64_t n, int64_t k, float8& a, float8& b) const {
-    const int8_t* p = codes + n * row_bytes + k;
-    a = widen_fp8(p);
-    b = widen_fp8(p + 8);
-  }
-};
+using Int8Codes = ByteCodes<widen_int8>;
+using Fp8Codes = ByteCodes<widen_fp8>;
 
 struct Int4Codes {
   static constexpr int64_t kBytesPerStep = kStep / 2;
