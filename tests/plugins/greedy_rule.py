@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 NEAR_TIE = 1e-3
@@ -28,3 +29,20 @@ def assert_same_greedy(got: dict[str, Any], ref: dict[str, Any], near_tie: float
         ref_lp = ref["meta_info"]["output_token_logprobs"][step][0]
         assert abs(got_lp - ref_lp) < logprob_tolerance, f"logprob {step}"
     assert len(got["output_ids"]) == len(ref["output_ids"])
+
+
+def two_greedy_rounds(model_dir: Path, prompts: list[str], greedy: dict[str, Any],
+                      **engine_args: Any) -> list[dict[str, Any]]:
+    """Greedy outputs of two rounds through an Engine: the prompts, then the prompts grown
+    by their outputs (a cached prefix); the KV pool must be idle after, and a prefix reused.
+    """
+    from framework import Engine
+
+    with Engine(model_path=str(model_dir), launch_mode="thread", chunked_prefill_size=16,
+                **engine_args) as engine:
+        first = engine.generate(prompts, greedy, return_logprob=True, top_logprobs_num=2)
+        grown = [p + " " + out["text"] for p, out in zip(prompts, first)]
+        second = engine.generate(grown, greedy, return_logprob=True, top_logprobs_num=2)
+        assert engine.get_server_info()["kv_cache_idle_and_free"] is True
+    assert any(out["meta_info"]["cached_tokens"] for out in second), "no prefix was reused"
+    return first + second

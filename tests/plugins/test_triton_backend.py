@@ -23,7 +23,6 @@ from framework_triton_attention.backend import (
 )
 from framework_triton_attention.common import is_interpreter
 
-from framework import Engine
 from framework.forward_batch import ForwardBatch, ForwardMode
 from framework.layers.attention.base import AttentionBackendArgs
 from framework.layers.attention.radix_attention import RadixAttention, bind_attention_backend
@@ -36,7 +35,7 @@ from tests.plugins.attention_cases import (
     reference,
     relative_error,
 )
-from tests.plugins.greedy_rule import assert_same_greedy
+from tests.plugins.greedy_rule import assert_same_greedy, two_greedy_rounds
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE = torch.device("cpu" if is_interpreter() else "cuda")
@@ -224,14 +223,8 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 
 def generate(model_dir: Path, backend: str) -> list[dict[str, Any]]:
     """Greedy outputs of two rounds: the prompts, then the prompts grown (a cached prefix)."""
-    with Engine(model_path=str(model_dir), attention_backend=backend, launch_mode="thread",
-                device=DEVICE.type, chunked_prefill_size=16) as engine:
-        first = engine.generate(PROMPTS, GREEDY, return_logprob=True, top_logprobs_num=2)
-        grown = [p + " " + out["text"] for p, out in zip(PROMPTS, first)]
-        second = engine.generate(grown, GREEDY, return_logprob=True, top_logprobs_num=2)
-        assert engine.get_server_info()["kv_cache_idle_and_free"] is True
-    assert any(out["meta_info"]["cached_tokens"] for out in second), "no prefix was reused"
-    return first + second
+    return two_greedy_rounds(model_dir, PROMPTS, GREEDY, attention_backend=backend,
+                             device=DEVICE.type)
 
 
 def test_tiny_model_gives_the_torch_backends_greedy_tokens(

@@ -31,7 +31,6 @@ from framework_triton_attention.backend import MAX_KV_SPLITS
 from framework_triton_attention.common import dot_precision
 from framework_triton_attention.kv_codes import KV_FP8, KV_INT8, e4m3_to_float, layer_kv
 
-from framework import Engine
 from framework.mem_cache.memory_pool import MHATokenToKVPool
 from tests.plugins.attention_cases import (
     TOLERANCE,
@@ -41,7 +40,7 @@ from tests.plugins.attention_cases import (
     relative_error,
 )
 from tests.plugins.compile_for_gpu import DEFAULT, TARGET, arg_types, stack_bytes
-from tests.plugins.greedy_rule import assert_same_greedy
+from tests.plugins.greedy_rule import assert_same_greedy, two_greedy_rounds
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KV_DTYPES = ("fp8_e4m3", "int8")
@@ -196,15 +195,8 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
 
 def generate(model_dir: Path, backend: str, kv_cache_dtype: str) -> list[dict[str, Any]]:
     """Greedy outputs of the prompts, then of the prompts grown (their prefix cached)."""
-    with Engine(model_path=str(model_dir), attention_backend=backend, launch_mode="thread",
-                device=DEVICE.type, chunked_prefill_size=16,
-                kv_cache_dtype=kv_cache_dtype) as engine:
-        first = engine.generate(PROMPTS, GREEDY, return_logprob=True, top_logprobs_num=2)
-        grown = [p + " " + out["text"] for p, out in zip(PROMPTS, first)]
-        second = engine.generate(grown, GREEDY, return_logprob=True, top_logprobs_num=2)
-        assert engine.get_server_info()["kv_cache_idle_and_free"] is True
-    assert any(out["meta_info"]["cached_tokens"] for out in second), "no prefix was reused"
-    return first + second
+    return two_greedy_rounds(model_dir, PROMPTS, GREEDY, attention_backend=backend,
+                             device=DEVICE.type, kv_cache_dtype=kv_cache_dtype)
 
 
 def test_an_engine_gives_the_torch_backends_greedy_tokens_over_codes(

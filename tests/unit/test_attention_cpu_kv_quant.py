@@ -11,7 +11,6 @@ torch backend) on a quantized pool, for whole batches and for a few rows.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
@@ -35,6 +34,7 @@ from tests.unit.test_attention_torch import (
     HEAD_DIM,
     assert_matches_reference,
     backend_args,
+    held_by_pool,
     reference_attention,
     run_case,
 )
@@ -233,12 +233,7 @@ def test_the_backend_attends_the_codes_it_wrote(monkeypatch: pytest.MonkeyPatch,
     assert len(recording.scales) == 1
     k_scale, v_scale = recording.scales[0]
     assert k_scale is kv_pool.k_scales[1] and v_scale is kv_pool.v_scales[1]
-    held = []
-    for request in requests:
-        assert request.slots is not None
-        keys, values = kv_pool.read_kv(1, request.slots)
-        assert not torch.equal(keys, request.keys)  # rounded: the check below can tell
-        held.append(dataclasses.replace(request, keys=keys, values=values))
+    held = held_by_pool(kv_pool, requests)
     if rows is None:
         assert_matches_reference(held, output, 4, variant)
         return

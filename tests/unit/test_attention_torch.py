@@ -727,6 +727,19 @@ def test_every_padding_query_of_a_windowed_group_still_sees_a_key() -> None:
     assert mask is not None and mask.any(dim=-1).all()
 
 
+def held_by_pool(kv_pool: MHATokenToKVPool, requests: list[RequestData]
+                 ) -> list[RequestData]:
+    """``requests`` with the keys and values layer 1 of an 8-bit pool holds for them
+    (rounded: each differs from the request's own, so a check on them can tell)."""
+    held = []
+    for request in requests:
+        assert request.slots is not None
+        keys, values = kv_pool.read_kv(1, request.slots)
+        assert not torch.equal(keys, request.keys)
+        held.append(dataclasses.replace(request, keys=keys, values=values))
+    return held
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
 @pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("backend_cls", BACKENDS)
@@ -741,10 +754,5 @@ def test_a_quantized_pool_is_attended_as_it_holds_the_tokens(
                                             backend_cls=backend_cls,
                                             kv_cache_dtype=kv_cache_dtype)
     assert kv_pool.get_kv_buffer(1)[0].itemsize == 1
-    held = []
-    for request in requests:
-        assert request.slots is not None
-        keys, values = kv_pool.read_kv(1, request.slots)
-        assert not torch.equal(keys, request.keys)  # rounded: the check below can tell
-        held.append(dataclasses.replace(request, keys=keys, values=values))
+    held = held_by_pool(kv_pool, requests)
     assert_matches_reference(held, output, 4)
