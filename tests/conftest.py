@@ -4,10 +4,12 @@ and the pool of servers and Engines that tests with the same needs share."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,14 +39,17 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if "PYTEST_XDIST_WORKER" in os.environ or _RUN_CACHE_ENV in _INHERITED:
         return
     command = "from framework.layers.attention.native_build import load_cpu_kernels as load; load()"
+    # In a process group of its own: a run that ends first stops its compilers too.
     session.config.stash[_KERNEL_BUILD] = subprocess.Popen(
-        [sys.executable, "-c", command], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [sys.executable, "-c", command], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     build = session.config.stash.get(_KERNEL_BUILD, None)
     if build is not None:
-        build.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(build.pid, signal.SIGKILL)
         build.wait()
 
 

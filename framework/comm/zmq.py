@@ -432,12 +432,21 @@ class ZmqTransport(Transport):
         self._init_process_state()
 
 
+# Every port free_tcp_port has handed out in this process: the kernel may offer a port again
+# once its probe socket is closed, and two channels bound to one port would collide.
+_HANDED_OUT: set[int] = set()
+
+
 def free_tcp_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
+    """A TCP port that was free on ``host`` a moment ago, never the same one twice."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def _format_host(host: str) -> str:

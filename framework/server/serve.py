@@ -44,12 +44,14 @@ def run_server(server_args: ServerArgs) -> int:
 
 
 async def _serve(server_args: ServerArgs) -> int:
-    # Made first: it refuses impossible launch settings before anything loads.
-    components = ComponentTree(server_args)
-    # Bound before the model loads: a port in use is one line at once, not after the load.
+    # Bound before anything loads: a port in use is one line at once, not after the load;
+    # and before the components pick their free tcp ports, so that none of them is this one.
     listener = listening_socket(server_args.host, server_args.port)
+    components: ComponentTree | None = None
     manager = None
     try:
+        # It refuses impossible launch settings before anything loads.
+        components = ComponentTree(server_args)
         model_path = server_args.resolved_model_path()
         # The app and Hypercorn (a third of a second of imports) load while the components
         # start, not before: the import below then finds them loaded, or waits for them.
@@ -65,7 +67,8 @@ async def _serve(server_args: ServerArgs) -> int:
         return await _run_http(server_args, state, components, listener)
     finally:
         listener.close()  # a no-op once Hypercorn has it
-        components.stop()
+        if components is not None:
+            components.stop()
         if manager is not None:
             await manager.close()
 
