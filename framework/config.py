@@ -123,9 +123,13 @@ class ServerArgs:
     disable_overlap_schedule: bool = _opt(False, "the same as --overlap-schedule off",
                                           "runtime")
     speculative_algorithm: str | None = _opt(
-        None, "speculative decoding: ngram drafts each decode step's next tokens from the "
-        "request's own prompt and output (prompt lookup) and the model verifies them in one "
-        "forward (docs/speculative_decoding.md)", "runtime", choices=("ngram",))
+        None, "speculative decoding: each decode step's next tokens are drafted, by ngram "
+        "from the request's own prompt and output (prompt lookup) or by draft, a smaller "
+        "model (--speculative-draft-model-path), and the model verifies them in one forward "
+        "(docs/speculative_decoding.md)", "runtime", choices=("ngram", "draft"))
+    speculative_draft_model_path: str | None = _opt(
+        None, "the draft model of --speculative-algorithm draft: a checkpoint with the served "
+        "model's tokenizer (the embedded default model's is `default-draft`)", "runtime")
     speculative_num_draft_tokens: int = _opt(
         3, "most tokens drafted per request and step (3 keeps a verify step's rows per "
         "request within the CPU's few-row product kernel)", "runtime")
@@ -228,8 +232,14 @@ class ServerArgs:
              f"--overlap-schedule must be auto, on or off, got {self.overlap_schedule!r}"),
             (not (self.disable_overlap_schedule and self.overlap_schedule == "on"),
              "--disable-overlap-schedule contradicts --overlap-schedule on"),
-            (self.speculative_algorithm in (None, "ngram"),
-             f"--speculative-algorithm must be ngram, got {self.speculative_algorithm!r}"),
+            (self.speculative_algorithm in (None, "ngram", "draft"),
+             f"--speculative-algorithm must be ngram or draft, got "
+             f"{self.speculative_algorithm!r}"),
+            ((self.speculative_algorithm == "draft") == (self.speculative_draft_model_path
+                                                         is not None),
+             "--speculative-algorithm draft and --speculative-draft-model-path go together"),
+            (self.speculative_algorithm != "draft" or self.tp_size == 1,
+             "--speculative-algorithm draft runs on one rank: leave out --tp-size"),
             (self.speculative_num_draft_tokens >= 1,
              f"--speculative-num-draft-tokens must be at least 1, got "
              f"{self.speculative_num_draft_tokens}"),
@@ -291,6 +301,16 @@ class ServerArgs:
         from framework.default_model import default_model_path
 
         return default_model_path()
+
+    def resolved_draft_model_path(self) -> str | None:
+        """The draft model's directory: the one given, ``default-draft`` resolved to the
+        embedded default model's draft; None without one."""
+        path = self.speculative_draft_model_path
+        if path != "default-draft":
+            return path
+        from framework.default_model import default_draft_model_path
+
+        return default_draft_model_path()
 
     def resolved_tokenizer_path(self) -> str:
         """The tokenizer directory: ``--tokenizer-path`` or the model directory."""

@@ -13,6 +13,12 @@ The shipped model in ``framework/default_model/`` is made by::
 
     python scripts/train_default_model.py --output framework/default_model
 
+With ``--teacher DIR`` the run makes a draft model of a trained one instead (for
+speculative decoding): it reuses the teacher's tokenizer, starts from the teacher's
+embedding, first layers and final norm where their shapes match, and learns the teacher's
+next-token distributions on the same windows (soft cross-entropy). The shipped draft in
+``framework/default_model/draft/`` is made so (its card records the command).
+
 (the model card records the exact command with every option). For a quick
 try, pass ``--steps 50 --output /tmp/tiny``. The same seed, options, Python
 version and thread count give the same weights.
@@ -130,6 +136,7 @@ class TrainingConfig:
     max_files: int | None = None
     source_dir: Path | None = None
     sample_new_tokens: int = 80
+    teacher: Path | None = None
 
     def __post_init__(self) -> None:
         positive = ("steps", "batch_size", "seq_len", "vocab_size", "hidden_size", "num_layers",
@@ -390,13 +397,45 @@ def language_model_loss(model: LlamaForCausalLM, batch: torch.Tensor) -> torch.T
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
+def distillation_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM,
+                      batch: torch.Tensor) -> torch.Tensor:
+    """Mean soft cross-entropy of ``model``'s next-token distributions against ``teacher``'s
+    on a ``[B, seq_len + 1]`` batch (the KL divergence plus the teacher's entropy): a draft
+    trained on it learns to predict what the teacher will say, not only the text."""
+    inputs = batch[:, :-1]
+    with torch.no_grad():
+        teacher.eval()
+        target = torch.softmax(teacher(input_ids=inputs, use_cache=False).logits.float(), dim=-1)
+    logits = model(input_ids=inputs, use_cache=False).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                           target.reshape(-1, target.shape[-1]))
+
+
+def copy_matching_weights(teacher: LlamaForCausalLM, model: LlamaForCausalLM) -> int:
+    """Copy each of ``teacher``'s tensors that ``model`` has under the same name and shape
+    (the embedding, the first layers, the final norm); returns how many were copied."""
+    source = teacher.state_dict()
+    copied = 0
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name in source and source[name].shape == tensor.shape:
+                tensor.copy_(source[name])
+                copied += 1
+    return copied
+
+
 def train_step(model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, batch: torch.Tensor,
-               learning_rate: float, grad_clip: float) -> float:
-    """One optimizer step on ``batch`` at ``learning_rate``; returns the loss before the step."""
+               learning_rate: float, grad_clip: float,
+               teacher: LlamaForCausalLM | None = None) -> float:
+    """One optimizer step on ``batch`` at ``learning_rate``; returns the loss before the step.
+
+    The loss is against the text, or against ``teacher``'s distributions when given.
+    """
     for group in optimizer.param_groups:
         group["lr"] = learning_rate
     model.train()
-    loss = language_model_loss(model, batch)
+    loss = language_model_loss(model, batch) if teacher is None \
+        else distillation_loss(model, teacher, batch)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -547,6 +586,20 @@ def code_fence(text: str) -> str:
     return "`" * max(3, longest + 1)
 
 
+def draft_section(config: TrainingConfig, result: TrainingResult) -> str:
+    """The card's paragraph on a draft model (empty for a model trained on the text alone)."""
+    if config.teacher is None:
+        return ""
+    return f"""
+A draft model of the default model (`{config.teacher}`), for speculative decoding
+(`--speculative-algorithm draft`): it proposes tokens that the default model verifies. It
+reuses the default model's tokenizer (the tokenizer section below describes that one), starts
+from its embedding, first layer(s) and final norm, and was trained on the same windows
+to predict the default model's next-token distributions (soft cross-entropy against them;
+the training losses below are that, the held-out loss is against the text).
+"""
+
+
 def render_model_card(result: TrainingResult, corpus: Corpus, output: Path) -> str:
     """The model card (``README.md``) text for a finished run saved in ``output``."""
     config = result.config
@@ -588,8 +641,8 @@ tags:
 - tiny
 ---
 
-# framework default model: a tiny Python code model
-
+# framework default model{": its draft model" if config.teacher else ""}: a tiny Python code model
+{draft_section(config, result)}
 A {result.parameters / 1e6:.1f}M-parameter Llama, trained from scratch with its own byte-level
 BPE tokenizer on the source code of the Python standard library. `framework serve` and
 `framework.Engine()` use it when no model path is given, so that the runtime works offline
@@ -731,7 +784,12 @@ def train(config: TrainingConfig) -> TrainingResult:
                          config.holdout_every)
     logger.info("corpus: %d training files (%d bytes), %d held out", len(corpus.train_files),
                 corpus.train_bytes, len(corpus.holdout_files))
-    tokenizer = train_tokenizer(corpus.train_texts, config.vocab_size)
+    teacher = None
+    if config.teacher is None:
+        tokenizer = train_tokenizer(corpus.train_texts, config.vocab_size)
+    else:
+        teacher, tokenizer = load_checkpoint(config.teacher)
+        teacher.requires_grad_(False)
     result.special_token_id = tokenizer.convert_tokens_to_ids(SPECIAL_TOKEN)
     train_stream = encode_documents(tokenizer, corpus.train_texts)
     holdout_stream = encode_documents(tokenizer, corpus.holdout_texts)
@@ -745,11 +803,14 @@ def train(config: TrainingConfig) -> TrainingResult:
                 result.train_tokens, result.holdout_tokens, result.tokenizer_seconds)
 
     model = build_model(config, tokenizer)
+    if teacher is not None:
+        copied = copy_matching_weights(teacher, model)
+        logger.info("draft: %d tensors started from the teacher's", copied)
     result.parameters = count_parameters(model)
     result.embedding_parameters = model.get_input_embeddings().weight.numel()
     logger.info("model: %d parameters (%d in the tied embedding)", result.parameters,
                 result.embedding_parameters)
-    run_training_loop(model, sampler, holdout_windows, result)
+    run_training_loop(model, sampler, holdout_windows, result, teacher)
 
     save_checkpoint(model, tokenizer, output)
     saved_model, saved_tokenizer = load_checkpoint(output)
@@ -763,8 +824,13 @@ def train(config: TrainingConfig) -> TrainingResult:
 
 
 def run_training_loop(model: LlamaForCausalLM, sampler: WindowSampler,
-                      holdout_windows: torch.Tensor, result: TrainingResult) -> None:
-    """The optimizer loop: logs every ``log_every`` steps into ``result.history``."""
+                      holdout_windows: torch.Tensor, result: TrainingResult,
+                      teacher: LlamaForCausalLM | None = None) -> None:
+    """The optimizer loop: logs every ``log_every`` steps into ``result.history``.
+
+    With a ``teacher``, the training loss is the soft cross-entropy against its
+    distributions; the held-out loss is always against the text.
+    """
     config = result.config
     optimizer = make_optimizer(model, config)
     started = time.perf_counter()
@@ -772,7 +838,7 @@ def run_training_loop(model: LlamaForCausalLM, sampler: WindowSampler,
     for step in range(config.steps):
         learning_rate = learning_rate_at(step, config)
         interval_losses.append(train_step(model, optimizer, sampler.next_batch(), learning_rate,
-                                          config.grad_clip))
+                                          config.grad_clip, teacher))
         done = step + 1
         if done % config.log_every and done != config.steps:
             continue
@@ -813,9 +879,12 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainingConfig:
                                 help="directory to write the checkpoint, card and loss files")
             continue
         default = item.default
-        kind = {"max_files": int, "source_dir": Path}.get(item.name, type(default))
+        kind = {"max_files": int, "source_dir": Path, "teacher": Path}.get(
+            item.name, type(default))
         help_text = {"max_files": "use only the first N source files (for quick tries)",
-                     "source_dir": "directory of .py files (default: the standard library)"}
+                     "source_dir": "directory of .py files (default: the standard library)",
+                     "teacher": "a trained checkpoint to make a draft model of: its "
+                                "tokenizer is reused and its distributions learned"}
         parser.add_argument(flag, type=kind, default=default,
                             help=help_text.get(item.name, f"default: {default}"))
     try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -31,6 +31,7 @@ from framework.messages import (
     TokenizedGenerateReqInput,
 )
 from framework.runtime.scheduler import ModelWorker, Scheduler, StepResult, WorkerBatch
+from framework.runtime.scheduler.speculation import WORKER_DRAFTS
 from framework.sampling_params import SamplingParams
 from framework.speculative.verifier import DraftVerifier
 from tests.model_fixtures import EOS_TOKEN_ID, TINY_VOCAB_SIZE, make_tiny_tokenizer
@@ -98,9 +99,14 @@ class FakeModelWorker(ModelWorker):
         self.calls: list[ForwardCall] = []
         self.sampler = Sampler()
         self.verifier = DraftVerifier()
+        #: Fills the drafts of verify steps planned for a drafting worker
+        #: (``--speculative-algorithm draft``), as a draft model would.
+        self.drafter = FakeModelProposer(right=1, wrong=8)
 
     def forward_step(self, batch: WorkerBatch) -> StepResult:
         assert batch.sampling is not None, "the fake model generates text"
+        if batch.drafts is not None and any(WORKER_DRAFTS in d for d in batch.drafts):
+            batch = self._drafted(batch)
         started = time.perf_counter()
         logits, prompt_logits = self.forward(batch.forward_batch)
         forward_seconds = time.perf_counter() - started
@@ -109,6 +115,25 @@ class FakeModelWorker(ModelWorker):
             return self.verifier.result(logits, prompt_logits, batch.sampling, batch.drafts,
                                         sample, forward_seconds)
         return StepResult.one_token_each(sample, forward_seconds)
+
+    def _drafted(self, batch: WorkerBatch) -> WorkerBatch:
+        """``batch`` with its drafts in the placeholders' places, drafted from each request's
+        tokens (read back from the fake KV cache) and its last one."""
+        forward = batch.forward_batch
+        forward.fill_cpu_lengths()
+        assert batch.drafts is not None and forward.extend_prefix_lens_cpu is not None
+        req_to_token = self.pools.req_to_token_pool.req_to_token
+        drafts, offset = [], 0
+        for i, placeholders in enumerate(batch.drafts):
+            row, prefix = int(forward.req_pool_indices[i]), forward.extend_prefix_lens_cpu[i]
+            tokens = self.slot_tokens[req_to_token[row, :prefix]].tolist()
+            tokens.append(int(forward.input_ids[offset]))
+            drafted = self.drafter.propose(tokens, len(placeholders))
+            assert len(drafted) == len(placeholders)
+            forward.input_ids[offset + 1:offset + 1 + len(drafted)] = torch.tensor(drafted)
+            drafts.append(drafted)
+            offset += 1 + len(drafted)
+        return replace(batch, drafts=drafts)
 
     def load_lora_adapter(self, name: str, path: str) -> tuple[bool, str]:
         """Nothing to load: the fake model answers alike under every adapter."""

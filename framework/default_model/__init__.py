@@ -58,3 +58,17 @@ def default_model_path() -> str:
             "or pass --model-path"
         )
     return str(Path(__file__).resolve().parent)
+
+
+def default_draft_model_path() -> str:
+    """The directory of the default model's draft model (``draft/``), for
+    ``--speculative-algorithm draft``; made by ``scripts/train_default_model.py --teacher``.
+
+    Raises ``FileNotFoundError`` when it is missing or incomplete.
+    """
+    directory = Path(__file__).resolve().parent / "draft"
+    missing = [name for name in DEFAULT_MODEL_FILES if not (directory / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"the default model's draft is incomplete: {', '.join(missing)} "
+                                f"missing from {directory}")
+    return str(directory)

@@ -309,6 +309,19 @@ class KVCachePools:
             allocator=TokenToKVPoolAllocator(max_total_tokens, device),
         )
 
+    def beside(self, *, dtype: torch.dtype, num_kv_heads: int, head_dim: int, num_layers: int,
+               kv_cache_dtype: str = "auto") -> KVCachePools:
+        """Pools with these request rows, KV slots and allocator, and K/V buffers of their
+        own: another model's cache (a draft model's) that every slot handed out here
+        indexes too."""
+        return KVCachePools(
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool=MHATokenToKVPool(
+                self.allocator.size, dtype, num_kv_heads, head_dim, num_layers,
+                self.allocator.device, kv_cache_dtype),
+            allocator=self.allocator,
+        )
+
 
 def kv_cache_bytes_per_token(
     num_kv_heads: int, head_dim: int, num_layers: int, dtype: torch.dtype,

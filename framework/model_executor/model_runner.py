@@ -180,7 +180,11 @@ class ModelRunner:
     """
 
     def __init__(self, server_args: ServerArgs, model_path: str, *, tp_rank: int = 0,
-                 parallel: ParallelContext | None = None) -> None:
+                 parallel: ParallelContext | None = None,
+                 shared_slots: KVCachePools | None = None, kv_bytes_beside: int = 0) -> None:
+        """``shared_slots``: another runner's pools whose request rows and KV slots this one
+        uses, with K/V buffers of its own (a draft model's); ``kv_bytes_beside``: bytes per
+        KV slot that such a runner will add, counted when this one sizes its pool."""
         if (server_args.tp_size != 1 or server_args.pp_size != 1) and parallel is None:
             raise ValueError(f"tp_size={server_args.tp_size}, pp_size={server_args.pp_size} "
                              "needs the ranks' process groups (start the server or the "
@@ -244,8 +248,9 @@ class ModelRunner:
         self._cpu_ops = bind_cpu_layer_ops(self.model, self.device, self.dtype)
         # Sized after the weights are loaded: the KV cache takes (at most, on a CPU) a
         # fraction of the memory they leave free.
-        self.max_total_num_tokens = self._decide_kv_cache_tokens()
-        self.pools = self._build_pools()
+        self.max_total_num_tokens = self._decide_kv_cache_tokens(kv_bytes_beside) \
+            if shared_slots is None else shared_slots.allocator.size
+        self.pools = self._build_pools(shared_slots)
         self.attn_backend = self._build_attention_backend(self.attention_backend)
         bound = bind_attention_backend(self.model, self.attn_backend)
         self._sampler: Sampler | None = None
@@ -305,7 +310,7 @@ class ModelRunner:
                                  if getattr(m, "quant_weight", None) is None])
             pack_expert_weights([m for m in self.model.modules() if isinstance(m, FusedMoE)])
 
-    def _decide_kv_cache_tokens(self) -> int:
+    def _decide_kv_cache_tokens(self, kv_bytes_beside: int) -> int:
         config = self.model_config
         shape = (config.num_kv_heads_per_rank(self.tp_size), config.head_dim,
                  self.end_layer - self.start_layer)  # this stage's layers
@@ -322,7 +327,7 @@ class ModelRunner:
         tokens = decide_max_total_tokens(
             max_total_tokens=self.server_args.max_total_tokens,
             mem_fraction=self.server_args.mem_fraction,
-            bytes_per_token=int(per_token + extra),
+            bytes_per_token=int(per_token + extra) + kv_bytes_beside,
             context_len=config.context_len,
             max_running_requests=self.server_args.max_running_requests,
             device=self.device,
@@ -334,8 +339,13 @@ class ModelRunner:
         # though each rank measured its own free memory.
         return min(self.parallel.control.all_gather_object(tokens))
 
-    def _build_pools(self) -> KVCachePools:
+    def _build_pools(self, shared_slots: KVCachePools | None) -> KVCachePools:
         config = self.model_config
+        if shared_slots is not None:
+            return shared_slots.beside(
+                dtype=self.dtype, num_kv_heads=config.num_kv_heads_per_rank(self.tp_size),
+                head_dim=config.head_dim, num_layers=self.end_layer - self.start_layer,
+                kv_cache_dtype=self.server_args.kv_cache_dtype)
         return KVCachePools.build(
             max_total_tokens=self.max_total_num_tokens,
             max_requests=self.server_args.max_running_requests + EXTRA_REQ_SLOTS,

@@ -71,6 +71,23 @@ def test_speculative_steps_match_the_reference_and_free_rejected_drafts(
     h.assert_idle_invariant()
 
 
+def test_a_drafting_worker_fills_the_drafts_the_planner_sized(harness_factory) -> None:
+    """``draft``: the planner sizes each request's drafts, the worker drafts them."""
+    h = harness_factory(speculative_algorithm="draft", speculative_draft_model_path="fake",
+                        speculative_num_draft_tokens=3)
+    assert h.scheduler.drafter.proposer is None
+    h.worker.drafter = FakeModelProposer(right=2, wrong=8)
+    prompts = {f"r{i}": prompt(i, 5 + 3 * i) for i in range(4)}
+    for rid, ids in prompts.items():
+        h.submit(rid, ids, max_new_tokens=10, **GREEDY)
+    outcomes = h.run()
+    for rid, ids in prompts.items():
+        assert outcomes[rid].output_ids == reference_output(ids, 10), rid
+    stats = h.scheduler.stats
+    assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens
+    h.assert_idle_invariant()
+
+
 def test_unloading_a_lora_adapter_in_use_is_refused_with_the_reason(harness_factory) -> None:
     h = harness_factory(lora_paths=("a=/adapters/a",))
     h.submit("r0", prompt(0, 6), max_new_tokens=20, lora_name="a", **GREEDY)
@@ -532,7 +549,7 @@ request_strategy = st.fixed_dictionaries({
     max_running=st.integers(1, 6),
     radix=st.booleans(),
     policy=st.sampled_from(["fcfs", "lpm"]),
-    decoding=st.sampled_from(["plain", "overlap", "speculative"]),
+    decoding=st.sampled_from(["plain", "overlap", "speculative", "draft"]),
 )
 def test_random_traffic_never_crashes_leaks_or_changes_greedy_outputs(
     requests: list[dict], pool: int, chunk: int, max_running: int, radix: bool, policy: str,
@@ -541,12 +558,16 @@ def test_random_traffic_never_crashes_leaks_or_changes_greedy_outputs(
     prefixes = [prompt(100, 24), prompt(101, 10), []]
     modes = {"plain": {"overlap_schedule": "off"}, "overlap": {"overlap_schedule": "on"},
              "speculative": {"overlap_schedule": "off", "speculative_algorithm": "ngram",
-                             "speculative_num_draft_tokens": 3, "speculative_ngram_max": 2}}
+                             "speculative_num_draft_tokens": 3, "speculative_ngram_max": 2},
+             # The fake worker drafts, as the draft model's worker does.
+             "draft": {"overlap_schedule": "off", "speculative_algorithm": "draft",
+                       "speculative_draft_model_path": "fake",
+                       "speculative_num_draft_tokens": 3}}
     h = SchedulerHarness(FakeModelWorker(max_total_tokens=pool, context_len=128),
                          chunked_prefill_size=chunk, max_running_requests=max_running,
                          disable_radix_cache=not radix, schedule_policy=policy,
                          **modes[decoding])
-    if h.scheduler.drafter is not None:
+    if h.scheduler.drafter is not None and h.scheduler.drafter.proposer is not None:
         h.scheduler.drafter.proposer = FakeModelProposer(right=1, wrong=1)
     try:
         prompts = {}

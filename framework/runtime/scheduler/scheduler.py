@@ -83,7 +83,12 @@ class Scheduler:
             from framework.model_executor.model_runner import ModelRunner
 
             self.weights_source = (server_args.resolved_model_path(), server_args.load_format)
-            model_worker = ModelRunnerWorker(ModelRunner(server_args, self.weights_source[0]))
+            if server_args.speculative_algorithm == "draft":
+                from framework.speculative.draft_worker import DraftModelWorker
+
+                model_worker = DraftModelWorker.build(server_args, self.weights_source[0])
+            else:
+                model_worker = ModelRunnerWorker(ModelRunner(server_args, self.weights_source[0]))
         self.model_config = model_worker.model_config
         #: The worker's steps run on a thread of their own while the Scheduler builds the
         #: next one (``overlap.py``); None: one step at a time.

@@ -5,6 +5,10 @@ drafts feeds its last token and the proposer's draft, and the model's logits at 
 position decide how many of them it keeps (``framework.speculative.verifier``). Drafts
 fit the request's remaining token budget and context, and the KV slots free beyond one a
 request (which the plain decode step needs), so speculation never retracts a request.
+
+With ``ngram`` the planner drafts itself. With ``draft`` the draft model runs in the model
+worker (``framework.speculative.draft_worker``), which owns both models: the planner only
+sizes each request's draft and the step carries ``WORKER_DRAFTS`` in its places.
 """
 
 from __future__ import annotations
@@ -19,13 +23,18 @@ if TYPE_CHECKING:
     from framework.config import ServerArgs
     from framework.mem_cache.prefix_cache import PrefixCache
 
+#: The token a verify step carries in a draft's place until the worker drafts it.
+WORKER_DRAFTS = -1
+
 
 class DraftPlanner:
     """Turns a decode step into a verify step with each request's draft."""
 
-    def __init__(self, proposer: NgramProposer, tree_cache: PrefixCache,
-                 context_len: int) -> None:
+    def __init__(self, proposer: NgramProposer | None, num_draft_tokens: int,
+                 tree_cache: PrefixCache, context_len: int) -> None:
+        #: The n-gram proposer; None when the worker drafts (``draft``).
         self.proposer = proposer
+        self.num_draft_tokens = num_draft_tokens
         self.tree_cache = tree_cache
         self.context_len = context_len
 
@@ -35,9 +44,10 @@ class DraftPlanner:
         """The planner ``--speculative-algorithm`` asks for; None without speculation."""
         if server_args.speculative_algorithm is None:
             return None
-        proposer = NgramProposer(num_draft_tokens=server_args.speculative_num_draft_tokens,
-                                 max_ngram=server_args.speculative_ngram_max)
-        return cls(proposer, tree_cache, context_len)
+        k = server_args.speculative_num_draft_tokens
+        proposer = NgramProposer(num_draft_tokens=k, max_ngram=server_args.speculative_ngram_max) \
+            if server_args.speculative_algorithm == "ngram" else None
+        return cls(proposer, k, tree_cache, context_len)
 
     def decode_step(self, running: list[Req]) -> ScheduledBatch:
         """The step for ``running``: a verify step when any request has a draft."""
@@ -60,4 +70,6 @@ class DraftPlanner:
                    self.context_len - req.seq_len - 1, spare)
         if room <= 0:
             return []
+        if self.proposer is None:
+            return [WORKER_DRAFTS] * min(room, self.num_draft_tokens)
         return self.proposer.propose(req.origin_input_ids + req.output_ids, room)

@@ -1,0 +1,239 @@
+"""Draft-model speculation: a smaller model drafts, the served model verifies.
+
+``DraftModelWorker`` is a model worker holding two ``ModelRunner``s: the target (the
+served model) and the draft. The draft's KV cache has buffers of its own but the target's
+request rows and KV slots (``KVCachePools.beside``), so a slot the Scheduler allocates,
+caches in the radix tree or frees holds the draft's keys and values as well as the
+target's, under one discipline:
+
+- every step the target runs, the draft runs over the same new tokens (its KV only);
+- a verify step arrives with placeholders (``speculation.WORKER_DRAFTS``) where each
+  request's drafts go (the planner sized them) and its slots allocated. The draft runs
+  first: one forward over the request's last token, which yields the first draft, then
+  one per further draft, each writing its token's KV into the slot the target will
+  verify it in. The drafts go into the step, and the target verifies them
+  (``DraftVerifier``);
+- drafting writes the draft KV of every fed token but the last draft. When the target
+  accepts all of a request's drafts, that token's draft KV is missing: the worker notes
+  it, and the draft's next forward for the request feeds it first.
+
+Drafts are the draft model's greedy tokens, a deterministic proposal: rejection
+sampling then keeps the target's distribution exactly, as with n-gram drafts. A slot
+cached by the radix tree while a request still owed its draft KV (the request ended
+right after accepting all its drafts) keeps whatever it held: a later request sharing
+that prefix drafts worse there, and its outputs stay the target's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from framework.config import ServerArgs
+from framework.forward_batch import ForwardBatch, ForwardMode
+from framework.mem_cache.memory_pool import kv_cache_bytes_per_token
+from framework.model_executor.model_config import ModelConfig
+from framework.model_executor.model_runner import ModelRunner, resolve_device
+from framework.runtime.scheduler.worker import (
+    ModelRunnerWorker,
+    ModelWorker,
+    StepResult,
+    WorkerBatch,
+)
+
+
+class DraftModelWorker(ModelWorker):
+    """The served model's worker, with a draft model that drafts its verify steps."""
+
+    def __init__(self, target: ModelRunnerWorker, draft: ModelRunner) -> None:
+        self.target = target
+        self.draft = draft
+        self.model_config = target.model_config
+        self.pools = target.pools
+        self.device = target.device
+        self.sampling_device = target.sampling_device
+        self._req_to_token = self.pools.req_to_token_pool.req_to_token
+        # Per request row: the tokens whose target KV is written and whose draft KV is not,
+        # at the positions just before the row's next one.
+        self._owed: dict[int, list[int]] = {}
+        #: Draft model forwards run so far.
+        self.draft_forwards = 0
+
+    @classmethod
+    def build(cls, server_args: ServerArgs, model_path: str) -> DraftModelWorker:
+        """The target ``model_path`` and the draft of ``--speculative-draft-model-path``,
+        the target's KV pool sized to leave room for the draft's."""
+        draft_path = server_args.resolved_draft_model_path()
+        assert draft_path is not None, "the draft algorithm comes with a draft model path"
+        draft_args = server_args.replace(
+            model_path=draft_path, tokenizer_path=None, quantization=None, lora_paths=(),
+            max_loaded_loras=None, speculative_algorithm=None,
+            speculative_draft_model_path=None)
+        draft_config = ModelConfig.from_pretrained(
+            draft_path, dtype=server_args.dtype, device=resolve_device(server_args.device, 0))
+        beside = kv_cache_bytes_per_token(draft_config.num_kv_heads, draft_config.head_dim,
+                                          draft_config.num_layers, draft_config.dtype,
+                                          server_args.kv_cache_dtype)
+        target = ModelRunner(server_args, model_path, kv_bytes_beside=beside)
+        _check_pair(target.model_config, draft_config, draft_path)
+        draft = ModelRunner(draft_args.replace(context_length=target.model_config.context_len),
+                            draft_path, shared_slots=target.pools)
+        return cls(ModelRunnerWorker(target), draft)
+
+    def forward_step(self, batch: WorkerBatch) -> StepResult:
+        """A plain step, run by both models; a verify step, drafted then verified."""
+        forward = batch.forward_batch
+        if batch.drafts is None:
+            self._catch_up(forward)
+            return self.target.forward_step(batch)
+        assert len(batch.drafts) == forward.batch_size, "every request of a verify step samples"
+        lengths = [len(drafted) for drafted in batch.drafts]
+        drafts = self._draft(forward, lengths)
+        result = self.target.forward_step(dataclasses.replace(batch, drafts=drafts))
+        rows = _cpu(forward.req_pool_indices_cpu, forward.req_pool_indices)
+        for row, drafted, tokens in zip(rows, drafts, result.next_ids, strict=True):
+            # All accepted: the last draft's KV was never written by the draft model.
+            self._owed[row] = drafted[-1:] if drafted and len(tokens) == len(drafted) + 1 \
+                else []
+        return result
+
+    def _catch_up(self, forward: ForwardBatch) -> None:
+        """Write the draft KV of a plain step's tokens (and of those its requests owe)."""
+        rows = _cpu(forward.req_pool_indices_cpu, forward.req_pool_indices)
+        decoding = [not forward.forward_mode.is_extend()
+                    or i >= forward.batch_size - forward.decode_tail
+                    for i in range(forward.batch_size)]
+        owed = [self._owed.pop(row, []) if decodes else [] for row, decodes in zip(
+            rows, decoding, strict=True)]
+        for row, decodes in zip(rows, decoding, strict=True):
+            if not decodes:  # a prefill: the row's earlier request owes nothing any more
+                self._owed.pop(row, None)
+        if not any(owed):
+            self._run_draft(dataclasses.replace(
+                forward, prompt_logprob_rows=None, lora_names=None, lora_in_use=None))
+            return
+        ids = forward.input_ids.tolist()
+        lengths = [1] * forward.batch_size if forward.forward_mode.is_decode() \
+            else _cpu(forward.extend_seq_lens_cpu, forward.extend_seq_lens)
+        starts = _cpu(forward.seq_lens_cpu, forward.seq_lens)
+        tokens, offset = [], 0
+        for i, n in enumerate(lengths):
+            tokens.append(owed[i] + ids[offset:offset + n])
+            offset += n
+            starts[i] -= len(tokens[i])
+        self._run_draft(self._packed(rows, starts, tokens))
+
+    def _draft(self, forward: ForwardBatch, lengths: list[int]) -> list[list[int]]:
+        """Each request's ``lengths[i]`` greedy drafts, written into ``forward.input_ids``."""
+        rows = _cpu(forward.req_pool_indices_cpu, forward.req_pool_indices)
+        prefix = _cpu(forward.extend_prefix_lens_cpu, forward.extend_prefix_lens)
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n + 1)
+        last = forward.input_ids[torch.tensor(offsets[:-1], device=forward.input_ids.device)]
+        # First forward: the tokens owed, then the last one; its logits give draft one.
+        owed = [self._owed.pop(row, []) for row in rows]
+        tokens = [owed[i] + [token] for i, token in enumerate(last.tolist())]
+        starts = [prefix[i] - len(owed[i]) for i in range(len(rows))]
+        nexts = dict(enumerate(self._run_draft(self._packed(rows, starts, tokens))))
+        drafts: list[list[int]] = [[] for _ in rows]
+        for step in range(max(lengths, default=0)):
+            active = [i for i, n in enumerate(lengths) if n > step]
+            for i in active:
+                drafts[i].append(nexts[i])
+            further = [i for i in active if lengths[i] > step + 1]
+            if not further:
+                break
+            found = self._run_draft(self._packed(
+                [rows[i] for i in further], [prefix[i] + step + 1 for i in further],
+                [[drafts[i][-1]] for i in further]))
+            nexts = dict(zip(further, found, strict=True))
+        places = [offsets[i] + 1 + j for i, n in enumerate(lengths) for j in range(n)]
+        if places:
+            device = forward.input_ids.device
+            forward.input_ids[torch.tensor(places, device=device)] = torch.tensor(
+                [token for drafted in drafts for token in drafted], device=device)
+        return drafts
+
+    def _packed(self, rows: list[int], starts: list[int], tokens: list[list[int]]
+                ) -> ForwardBatch:
+        """A draft forward of ``tokens[i]`` at positions ``starts[i]...`` of row ``rows[i]``,
+        into the slots the request row already holds there."""
+        device = self._req_to_token.device
+        lengths = [len(t) for t in tokens]
+        positions = [p for start, n in zip(starts, lengths, strict=True)
+                     for p in range(start, start + n)]
+        token_rows = [row for row, n in zip(rows, lengths, strict=True) for _ in range(n)]
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        positions_tensor = tensor(positions)
+        seq_lens = [start + n for start, n in zip(starts, lengths, strict=True)]
+        decode = all(n == 1 for n in lengths)
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
+            batch_size=len(rows),
+            input_ids=tensor([t for chunk in tokens for t in chunk]),
+            positions=positions_tensor,
+            req_pool_indices=tensor(rows),
+            seq_lens=tensor(seq_lens),
+            out_cache_loc=self._req_to_token[tensor(token_rows), positions_tensor],
+            extend_prefix_lens=None if decode else tensor(starts),
+            extend_seq_lens=None if decode else tensor(lengths),
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=None if decode else list(starts),
+            extend_seq_lens_cpu=None if decode else lengths,
+            req_pool_indices_cpu=list(rows),
+        )
+
+    def _run_draft(self, forward: ForwardBatch) -> list[int]:
+        """One draft forward; each request's greedy next token."""
+        self.draft_forwards += 1
+        logits = self.draft.forward(forward).next_token_logits
+        assert logits is not None, "the draft model runs on one rank"
+        return logits.argmax(dim=-1).tolist()
+
+    def update_weights_from_disk(self, model_path: str, load_format: str = "auto"
+                                 ) -> tuple[bool, str]:
+        """The target's new weights; the draft keeps its own (drafts may then be accepted
+        less often; outputs are the new target's)."""
+        return self.target.update_weights_from_disk(model_path, load_format)
+
+    def load_lora_adapter(self, name: str, path: str) -> tuple[bool, str]:
+        """The target's adapter; the draft drafts for the base model."""
+        return self.target.load_lora_adapter(name, path)
+
+    def unload_lora_adapter(self, name: str) -> tuple[bool, str]:
+        """Unload the target's adapter."""
+        return self.target.unload_lora_adapter(name)
+
+    def info(self) -> dict[str, Any]:
+        """The target's fields, the draft model's path and KV bytes, and its forwards."""
+        return {**self.target.info(), "speculative_draft_model_path": self.draft.model_path,
+                "draft_kv_cache_bytes": self.draft.pools.token_to_kv_pool.nbytes,
+                "draft_forwards": self.draft_forwards}
+
+
+def _cpu(values: list[int] | None, tensor: torch.Tensor | None) -> list[int]:
+    """A batch field's host copy, or the tensor's values."""
+    if values is not None:
+        return list(values)
+    assert tensor is not None
+    return tensor.tolist()
+
+
+def _check_pair(target: ModelConfig, draft: ModelConfig, draft_path: str) -> None:
+    """Refuse a draft model that cannot draft for the target."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"the draft model {draft_path} has a vocabulary of {draft.vocab_size} "
+                         f"tokens, the served model {target.vocab_size}: a draft model shares "
+                         "the served model's tokenizer")
+    if draft.context_len < target.context_len:
+        raise ValueError(f"the draft model {draft_path} holds {draft.context_len} positions, "
+                         f"fewer than the served model's context length {target.context_len}; "
+                         f"pass --context-length {draft.context_len} or less")
+    if draft.is_embedding:
+        raise ValueError(f"the draft model {draft_path} is an embedding model")
