@@ -1,7 +1,8 @@
 """`framework bench speculative`: output tokens/s with speculative decoding against without.
 
-For each decoding mode (``plain``, ``ngram``), one ``framework.Engine`` on the model
-(the embedded default model unless ``--model-path``) runs two workloads of greedy
+For each decoding mode (``plain``, ``ngram`` and, with a draft model, ``draft``), one
+``framework.Engine`` on the model (the embedded default model and its shipped draft unless
+``--model-path`` and ``--draft-model-path``) runs two workloads of greedy
 requests at 1 and at 8 streams (one request at a time, or eight sent together):
 
 * **repeat**: a Python function, a blank line and its first line again, so that the
@@ -10,7 +11,7 @@ requests at 1 and at 8 streams (one request at a time, or eight sent together):
 
 Each configuration runs ``--rounds`` times after a warm-up and keeps its best round
 (another job on the machine can slow a run down, never speed it up). It reports output
-tokens/s, the speed-up over ``plain`` and, for ``ngram``, the mean tokens a request gains
+tokens/s, the speed-up over ``plain`` and, when speculating, the mean tokens a request gains
 per verify step (``spec_accept_length`` over the run). Results, with the machine and
 commit, go to ``--output`` as ``speculative.json`` and ``speculative.md``.
 """
@@ -40,7 +41,8 @@ WORKLOADS = {
     "repeat": [f"{code}\n\n{code.splitlines()[0]}\n" for code in FUNCTIONS],
     "free": [code.splitlines()[0] + "\n" for code in FUNCTIONS],
 }
-MODES = {"plain": {}, "ngram": {"speculative_algorithm": "ngram"}}
+MODES = {"plain": {}, "ngram": {"speculative_algorithm": "ngram"},
+         "draft": {"speculative_algorithm": "draft"}}
 STREAMS = (1, 8)
 
 
@@ -49,6 +51,8 @@ class Settings:
     """What one run of the benchmark does."""
 
     model_path: str | None = None
+    #: The draft of the ``draft`` rows; None leaves them out.
+    draft_model_path: str | None = "default-draft"
     output_len: int = 96
     num_draft_tokens: int = 3
     rounds: int = 2
@@ -71,6 +75,8 @@ def run_mode(mode: str, settings: Settings) -> list[dict[str, Any]]:
     args: dict[str, Any] = {"log_level": "warning", **MODES[mode]}
     if mode != "plain":
         args["speculative_num_draft_tokens"] = settings.num_draft_tokens
+    if mode == "draft":
+        args["speculative_draft_model_path"] = settings.draft_model_path
     if settings.model_path:
         args["model_path"] = settings.model_path
     rows = []
@@ -98,6 +104,7 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = ["# Speculative decoding", "",
              f"- Machine: {meta['machine']}", f"- Commit: {meta['commit']}",
              f"- Run: {meta['started_at']}", f"- Model: {meta['model']}",
+             f"- Draft model: {meta['draft_model'] or 'none'}",
              f"- Greedy, {meta['output_len']} output tokens per request, "
              f"{meta['num_draft_tokens']} draft tokens, best of {meta['rounds']} rounds", "",
              "| workload | streams | mode | output tok/s | vs plain | mean accepted length |",
@@ -114,9 +121,11 @@ def run_benchmark(settings: Settings, output: str) -> list[Path]:
     """Run every mode, write the results; returns the files written."""
     meta = {**run_stamp(),
             "model": settings.model_path or "the embedded default model",
+            "draft_model": settings.draft_model_path,
             "output_len": settings.output_len, "num_draft_tokens": settings.num_draft_tokens,
             "rounds": settings.rounds}
-    rows = [row for mode in MODES for row in run_mode(mode, settings)]
+    modes = [mode for mode in MODES if mode != "draft" or settings.draft_model_path]
+    rows = [row for mode in modes for row in run_mode(mode, settings)]
     return write_results(output, "speculative", {**meta, "rows": rows}, render(rows, meta))
 
 
@@ -124,10 +133,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """``framework bench speculative`` flags."""
     parser.add_argument("--model-path", default=None,
                         help="checkpoint to serve (default: the embedded default model)")
+    parser.add_argument("--draft-model-path", default=None,
+                        help="the draft of the draft rows (default: the embedded default "
+                        "model's, when --model-path is not given; else no draft rows)")
     parser.add_argument("--output-len", type=int, default=Settings.output_len, metavar="N",
                         help=f"output tokens per request (default: {Settings.output_len})")
     parser.add_argument("--num-draft-tokens", type=int, default=Settings.num_draft_tokens,
-                        metavar="K", help="--speculative-num-draft-tokens of the ngram runs "
+                        metavar="K", help="--speculative-num-draft-tokens of the speculative runs "
                         f"(default: {Settings.num_draft_tokens})")
     parser.add_argument("--rounds", type=int, default=Settings.rounds, metavar="N",
                         help=f"runs per configuration, the best kept (default: "
@@ -138,7 +150,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def run_from_cli(args: argparse.Namespace) -> int:
     """Entry point of ``framework bench speculative``."""
-    settings = Settings(model_path=args.model_path, output_len=args.output_len,
+    draft = args.draft_model_path or (None if args.model_path else "default-draft")
+    settings = Settings(model_path=args.model_path, draft_model_path=draft,
+                        output_len=args.output_len,
                         num_draft_tokens=args.num_draft_tokens, rounds=args.rounds)
     for path in run_benchmark(settings, args.output):
         print(f"wrote {path}")

@@ -1,6 +1,7 @@
 """A server with ``--speculative-algorithm ngram``: greedy tokens and logprobs equal
 transformers' through the real ``openai`` client, ``n`` and stop strings behave as without
-speculation, and ``/get_server_info`` and ``/metrics`` report the accepted length."""
+speculation, and ``/get_server_info`` and ``/metrics`` report the accepted length; a server
+with ``--speculative-algorithm draft`` gives transformers' greedy tokens too."""
 
 from __future__ import annotations
 
@@ -98,3 +99,23 @@ def _gauge(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     return 0.0
+
+
+def test_a_draft_model_server_gives_transformers_greedy_tokens(
+        checkpoint: Path, tiny_checkpoint: Callable[..., Path], shared: SharedPool) -> None:
+    draft = tiny_checkpoint("llama", seed=3, num_hidden_layers=1)
+    model = reference_model(checkpoint)
+    with shared.server(checkpoint, "--speculative-algorithm", "draft",
+                       "--speculative-draft-model-path", str(draft)) as server:
+        client = _client(server)
+        for prompt in PROMPTS:
+            answer = client.completions.create(model=str(checkpoint), prompt=prompt,
+                                               temperature=0, max_tokens=NEW_TOKENS, logprobs=1,
+                                               extra_body={"ignore_eos": True})
+            _, ref_logprobs = transformers_greedy(model, prompt, NEW_TOKENS)
+            assert np.allclose(answer.choices[0].logprobs.token_logprobs, ref_logprobs,
+                               atol=1e-4, rtol=0)
+        with httpx.Client(base_url=server.base_url, timeout=60) as http:
+            info = wait_until_idle(http)
+    assert info["kv_cache_idle_and_free"] is True
+    assert info["speculative_algorithm"] == "draft" and info["verify_steps"] > 0

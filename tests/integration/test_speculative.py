@@ -5,6 +5,13 @@ drafts actually accepted; a verifier that accepts every draft changes the output
 token inside an accepted run ends the request there with no KV left behind; sampled
 requests speculate too; and on prompts that contain the plain run's own output, a
 request gains at least 1.5 tokens per verify step.
+
+With a draft model (``--speculative-algorithm draft``), a one-layer Llama as the draft gives
+transformers' greedy tokens and logprobs for every decoder architecture; the served model as
+its own draft has every draft accepted (so the draft's KV cache holds what the target's
+does, slot for slot, including the last draft's that a fully accepted step leaves to the
+next forward); sampled requests speculate and free their slots; and a draft that cannot
+draft for the model is refused.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import numpy as np
 import pytest
 
 from framework import Engine
+from framework.config import ServerArgs
+from framework.default_model import default_model_path
 from tests.model_fixtures import TINY_ARCHITECTURES, reference_model, transformers_greedy
 
 DECODERS = [arch for arch in TINY_ARCHITECTURES if arch != "bert"]
@@ -31,6 +40,12 @@ NEW_TOKENS = 16
 GREEDY = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 SPECULATIVE = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 4}
 QUIET = {"launch_mode": "thread", "log_level": "warning"}
+K = 3  # draft tokens of the draft-model runs
+
+
+def _draft_args(draft: Path) -> dict[str, Any]:
+    return {"speculative_algorithm": "draft", "speculative_draft_model_path": str(draft),
+            "speculative_num_draft_tokens": K}
 
 
 @functools.cache
@@ -131,9 +146,14 @@ def test_prompts_holding_the_plain_output_gain_over_one_and_a_half_tokens_a_step
     assert info["spec_accept_length"] >= 1.5, info["spec_accept_length"]
 
 
-def test_sampled_requests_speculate_and_free_their_slots(code_again: list[str]) -> None:
+@pytest.mark.parametrize("algorithm", ["ngram", "draft"])
+def test_sampled_requests_speculate_and_free_their_slots(code_again: list[str],
+                                                         algorithm: str) -> None:
     params = {"temperature": 0.7, "top_p": 0.95, "max_new_tokens": 32, "ignore_eos": True}
-    outputs, info = _run_default(code_again, params, **SPECULATIVE)
+    # The draft: the default model itself, whose distributions are peaked enough for sampled
+    # tokens to agree with greedy drafts (a random tiny model's are not).
+    args = SPECULATIVE if algorithm == "ngram" else _draft_args(Path(default_model_path()))
+    outputs, info = _run_default(code_again, params, **args)
     assert all(len(out["output_ids"]) == 32 for out in outputs)
     assert info["spec_accepted_tokens"] > 0
 
@@ -146,3 +166,49 @@ def test_two_tensor_parallel_ranks_give_one_rank_s_tokens(llama: Path) -> None:
         info = engine.get_server_info()
     assert [o["output_ids"] for o in outputs] == [o["output_ids"] for o in plain]
     assert info["spec_accepted_tokens"] > 0 and info["kv_cache_idle_and_free"] is True
+
+
+# --------------------------------------------------------------------------- draft model
+
+@pytest.mark.parametrize("arch", DECODERS)
+def test_greedy_matches_transformers_with_a_draft_model(
+        arch: str, tiny_checkpoint: Callable[..., Path]) -> None:
+    target = tiny_checkpoint(arch, seed=2)
+    draft = tiny_checkpoint("llama", seed=3, num_hidden_layers=1)
+    outputs, info = _run(target, GREEDY, **_draft_args(draft))
+    for prompt, out, (ref_ids, ref_logprobs) in zip(PROMPTS, outputs, _reference(target),
+                                                    strict=True):
+        assert out["output_ids"] == ref_ids, prompt
+        got = [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
+        assert np.allclose(got, ref_logprobs, atol=1e-4, rtol=0), prompt
+    assert info["verify_steps"] > 0 and info["draft_forwards"] > info["verify_steps"]
+    assert info["speculative_draft_model_path"] == str(draft)
+
+
+def test_the_model_as_its_own_draft_has_every_draft_accepted(llama: Path) -> None:
+    plain, _ = _run(llama, GREEDY)
+    outputs, info = _run(llama, GREEDY, **_draft_args(llama))
+    assert [o["output_ids"] for o in outputs] == [o["output_ids"] for o in plain]
+    # 15 tokens after the prefill's: four verify steps a request, the last one drafting
+    # two (the token budget's room), all accepted.
+    assert info["spec_verifications"] == 4 * len(PROMPTS)
+    assert info["spec_accepted_tokens"] == info["spec_drafted_tokens"] == 11 * len(PROMPTS)
+
+
+def test_a_draft_with_another_vocabulary_is_refused(
+        llama: Path, tiny_checkpoint: Callable[..., Path]) -> None:
+    draft = tiny_checkpoint("llama", seed=1, vocab_size=300)
+    with pytest.raises(Exception, match="vocabulary of 300 tokens"):
+        Engine(model_path=str(llama), **QUIET, **_draft_args(draft))
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"speculative_algorithm": "draft"}, "go together"),
+    ({"speculative_draft_model_path": "/d"}, "go together"),
+    ({"speculative_algorithm": "draft", "speculative_draft_model_path": "/d", "tp_size": 2},
+     "runs on one rank"),
+])
+def test_launch_settings_the_draft_algorithm_cannot_run_with_are_refused(
+        changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(model_path="/m", **changes)

@@ -31,6 +31,7 @@ import framework.default_model
 from framework.default_model import (
     DEFAULT_MODEL_FILES,
     TRAINING_COMMAND,
+    default_draft_model_path,
     default_model_path,
     missing_default_model_files,
 )
@@ -316,3 +317,49 @@ def test_shipped_default_model_matches_its_card(script: ModuleType) -> None:
     completion = script.read_card_sample((directory / "README.md").read_text())
     body = completion.split("\n")[1:]
     assert body and body[0].startswith("    "), "the completion should be an indented body"
+
+
+def test_a_draft_run_reuses_the_teacher_s_tokenizer_and_starts_from_its_weights(
+        script: ModuleType, tiny_run: Any, tmp_path: Path) -> None:
+    teacher_dir = Path(tiny_run.config.output)
+    config = tiny_config(script, tmp_path / "draft", num_layers=1, steps=4, teacher=teacher_dir)
+    teacher, _ = script.load_checkpoint(teacher_dir)
+    torch.manual_seed(0)
+    draft = script.build_model(config, script.load_checkpoint(teacher_dir)[1])
+    # The embedding (and the output layer tied to it), layer 0's nine tensors, the norm.
+    assert script.copy_matching_weights(teacher, draft) == 2 + 9 + 1
+    assert torch.equal(draft.model.layers[0].mlp.up_proj.weight,
+                       teacher.model.layers[0].mlp.up_proj.weight)
+    script.train(config)
+    assert (tmp_path / "draft" / "tokenizer.json").read_bytes() == (
+        teacher_dir / "tokenizer.json").read_bytes()
+    assert_card_matches_checkpoint(script, tmp_path / "draft")
+    assert "--teacher" in (tmp_path / "draft" / "README.md").read_text()
+
+
+def test_the_distillation_loss_is_the_soft_cross_entropy_in_float64(
+        script: ModuleType, tiny_run: Any) -> None:
+    teacher, _ = script.load_checkpoint(Path(tiny_run.config.output))
+    student = script.build_model(tiny_config(script, Path("unused"), num_layers=1),
+                                 script.load_checkpoint(Path(tiny_run.config.output))[1])
+    batch = torch.randint(0, 320, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        p = torch.softmax(teacher(input_ids=batch[:, :-1]).logits.double(), dim=-1)
+        log_q = torch.log_softmax(student(input_ids=batch[:, :-1]).logits.double(), dim=-1)
+        expected = float(-(p * log_q).sum(dim=-1).mean())
+        got = float(script.distillation_loss(student, teacher, batch))
+    assert math.isclose(got, expected, rel_tol=1e-5)
+
+
+def test_shipped_draft_model_matches_its_card_and_the_default_model_s_tokenizer(
+        script: ModuleType) -> None:
+    directory = Path(default_draft_model_path())
+    assert (directory / "model.safetensors").stat().st_size <= SHIPPED_WEIGHTS_LIMIT_BYTES
+    assert_card_matches_checkpoint(script, directory)
+    default = Path(default_model_path())
+    assert (directory / "tokenizer.json").read_bytes() == (default / "tokenizer.json").read_bytes()
+    card = (directory / "README.md").read_text()
+    assert "--teacher framework/default_model" in card
+    draft_layers = json.loads((directory / "config.json").read_text())["num_hidden_layers"]
+    default_layers = json.loads((default / "config.json").read_text())["num_hidden_layers"]
+    assert draft_layers < default_layers

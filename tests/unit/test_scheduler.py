@@ -54,11 +54,19 @@ def test_batched_requests_match_the_reference(harness_factory, overlap: str) -> 
     h.assert_idle_invariant()
 
 
+@pytest.mark.parametrize("algorithm", ["ngram", "draft"])
 def test_speculative_steps_match_the_reference_and_free_rejected_drafts(
-        harness_factory) -> None:
-    h = harness_factory(speculative_algorithm="ngram", speculative_num_draft_tokens=4)
-    # Drafts right for two tokens, then wrong: every step accepts and rejects some.
-    h.scheduler.drafter.proposer = FakeModelProposer(right=2, wrong=1)
+        harness_factory, algorithm: str) -> None:
+    """Drafts right for two tokens, then wrong: every step accepts and rejects some. The
+    planner drafts (``ngram``), or sizes the drafts and the worker fills them (``draft``)."""
+    h = harness_factory(speculative_algorithm=algorithm, speculative_num_draft_tokens=4,
+                        speculative_draft_model_path="fake" if algorithm == "draft" else None)
+    proposer = FakeModelProposer(right=2, wrong=8)
+    if algorithm == "ngram":
+        h.scheduler.drafter.proposer = proposer
+    else:
+        assert h.scheduler.drafter.proposer is None
+        h.worker.drafter = proposer
     prompts = {f"r{i}": prompt(i, 5 + 3 * i) for i in range(4)}
     for rid, ids in prompts.items():
         h.submit(rid, ids, max_new_tokens=10, **GREEDY)
@@ -67,23 +75,6 @@ def test_speculative_steps_match_the_reference_and_free_rejected_drafts(
         assert outcomes[rid].output_ids == reference_output(ids, 10), rid
     stats = h.scheduler.stats
     assert h.scheduler.steps["verify"] > 0
-    assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens
-    h.assert_idle_invariant()
-
-
-def test_a_drafting_worker_fills_the_drafts_the_planner_sized(harness_factory) -> None:
-    """``draft``: the planner sizes each request's drafts, the worker drafts them."""
-    h = harness_factory(speculative_algorithm="draft", speculative_draft_model_path="fake",
-                        speculative_num_draft_tokens=3)
-    assert h.scheduler.drafter.proposer is None
-    h.worker.drafter = FakeModelProposer(right=2, wrong=8)
-    prompts = {f"r{i}": prompt(i, 5 + 3 * i) for i in range(4)}
-    for rid, ids in prompts.items():
-        h.submit(rid, ids, max_new_tokens=10, **GREEDY)
-    outcomes = h.run()
-    for rid, ids in prompts.items():
-        assert outcomes[rid].output_ids == reference_output(ids, 10), rid
-    stats = h.scheduler.stats
     assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens
     h.assert_idle_invariant()
 
