@@ -470,6 +470,8 @@ def save_checkpoint(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
     config_path = output / "tokenizer_config.json"
     tokenizer_config = json.loads(config_path.read_text())
     tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for loading_option in ("is_local", "local_files_only"):  # a teacher's, loaded offline
+        tokenizer_config.pop(loading_option, None)
     tokenizer_config["chat_template"] = CHAT_TEMPLATE
     config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
@@ -586,18 +588,24 @@ def code_fence(text: str) -> str:
     return "`" * max(3, longest + 1)
 
 
-def draft_section(config: TrainingConfig, result: TrainingResult) -> str:
-    """The card's paragraph on a draft model (empty for a model trained on the text alone)."""
-    if config.teacher is None:
-        return ""
-    return f"""
-A draft model of the default model (`{config.teacher}`), for speculative decoding
-(`--speculative-algorithm draft`): it proposes tokens that the default model verifies. It
-reuses the default model's tokenizer (the tokenizer section below describes that one), starts
-from its embedding, first layer(s) and final norm, and was trained on the same windows
-to predict the default model's next-token distributions (soft cross-entropy against them;
-the training losses below are that, the held-out loss is against the text).
-"""
+def introduction(config: TrainingConfig, result: TrainingResult) -> str:
+    """The model card's first paragraph: what the model is and what it is for."""
+    size = f"{result.parameters / 1e6:.1f}M-parameter Llama"
+    if config.teacher is not None:
+        return f"""A {size}, the draft model of the default model (`{config.teacher}`) for
+speculative decoding (`--speculative-algorithm draft`): it proposes tokens that the default
+model verifies. It reuses the default model's tokenizer (the tokenizer section below
+describes that one), starts from the default model's embedding, first layer(s) and final
+norm, and was trained on the same windows to predict the default model's next-token
+distributions (soft cross-entropy against them: the training losses below are that; the
+held-out loss is against the text)."""
+    return f"""A {size}, trained from scratch with its own byte-level
+BPE tokenizer on the source code of the Python standard library. `framework serve` and
+`framework.Engine()` use it when no model path is given, so that the runtime works offline
+out of the box: in tests, demos and benchmarks of the serving machinery. It continues
+Python code; at this size the output has the shape of Python but is rarely correct, and
+the model cannot follow instructions. Its chat template (below) makes `/v1/chat/completions`
+work, for tests and demos of the chat route."""
 
 
 def render_model_card(result: TrainingResult, corpus: Corpus, output: Path) -> str:
@@ -641,15 +649,9 @@ tags:
 - tiny
 ---
 
-# framework default model{": its draft model" if config.teacher else ""}: a tiny Python code model
-{draft_section(config, result)}
-A {result.parameters / 1e6:.1f}M-parameter Llama, trained from scratch with its own byte-level
-BPE tokenizer on the source code of the Python standard library. `framework serve` and
-`framework.Engine()` use it when no model path is given, so that the runtime works offline
-out of the box: in tests, demos and benchmarks of the serving machinery. It continues
-Python code; at this size the output has the shape of Python but is rarely correct, and
-the model cannot follow instructions. Its chat template (below) makes `/v1/chat/completions`
-work, for tests and demos of the chat route.
+# framework default model{"'s draft" if config.teacher else ""}: a tiny Python code model
+
+{introduction(config, result)}
 
 ## Sample
 

@@ -137,11 +137,14 @@ def _run_default(prompts: list[str], params: dict[str, Any],
     return outputs, info
 
 
+@pytest.mark.parametrize("algorithm", ["ngram", "draft"])
 def test_prompts_holding_the_plain_output_gain_over_one_and_a_half_tokens_a_step(
-        code_again: list[str]) -> None:
+        code_again: list[str], algorithm: str) -> None:
+    """``ngram``, and ``draft`` with the default model's shipped draft (``default-draft``)."""
     params = {**GREEDY, "max_new_tokens": 32}
     plain, _ = _run_default(code_again, params)
-    spec, info = _run_default(code_again, params, **SPECULATIVE)
+    args = SPECULATIVE if algorithm == "ngram" else _draft_args(Path("default-draft"))
+    spec, info = _run_default(code_again, params, **args)
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
     assert info["spec_accept_length"] >= 1.5, info["spec_accept_length"]
 
