@@ -133,6 +133,10 @@ class ServerArgs:
     speculative_num_draft_tokens: int = _opt(
         3, "most tokens drafted per request and step (3 keeps a verify step's rows per "
         "request within the CPU's few-row product kernel)", "runtime")
+    speculative_disable_by_batch_size: int | None = _opt(
+        None, "decode without drafts while more than N requests are running (a verify step "
+        "costs more than a decode step when many requests share it; default: always draft)",
+        "runtime")
     speculative_ngram_max: int = _opt(4, "longest tail of the request's tokens ngram matches "
                                       "against its earlier tokens", "runtime")
     schedule_policy: str = _opt("fcfs", "order of admission: fcfs (first come first served), "
@@ -243,6 +247,10 @@ class ServerArgs:
             (self.speculative_num_draft_tokens >= 1,
              f"--speculative-num-draft-tokens must be at least 1, got "
              f"{self.speculative_num_draft_tokens}"),
+            (self.speculative_disable_by_batch_size is None
+             or self.speculative_disable_by_batch_size >= 1,
+             f"--speculative-disable-by-batch-size must be at least 1, got "
+             f"{self.speculative_disable_by_batch_size}"),
             (self.speculative_ngram_max >= 1,
              f"--speculative-ngram-max must be at least 1, got {self.speculative_ngram_max}"),
             (self.speculative_algorithm is None or self.overlap_schedule != "on",

@@ -6,7 +6,12 @@ request rows and KV slots (``KVCachePools.beside``), so a slot the Scheduler all
 caches in the radix tree or frees holds the draft's keys and values as well as the
 target's, under one discipline:
 
-- every step the target runs, the draft runs over the same new tokens (its KV only);
+- every prefill step the target runs (a mixed one too), the draft runs over the same new
+  tokens (its KV only), so a prompt in the radix cache has the draft's KV as well;
+- a plain decode step (no request could draft, or too many decode: see
+  ``--speculative-disable-by-batch-size``) runs the target alone: the worker notes each
+  request's token as owed to the draft, and the draft's next forward for the request
+  feeds the tokens it owes first;
 - a verify step arrives with placeholders (``speculation.WORKER_DRAFTS``) where each
   request's drafts go (the planner sized them) and its slots allocated. The draft runs
   first: one forward over the request's last token, which yields the first draft, then
@@ -14,14 +19,13 @@ target's, under one discipline:
   verify it in. The drafts go into the step, and the target verifies them
   (``DraftVerifier``);
 - drafting writes the draft KV of every fed token but the last draft. When the target
-  accepts all of a request's drafts, that token's draft KV is missing: the worker notes
-  it, and the draft's next forward for the request feeds it first.
+  accepts all of a request's drafts, that token's draft KV is missing: it is owed too.
 
 Drafts are the draft model's greedy tokens, a deterministic proposal: rejection
 sampling then keeps the target's distribution exactly, as with n-gram drafts. A slot
-cached by the radix tree while a request still owed its draft KV (the request ended
-right after accepting all its drafts) keeps whatever it held: a later request sharing
-that prefix drafts worse there, and its outputs stay the target's.
+cached by the radix tree while its request still owed the draft its KV (the request
+ended before drafting again) keeps whatever it held: a later request sharing that prefix
+drafts worse there, and its outputs stay the target's.
 """
 
 from __future__ import annotations
@@ -83,8 +87,15 @@ class DraftModelWorker(ModelWorker):
         return cls(ModelRunnerWorker(target), draft)
 
     def forward_step(self, batch: WorkerBatch) -> StepResult:
-        """A plain step, run by both models; a verify step, drafted then verified."""
+        """A prefill, run by both models; a plain decode step, by the target alone (its
+        tokens owed to the draft); a verify step, drafted then verified."""
         forward = batch.forward_batch
+        if batch.drafts is None and forward.forward_mode.is_decode():
+            result = self.target.forward_step(batch)
+            for row, token in zip(_cpu(forward.req_pool_indices_cpu, forward.req_pool_indices),
+                                  forward.input_ids.tolist(), strict=True):
+                self._owed.setdefault(row, []).append(token)
+            return result
         if batch.drafts is None:
             self._catch_up(forward)
             return self.target.forward_step(batch)
@@ -100,10 +111,10 @@ class DraftModelWorker(ModelWorker):
         return result
 
     def _catch_up(self, forward: ForwardBatch) -> None:
-        """Write the draft KV of a plain step's tokens (and of those its requests owe)."""
+        """Write the draft KV of a prefill step's tokens (and of those its decoding requests
+        owe)."""
         rows = _cpu(forward.req_pool_indices_cpu, forward.req_pool_indices)
-        decoding = [not forward.forward_mode.is_extend()
-                    or i >= forward.batch_size - forward.decode_tail
+        decoding = [i >= forward.batch_size - forward.decode_tail
                     for i in range(forward.batch_size)]
         owed = [self._owed.pop(row, []) if decodes else [] for row, decodes in zip(
             rows, decoding, strict=True)]
@@ -115,8 +126,7 @@ class DraftModelWorker(ModelWorker):
                 forward, prompt_logprob_rows=None, lora_names=None, lora_in_use=None))
             return
         ids = forward.input_ids.tolist()
-        lengths = [1] * forward.batch_size if forward.forward_mode.is_decode() \
-            else _cpu(forward.extend_seq_lens_cpu, forward.extend_seq_lens)
+        lengths = _cpu(forward.extend_seq_lens_cpu, forward.extend_seq_lens)
         starts = _cpu(forward.seq_lens_cpu, forward.seq_lens)
         tokens, offset = [], 0
         for i, n in enumerate(lengths):

@@ -198,6 +198,20 @@ def test_the_model_as_its_own_draft_has_every_draft_accepted(llama: Path) -> Non
     assert info["spec_accepted_tokens"] == info["spec_drafted_tokens"] == 11 * len(PROMPTS)
 
 
+def test_plain_steps_above_the_batch_size_limit_leave_their_tokens_to_the_draft(
+        llama: Path) -> None:
+    """While three requests run, steps decode without drafts and the draft model does not
+    run; once the first request ends, the draft's first forward feeds the tokens it missed:
+    with the model as its own draft, every draft is still accepted."""
+    params = [{**GREEDY, "max_new_tokens": 4}, GREEDY, GREEDY]
+    plain, _ = _run(llama, params)
+    outputs, info = _run(llama, params, **_draft_args(llama),
+                         speculative_disable_by_batch_size=2)
+    assert [o["output_ids"] for o in outputs] == [o["output_ids"] for o in plain]
+    assert info["decode_steps"] >= 3 and info["spec_verifications"] > 0
+    assert info["spec_accepted_tokens"] == info["spec_drafted_tokens"]
+
+
 def test_a_draft_with_another_vocabulary_is_refused(
         llama: Path, tiny_checkpoint: Callable[..., Path]) -> None:
     draft = tiny_checkpoint("llama", seed=1, vocab_size=300)

@@ -27,6 +27,7 @@ from framework.messages import (
 from framework.registry import SCHEDULE_POLICIES
 from framework.runtime.request import Req
 from framework.runtime.scheduler import Scheduler
+from framework.runtime.scheduler.batch import ScheduledBatch
 from framework.runtime.scheduler.output import token_id_output
 from framework.runtime.scheduler.policy import SchedulePolicy
 from framework.sampling_params import SamplingParams
@@ -76,6 +77,31 @@ def test_speculative_steps_match_the_reference_and_free_rejected_drafts(
     stats = h.scheduler.stats
     assert h.scheduler.steps["verify"] > 0
     assert 0 < stats.spec_accepted_tokens < stats.spec_drafted_tokens
+    h.assert_idle_invariant()
+
+
+def test_no_step_drafts_while_more_requests_run_than_the_batch_size_limit(
+        harness_factory) -> None:
+    h = harness_factory(speculative_algorithm="ngram", speculative_num_draft_tokens=3,
+                        speculative_disable_by_batch_size=2)
+    h.scheduler.drafter.proposer = FakeModelProposer(right=2, wrong=8)
+    verified_with: list[int] = []
+    verify = ScheduledBatch.verify
+
+    def counting(running: list, drafts: list) -> ScheduledBatch:
+        verified_with.append(len(running))
+        return verify(running, drafts)
+
+    prompts = {f"r{i}": prompt(i, 6) for i in range(3)}
+    for i, (rid, ids) in enumerate(prompts.items()):
+        h.submit(rid, ids, max_new_tokens=4 if i == 0 else 12, ignore_eos=True, **GREEDY)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ScheduledBatch, "verify", staticmethod(counting))
+        outcomes = h.run()
+    for i, (rid, ids) in enumerate(prompts.items()):
+        assert outcomes[rid].output_ids == reference_output(ids, 4 if i == 0 else 12, True)
+    assert h.scheduler.steps["decode"] >= 3  # three requests: no drafts
+    assert verified_with and max(verified_with) <= 2
     h.assert_idle_invariant()
 
 

@@ -31,10 +31,13 @@ class DraftPlanner:
     """Turns a decode step into a verify step with each request's draft."""
 
     def __init__(self, proposer: NgramProposer | None, num_draft_tokens: int,
-                 tree_cache: PrefixCache, context_len: int) -> None:
+                 tree_cache: PrefixCache, context_len: int,
+                 disable_by_batch_size: int | None = None) -> None:
         #: The n-gram proposer; None when the worker drafts (``draft``).
         self.proposer = proposer
         self.num_draft_tokens = num_draft_tokens
+        #: Above this many running requests, decode steps draft nothing.
+        self.disable_by_batch_size = disable_by_batch_size
         self.tree_cache = tree_cache
         self.context_len = context_len
 
@@ -47,10 +50,14 @@ class DraftPlanner:
         k = server_args.speculative_num_draft_tokens
         proposer = NgramProposer(num_draft_tokens=k, max_ngram=server_args.speculative_ngram_max) \
             if server_args.speculative_algorithm == "ngram" else None
-        return cls(proposer, k, tree_cache, context_len)
+        return cls(proposer, k, tree_cache, context_len,
+                   server_args.speculative_disable_by_batch_size)
 
     def decode_step(self, running: list[Req]) -> ScheduledBatch:
         """The step for ``running``: a verify step when any request has a draft."""
+        limit = self.disable_by_batch_size
+        if limit is not None and len(running) > limit:
+            return ScheduledBatch.decode(running)
         spare = self.tree_cache.available_size() - len(running)
         drafts = []
         for req in running:
