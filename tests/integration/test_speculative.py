@@ -212,6 +212,17 @@ def test_plain_steps_above_the_batch_size_limit_leave_their_tokens_to_the_draft(
     assert info["spec_accepted_tokens"] == info["spec_drafted_tokens"]
 
 
+def test_retracted_requests_draft_again_from_their_new_prefill(llama: Path) -> None:
+    """A pool too small for every request retracts some; each comes back through a prefill
+    that both models run, and with the model as its own draft every draft is accepted."""
+    params = {**GREEDY, "max_new_tokens": 24}
+    plain, _ = _run(llama, params)
+    outputs, info = _run(llama, params, **_draft_args(llama), max_total_tokens=64)
+    assert [o["output_ids"] for o in outputs] == [o["output_ids"] for o in plain]
+    assert info["retracted_requests"] > 0
+    assert info["spec_accepted_tokens"] == info["spec_drafted_tokens"] > 0
+
+
 def test_a_draft_with_another_vocabulary_is_refused(
         llama: Path, tiny_checkpoint: Callable[..., Path]) -> None:
     draft = tiny_checkpoint("llama", seed=1, vocab_size=300)
