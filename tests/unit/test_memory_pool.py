@@ -224,13 +224,16 @@ def test_on_cuda_the_pool_leaves_room_for_the_backend_s_kept_copies(
                                     max_running_requests=4, dp_size=1, kv_cache_dtype="auto"))
     per_token = kv_cache_bytes_per_token(2, 16, 2, torch.float32)
     assert TorchNativeAttnBackend.extra_kv_copies == 1.0
-    tokens = ModelRunner._decide_kv_cache_tokens(runner)  # type: ignore[arg-type]
+    tokens = ModelRunner._decide_kv_cache_tokens(runner, 0)  # type: ignore[arg-type]
     assert tokens == 5_000_000 // (2 * per_token)
+    # A draft model's KV cache beside it (its bytes per slot) is counted too.
+    tokens = ModelRunner._decide_kv_cache_tokens(runner, 100)  # type: ignore[arg-type]
+    assert tokens == 5_000_000 // (2 * per_token + 100)
     # An 8-bit pool: its codes and scales, and kept copies in the model's dtype.
     runner.server_args.kv_cache_dtype = "int8"
     codes = kv_cache_bytes_per_token(2, 16, 2, torch.float32, "int8")
     assert codes == 2 * 2 * 2 * (16 + 2)
-    tokens = ModelRunner._decide_kv_cache_tokens(runner)  # type: ignore[arg-type]
+    tokens = ModelRunner._decide_kv_cache_tokens(runner, 0)  # type: ignore[arg-type]
     assert tokens == 5_000_000 // (codes + per_token)
 
 
@@ -251,3 +254,15 @@ def test_cpu_kv_buffers_are_zeroed_and_ask_for_huge_pages(monkeypatch: pytest.Mo
     if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():  # a Linux with THP
         # 8 MiB: at least three whole 2 MiB pages
         assert memory_pool.advise_huge_pages(torch.empty(2 * 1024 * 1024)) is True
+
+
+def test_pools_beside_share_the_rows_slots_and_allocator_with_buffers_of_their_own() -> None:
+    pools = KVCachePools.build(max_total_tokens=32, max_requests=4, context_len=16,
+                               dtype=torch.float32, num_kv_heads=2, head_dim=8, num_layers=3,
+                               device=torch.device("cpu"))
+    draft = pools.beside(dtype=torch.float32, num_kv_heads=1, head_dim=4, num_layers=1)
+    assert draft.req_to_token_pool is pools.req_to_token_pool
+    assert draft.allocator is pools.allocator
+    assert draft.token_to_kv_pool.size == pools.token_to_kv_pool.size == 32
+    assert draft.token_to_kv_pool.get_kv_buffer(0)[0].shape[1:] == (1, 4)
+    assert draft.token_to_kv_pool.nbytes < pools.token_to_kv_pool.nbytes
