@@ -114,13 +114,12 @@ class DraftModelWorker(ModelWorker):
         """Write the draft KV of a prefill step's tokens (and of those its decoding requests
         owe)."""
         rows = _cpu(forward.req_pool_indices_cpu, forward.req_pool_indices)
-        decoding = [i >= forward.batch_size - forward.decode_tail
-                    for i in range(forward.batch_size)]
-        owed = [self._owed.pop(row, []) if decodes else [] for row, decodes in zip(
-            rows, decoding, strict=True)]
-        for row, decodes in zip(rows, decoding, strict=True):
-            if not decodes:  # a prefill: the row's earlier request owes nothing any more
-                self._owed.pop(row, None)
+        first_decoding = forward.batch_size - forward.decode_tail
+        owed = []
+        for i, row in enumerate(rows):
+            held = self._owed.pop(row, [])
+            # A prefilling request owes nothing: what its row held was its predecessor's.
+            owed.append(held if i >= first_decoding else [])
         if not any(owed):
             self._run_draft(dataclasses.replace(
                 forward, prompt_logprob_rows=None, lora_names=None, lora_in_use=None))

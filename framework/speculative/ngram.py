@@ -38,17 +38,30 @@ class NgramProposer:
         seq = np.asarray(tokens, dtype=np.int64)
         if budget <= 0 or len(seq) < self.min_ngram + 1:
             return []
-        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            start = self._last_match(seq, n)
-            if start is not None:
-                follow = seq[start + n:start + n + budget]
-                return follow.tolist()
-        return []
+        end = self._match_end(seq)
+        return [] if end is None else seq[end + 1:end + 1 + budget].tolist()
 
-    @staticmethod
-    def _last_match(seq: np.ndarray, n: int) -> int | None:
-        """The start of the latest earlier occurrence of ``seq[-n:]`` (not the tail itself)."""
-        # Windows that start before len - n: each has at least one token after it.
-        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
-        hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
-        return int(hits[-1]) if len(hits) else None
+    def _match_end(self, seq: np.ndarray) -> int | None:
+        """Where the latest earlier occurrence of the longest tail of ``seq`` (``max_ngram``
+        down to ``min_ngram`` tokens) ends, or None.
+
+        The candidates are the earlier positions holding the last token; each step back
+        keeps those whose run still matches the tail, so the scan costs a few vector
+        operations over the candidates rather than one over every window for each length.
+        """
+        ends = np.flatnonzero(seq[:-1] == seq[-1])  # each has a token after it
+        if not len(ends):
+            return None
+        longest = min(self.max_ngram, len(seq) - 1)
+        run = np.ones(len(ends), dtype=np.int64)  # tokens matched backwards from each end
+        alive = np.ones(len(ends), dtype=bool)
+        for back in range(1, longest):
+            before = ends - back
+            alive &= before >= 0
+            alive[alive] = seq[before[alive]] == seq[-1 - back]
+            run += alive
+        for n in range(longest, self.min_ngram - 1, -1):
+            hits = ends[run >= n]
+            if len(hits):
+                return int(hits[-1])
+        return None

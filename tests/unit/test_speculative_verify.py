@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from framework.speculative import NgramProposer, accept_greedy, verify_sampled
 
@@ -93,6 +95,32 @@ def test_ngram_drafts_what_followed_the_latest_match_longest_first() -> None:
     assert proposer.propose([1, 2, 3]) == []
     assert proposer.propose([1, 2, 1], limit=2) == [2, 1]
     assert proposer.propose([4, 4], limit=0) == []
+
+
+def _lookup_reference(seq: list[int], k: int, max_ngram: int, min_ngram: int,
+                      limit: int | None) -> list[int]:
+    """Prompt lookup by its definition: for the longest tail first, the latest earlier
+    window equal to it, and the tokens after that window."""
+    budget = k if limit is None else min(limit, k)
+    if budget <= 0:
+        return []
+    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+        for start in reversed(range(len(seq) - n)):
+            if seq[start:start + n] == seq[len(seq) - n:]:
+                return seq[start + n:start + n + budget]
+    return []
+
+
+@settings(max_examples=400, deadline=None)
+@given(seq=st.lists(st.integers(0, 3), max_size=24), k=st.integers(1, 5),
+       max_ngram=st.integers(1, 5), min_ngram=st.integers(1, 5),
+       limit=st.one_of(st.none(), st.integers(0, 6)))
+def test_ngram_drafts_as_the_lookup_s_definition_says(seq: list[int], k: int, max_ngram: int,
+                                                      min_ngram: int, limit: int | None) -> None:
+    min_ngram = min(min_ngram, max_ngram)
+    proposer = NgramProposer(num_draft_tokens=k, max_ngram=max_ngram, min_ngram=min_ngram)
+    assert proposer.propose(seq, limit) == _lookup_reference(seq, k, max_ngram, min_ngram,
+                                                             limit)
 
 
 def test_ngram_refuses_bad_settings() -> None:
