@@ -25,23 +25,32 @@ requests) runs the native ``linear_rows`` kernel where the layers have it bound 
 and bfloat16 on a CPU, ``bind_cpu_layer_ops``): such a product is a walk through the
 weight, which the kernel does in a few microseconds less than a GEMM library's call
 costs (oneDNN's 40-50 us on a packed 256 x 256 weight, against under 10), and in
-bfloat16 without torch's conversions. Results agree with ``F.linear``'s to float
-rounding.
+bfloat16 without torch's conversions; on a CPU without bfloat16 instructions, bfloat16
+products of any number of rows run it (four rows per walk). Results agree with
+``F.linear``'s to float rounding.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from framework.cpuinfo import cpu_vendor
+from framework.cpuinfo import cpu_multiplies_bfloat16, cpu_vendor
 
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
 #: The most rows of ``x`` that ``linear`` hands to the native ``linear_rows`` kernel.
 NATIVE_ROWS = 4
+#: ... by dtype: bfloat16 products of any size on a CPU without bfloat16 instructions,
+#: where torch's bfloat16 GEMM is slower than the native kernel at every row count
+#: (2-5x from 5 to 64 rows of a 128-wide layer, measured on AVX2).
+NATIVE_ROWS_BY_DTYPE = {
+    torch.float32: NATIVE_ROWS,
+    torch.bfloat16: NATIVE_ROWS if cpu_multiplies_bfloat16() else sys.maxsize,
+}
 
 
 class PackableLinear(Protocol):
@@ -100,10 +109,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None, cpu_ops: Any = None) -> torch.Tensor:
     """``x W^T + b`` for ``x`` ``[..., in]``: with oneDNN on ``packed`` when given.
 
-    ``cpu_ops``: the native CPU kernels, when bound; then up to ``NATIVE_ROWS`` rows of
-    ``x`` ``[rows, in]`` go through ``linear_rows`` on ``weight``.
+    ``cpu_ops``: the native CPU kernels, when bound; then up to ``NATIVE_ROWS_BY_DTYPE``
+    rows of ``x`` ``[rows, in]`` go through ``linear_rows`` on ``weight``.
     """
-    if (cpu_ops is not None and x.dim() == 2 and 0 < x.shape[0] <= NATIVE_ROWS
+    if (cpu_ops is not None and x.dim() == 2
+            and 0 < x.shape[0] <= NATIVE_ROWS_BY_DTYPE.get(x.dtype, 0)
             and x.stride(1) == 1 and x.dtype == weight.dtype):
         return cpu_ops.linear_rows(x, weight, bias)
     if packed is None:

@@ -9,6 +9,7 @@ a few rows must agree with ``F.linear`` to float rounding.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from framework.config import ServerArgs
 from framework.layers.activation import GatedActivation
 from framework.layers.linear import RowParallelLinear
-from framework.layers.linear_kernel import NATIVE_ROWS, linear
+from framework.layers.linear_kernel import NATIVE_ROWS, NATIVE_ROWS_BY_DTYPE, linear
 from framework.layers.norm import RMSNorm
 from framework.layers.rotary import RopeConfig, RotaryEmbedding
 from framework.model_executor.model_runner import ModelRunner
@@ -223,10 +224,12 @@ def test_bfloat16_rotary_is_bit_for_bit_the_torch_rotation() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("count", "features", "outputs"),
-                         [(1, 256, 768), (2, 128, 4099), (3, 64, 5), (4, 24, 130)])
+                         [(1, 256, 768), (2, 128, 4099), (3, 64, 5), (4, 24, 130),
+                          (7, 128, 48), (13, 24, 37)])
 def test_linear_rows_agrees_with_f_linear(dtype: torch.dtype, count: int, features: int,
                                           outputs: int) -> None:
-    """Float32 sums in another order; in bfloat16 the same sums rounded once, as torch's."""
+    """Float32 sums in another order; in bfloat16 the same sums rounded once, as torch's.
+    More than four rows go four at a time (a last block of three and of one here)."""
     ops = kernels()
     x = rows(count, features, 10).to(dtype)
     weight, bias = (rows(outputs, features, 11) / 16).to(dtype), rows(1, outputs, 12)[0].to(dtype)
@@ -249,8 +252,8 @@ def test_linear_rows_agrees_with_f_linear(dtype: torch.dtype, count: int, featur
 def test_linear_rows_refuses_what_it_cannot_read() -> None:
     ops = kernels()
     weight = torch.ones(8, 16)
-    with pytest.raises(RuntimeError, match=r"\[1..4, K\]"):
-        ops.linear_rows(torch.ones(5, 16), weight, None)
+    with pytest.raises(RuntimeError, match=r"\[rows, K\]"):
+        ops.linear_rows(torch.ones(0, 16), weight, None)
     with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
         ops.linear_rows(torch.ones(1, 16, dtype=torch.float64), weight.double(), None)
     with pytest.raises(RuntimeError, match="x's dtype"):
@@ -259,16 +262,25 @@ def test_linear_rows_refuses_what_it_cannot_read() -> None:
         ops.linear_rows(torch.ones(1, 16), weight, torch.ones(7))
 
 
-def test_linear_takes_the_kernel_for_a_few_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("bfloat16_instructions", [True, False])
+def test_linear_takes_the_kernel_for_a_few_rows_only(monkeypatch: pytest.MonkeyPatch,
+                                                     bfloat16_instructions: bool) -> None:
+    """Float32: up to ``NATIVE_ROWS``. Bfloat16: the same on a CPU with bfloat16
+    instructions, any number of rows on one without."""
     ops = kernels()
     calls: list[int] = []
     kernel = ops.linear_rows
     monkeypatch.setattr(ops, "linear_rows", lambda x, *a: (calls.append(x.shape[0]),
                                                            kernel(x, *a))[1])
+    monkeypatch.setitem(NATIVE_ROWS_BY_DTYPE, torch.bfloat16,
+                        NATIVE_ROWS if bfloat16_instructions else sys.maxsize)
     weight = rows(32, 64, 13)
     for count in (1, NATIVE_ROWS, NATIVE_ROWS + 1):
         x = rows(count, 64, 14)
         torch.testing.assert_close(linear(x, weight, None, None, ops), F.linear(x, weight),
                                    atol=1e-4, rtol=1e-5)
+        linear(x.bfloat16(), weight.bfloat16(), None, None, ops)
     assert linear(rows(2, 64, 15), weight, None, None).shape == (2, 32)  # not bound
-    assert calls == [1, NATIVE_ROWS]
+    bfloat16_calls = [1, NATIVE_ROWS] if bfloat16_instructions else [1, NATIVE_ROWS,
+                                                                     NATIVE_ROWS + 1]
+    assert calls == sorted([1, NATIVE_ROWS, *bfloat16_calls])

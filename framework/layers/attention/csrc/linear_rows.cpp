@@ -11,6 +11,10 @@
 // another order than a GEMM's, so results agree with F.linear to float rounding, not
 // bit for bit. Output features are split over torch's threads.
 //
+// More rows go four at a time, each block another walk through the weight: on a CPU
+// without bfloat16 instructions (no AVX512-BF16 or AMX) torch's bfloat16 GEMM is slower
+// than this at every row count, so bfloat16 products of any size come here there.
+//
 // Built with paged_attention.cpp into one library (native_build.py); registered as
 // torch.ops.framework_cpu.linear_rows.
 
@@ -19,6 +23,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <type_traits>
@@ -35,8 +40,8 @@ using framework_cpu::round_to;
 using framework_cpu::sum8;
 using framework_cpu::to_float;
 
-// The most rows of x this kernel takes: past a few, a GEMM's blocking wins.
-constexpr int64_t kMaxRows = 4;
+// Rows of x per walk through the weight: the sums of a block stay in registers.
+constexpr int64_t kBlockRows = 4;
 // Weight elements taken per step along K: two vectors, each with its own accumulator.
 constexpr int64_t kStep = 16;
 // How many blocks of features ahead the weight is prefetched: a decode step's weights do
@@ -155,16 +160,21 @@ at::Tensor linear_rows_typed(const at::Tensor& x, const at::Tensor& weight,
   load_x(x.const_data_ptr<T>(), x.stride(0), rows, k_size, in_steps, xf.data());
   std::vector<float> yf(static_cast<size_t>(rows * n_size));
   const T* wp = weight.const_data_ptr<T>();
-  if (!in_steps) {
-    product_any(xf.data(), rows, k_size, wp, n_size, yf.data());
-  } else if (rows == 1) {
-    product<T, 1>(xf.data(), k_size, wp, n_size, yf.data());
-  } else if (rows == 2) {
-    product<T, 2>(xf.data(), k_size, wp, n_size, yf.data());
-  } else if (rows == 3) {
-    product<T, 3>(xf.data(), k_size, wp, n_size, yf.data());
-  } else {
-    product<T, 4>(xf.data(), k_size, wp, n_size, yf.data());
+  for (int64_t r0 = 0; r0 < rows; r0 += kBlockRows) {
+    const int64_t block = std::min(kBlockRows, rows - r0);
+    const float* xb = xf.data() + r0 * k_size;
+    float* yb = yf.data() + r0 * n_size;
+    if (!in_steps) {
+      product_any(xb, block, k_size, wp, n_size, yb);
+    } else if (block == 1) {
+      product<T, 1>(xb, k_size, wp, n_size, yb);
+    } else if (block == 2) {
+      product<T, 2>(xb, k_size, wp, n_size, yb);
+    } else if (block == 3) {
+      product<T, 3>(xb, k_size, wp, n_size, yb);
+    } else {
+      product<T, 4>(xb, k_size, wp, n_size, yb);
+    }
   }
   at::Tensor out = at::empty({rows, n_size}, x.options());
   T* op = out.mutable_data_ptr<T>();
@@ -177,15 +187,15 @@ at::Tensor linear_rows_typed(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
-// x: [rows <= 4, K] with contiguous features; weight: [N, K] contiguous; bias: [N] or
+// x: [rows, K] with contiguous features; weight: [N, K] contiguous; bias: [N] or
 // None; all of one dtype, float32 or bfloat16. Returns [rows, N] in that dtype.
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "linear_rows: float32 or bfloat16 only");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows && x.stride(1) == 1,
-              "linear_rows: x must be [1..", kMaxRows, ", K] with contiguous features");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.stride(1) == 1,
+              "linear_rows: x must be [rows, K] with contiguous features");
   TORCH_CHECK(weight.scalar_type() == dtype && weight.dim() == 2 && weight.is_contiguous() &&
                   weight.size(1) == x.size(1),
               "linear_rows: weight must be contiguous [N, ", x.size(1), "] of x's dtype");
