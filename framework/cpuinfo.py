@@ -28,9 +28,3 @@ def cpu_vendor() -> str:
     """``GenuineIntel``, ``AuthenticAMD``, ...; empty where the kernel does not say."""
     return cpuinfo_fields("vendor_id").get("vendor_id", "")
 
-
-def cpu_multiplies_bfloat16() -> bool:
-    """Whether the CPU has bfloat16 dot-product instructions (AVX512-BF16 or AMX-BF16), on
-    which a GEMM library's bfloat16 products are fast."""
-    flags = set(cpuinfo_fields("flags").get("flags", "").split())
-    return bool(flags & {"avx512_bf16", "amx_bf16"})

@@ -39,9 +39,16 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from framework.cpuinfo import cpu_multiplies_bfloat16, cpu_vendor
+from framework.cpuinfo import cpu_vendor
 
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
+
+
+def bfloat16_gemm_is_native() -> bool:
+    """Whether this CPU multiplies bfloat16 at full speed (AVX512-BF16 or AMX)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 #: The most rows of ``x`` that ``linear`` hands to the native ``linear_rows`` kernel.
 NATIVE_ROWS = 4
 #: ... by dtype: bfloat16 products of any size on a CPU without bfloat16 instructions,
@@ -49,7 +56,7 @@ NATIVE_ROWS = 4
 #: (2-5x from 5 to 64 rows of a 128-wide layer, measured on AVX2).
 NATIVE_ROWS_BY_DTYPE = {
     torch.float32: NATIVE_ROWS,
-    torch.bfloat16: NATIVE_ROWS if cpu_multiplies_bfloat16() else sys.maxsize,
+    torch.bfloat16: NATIVE_ROWS if bfloat16_gemm_is_native() else sys.maxsize,
 }
 
 

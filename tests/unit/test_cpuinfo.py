@@ -25,15 +25,6 @@ def test_each_field_is_the_first_core_s(monkeypatch: pytest.MonkeyPatch) -> None
     assert cpuinfo.cpu_vendor() == "AuthenticAMD"
 
 
-@pytest.mark.parametrize(("flags", "expected"), [
-    ("fpu avx512f", False), ("fpu avx512f avx512_bf16", True), ("fpu amx_bf16 amx_tile", True),
-    ("fpu avx512_bf16x", False)])
-def test_bfloat16_instructions_are_read_from_the_flags(
-        monkeypatch: pytest.MonkeyPatch, flags: str, expected: bool) -> None:
-    monkeypatch.setattr(cpuinfo, "_cpuinfo_lines", lambda: (f"flags\t\t: {flags}",))
-    assert cpuinfo.cpu_multiplies_bfloat16() is expected
-
-
 def test_without_cpuinfo_there_is_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpuinfo, "_cpuinfo_lines", lambda: ())
     assert cpuinfo.cpuinfo_fields("vendor_id") == {}

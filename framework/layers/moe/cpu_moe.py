@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from framework.layers.activation import GatedActivation
-from framework.layers.linear_kernel import NATIVE_ROWS, linear
+from framework.layers.linear_kernel import NATIVE_ROWS, bfloat16_gemm_is_native, linear
 from framework.layers.moe.torch_moe import sort_by_expert, torch_fused_experts
 
 #: Rows up to which an expert's block goes through ``linear_rows`` (``NATIVE_ROWS`` at a
@@ -34,11 +34,6 @@ NATIVE_BLOCK_ROWS = {torch.float32: 2 * NATIVE_ROWS, torch.bfloat16: 8 * NATIVE_
 #: given): oneDNN gains 35 % at 8 rows, 11 % at 32, and loses a few % from 64 rows on
 #: (hidden 512, intermediate 1,792, one AVX2 core), where ``F.linear``'s GEMM does as well.
 PACKED_BLOCK_ROWS = 48
-
-
-def bfloat16_gemm_is_native() -> bool:
-    """Whether this CPU multiplies bfloat16 at full speed (AVX512-BF16 or AMX)."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 _BF16_GEMM = bfloat16_gemm_is_native()
