@@ -90,10 +90,11 @@ class DraftModelWorker(ModelWorker):
         """A prefill, run by both models; a plain decode step, by the target alone (its
         tokens owed to the draft); a verify step, drafted then verified."""
         forward = batch.forward_batch
+        forward.fill_cpu_lengths()  # the host copies below are then all set
         if batch.drafts is None and forward.forward_mode.is_decode():
             result = self.target.forward_step(batch)
-            for row, token in zip(_cpu(forward.req_pool_indices_cpu, forward.req_pool_indices),
-                                  forward.input_ids.tolist(), strict=True):
+            for row, token in zip(forward.req_pool_indices_cpu or [], forward.input_ids.tolist(),
+                                  strict=True):
                 self._owed.setdefault(row, []).append(token)
             return result
         if batch.drafts is None:
@@ -103,7 +104,7 @@ class DraftModelWorker(ModelWorker):
         lengths = [len(drafted) for drafted in batch.drafts]
         drafts = self._draft(forward, lengths)
         result = self.target.forward_step(dataclasses.replace(batch, drafts=drafts))
-        rows = _cpu(forward.req_pool_indices_cpu, forward.req_pool_indices)
+        rows = forward.req_pool_indices_cpu or []
         for row, drafted, tokens in zip(rows, drafts, result.next_ids, strict=True):
             # All accepted: the last draft's KV was never written by the draft model.
             self._owed[row] = drafted[-1:] if drafted and len(tokens) == len(drafted) + 1 \
@@ -113,7 +114,7 @@ class DraftModelWorker(ModelWorker):
     def _catch_up(self, forward: ForwardBatch) -> None:
         """Write the draft KV of a prefill step's tokens (and of those its decoding requests
         owe)."""
-        rows = _cpu(forward.req_pool_indices_cpu, forward.req_pool_indices)
+        rows = forward.req_pool_indices_cpu or []
         first_decoding = forward.batch_size - forward.decode_tail
         owed = []
         for i, row in enumerate(rows):
@@ -125,8 +126,8 @@ class DraftModelWorker(ModelWorker):
                 forward, prompt_logprob_rows=None, lora_names=None, lora_in_use=None))
             return
         ids = forward.input_ids.tolist()
-        lengths = _cpu(forward.extend_seq_lens_cpu, forward.extend_seq_lens)
-        starts = _cpu(forward.seq_lens_cpu, forward.seq_lens)
+        lengths = forward.extend_seq_lens_cpu or []
+        starts = list(forward.seq_lens_cpu or [])
         tokens, offset = [], 0
         for i, n in enumerate(lengths):
             tokens.append(owed[i] + ids[offset:offset + n])
@@ -136,8 +137,8 @@ class DraftModelWorker(ModelWorker):
 
     def _draft(self, forward: ForwardBatch, lengths: list[int]) -> list[list[int]]:
         """Each request's ``lengths[i]`` greedy drafts, written into ``forward.input_ids``."""
-        rows = _cpu(forward.req_pool_indices_cpu, forward.req_pool_indices)
-        prefix = _cpu(forward.extend_prefix_lens_cpu, forward.extend_prefix_lens)
+        rows = forward.req_pool_indices_cpu or []
+        prefix = forward.extend_prefix_lens_cpu or []
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n + 1)
@@ -224,14 +225,6 @@ class DraftModelWorker(ModelWorker):
         return {**self.target.info(), "speculative_draft_model_path": self.draft.model_path,
                 "draft_kv_cache_bytes": self.draft.pools.token_to_kv_pool.nbytes,
                 "draft_forwards": self.draft_forwards}
-
-
-def _cpu(values: list[int] | None, tensor: torch.Tensor | None) -> list[int]:
-    """A batch field's host copy, or the tensor's values."""
-    if values is not None:
-        return list(values)
-    assert tensor is not None
-    return tensor.tolist()
 
 
 def _check_pair(target: ModelConfig, draft: ModelConfig, draft_path: str) -> None:
