@@ -3,8 +3,11 @@
 A request that re-emits parts of its prompt (code edited in place, a quoted document, a
 JSON object filled from the prompt) repeats long runs of tokens. The proposer looks for the
 most recent earlier occurrence of the sequence's last ``n`` tokens, longest ``n`` first,
-and drafts the ``k`` tokens that followed it. No model runs: a draft costs a scan of the
-request's own tokens.
+and drafts the ``k`` tokens that followed it. When fewer than ``k`` follow before the
+sequence ends, the match lies inside a run that repeats itself (a loop of a few tokens,
+a list of like items), and the copy goes on through the tokens it has just drafted, as a
+self-overlapping copy does: the run's period continues. No model runs: a draft costs a
+scan of the request's own tokens.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ class NgramProposer:
         if budget <= 0 or len(seq) < self.min_ngram + 1:
             return []
         end = self._match_end(seq)
-        return [] if end is None else seq[end + 1:end + 1 + budget].tolist()
+        # np.resize repeats the tokens after the match cyclically: the overlapping copy.
+        return [] if end is None else np.resize(seq[end + 1:], budget).tolist()
 
     def _match_end(self, seq: np.ndarray) -> int | None:
         """Where the latest earlier occurrence of the longest tail of ``seq`` (``max_ngram``

@@ -95,19 +95,26 @@ def test_ngram_drafts_what_followed_the_latest_match_longest_first() -> None:
     assert proposer.propose([1, 2, 3]) == []
     assert proposer.propose([1, 2, 1], limit=2) == [2, 1]
     assert proposer.propose([4, 4], limit=0) == []
+    # A match that runs into the tail continues the run's period through the draft.
+    assert proposer.propose([9, 4, 5, 4, 5]) == [4, 5, 4]
+    assert proposer.propose([3, 3]) == [3, 3, 3]
 
 
 def _lookup_reference(seq: list[int], k: int, max_ngram: int, min_ngram: int,
                       limit: int | None) -> list[int]:
     """Prompt lookup by its definition: for the longest tail first, the latest earlier
-    window equal to it, and the tokens after that window."""
+    window equal to it, and the tokens after that window, copied one at a time onto the
+    end of the sequence (so that a copy reaching the end reads what it has copied)."""
     budget = k if limit is None else min(limit, k)
     if budget <= 0:
         return []
     for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
         for start in reversed(range(len(seq) - n)):
             if seq[start:start + n] == seq[len(seq) - n:]:
-                return seq[start + n:start + n + budget]
+                extended = list(seq)
+                for i in range(start + n, start + n + budget):
+                    extended.append(extended[i])
+                return extended[len(seq):]
     return []
 
 
