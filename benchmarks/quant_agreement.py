@@ -3,7 +3,8 @@
 64 prompts of 4 to 30 code words, 16 greedy tokens each, through the Engine on the
 embedded default model in float32 with ``--linear-backend torch`` (the reference), then
 with int8 and FP8 quantized online and from GPTQ and AWQ checkpoints that
-``framework quantize`` writes (round to nearest, group ``--group-size``): how many
+``framework quantize`` writes (round to nearest, group ``--group-size``; int8, GPTQ and
+AWQ also on the ``cpu_a8`` quantized-linear kernel): how many
 prompts give the reference's tokens exactly; and each one's perplexity on a held-out
 code file (``HELD_OUT``: this project's own source, which the default model, trained on
 the Python standard library, never saw), scored in windows of ``WINDOW`` tokens through
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     texts, windows = prompts(), held_out_windows()
     reference, float_ppl = measure(texts, windows)
     results = {"int8 (online)": measure(texts, windows, quantization="int8"),
+               "int8 (online), cpu_a8": measure(texts, windows, quantization="int8",
+                                                quantized_linear_backend="cpu_a8"),
                "fp8 (online)": measure(texts, windows, quantization="fp8")}
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in ("gptq", "awq"):
@@ -87,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             quantize_checkpoint(default_model_path(), directory, fmt, group_size=args.group_size)
             results[f"{fmt} (group {args.group_size})"] = measure(
                 texts, windows, model_path=str(directory))
+            results[f"{fmt} (group {args.group_size}), cpu_a8"] = measure(
+                texts, windows, model_path=str(directory), quantized_linear_backend="cpu_a8")
     same = {name: sum(a == b for a, b in zip(reference, got, strict=True))
             for name, (got, _) in results.items()}
     ppl = {"float32": float_ppl, **{name: value for name, (_, value) in results.items()}}

@@ -94,8 +94,9 @@ class ServerArgs:
                                     "(docs/quantization.md)",
                                     "runtime", choices=("gptq", "awq", "fp8", "int8"))
     quantized_linear_backend: str = _opt("auto", "kernel of quantized linear layers: cpu, "
-                                         "torch (the reference), or a plugin's; auto: cpu on "
-                                         "a CPU, torch elsewhere", "runtime")
+                                         "cpu_a8 (4-bit and int8 products on int8 "
+                                         "activations), torch (the reference), or a plugin's; "
+                                         "auto: cpu on a CPU, torch elsewhere", "runtime")
     max_running_requests: int = _opt(64, "most requests in the running batch", "runtime")
     max_queued_requests: int | None = _opt(None, "most requests in flight beyond the running "
                                            "batches; a request past it gets 503 with "

@@ -27,4 +27,3 @@ def cpuinfo_fields(*keys: str) -> dict[str, str]:
 def cpu_vendor() -> str:
     """``GenuineIntel``, ``AuthenticAMD``, ...; empty where the kernel does not say."""
     return cpuinfo_fields("vendor_id").get("vendor_id", "")
-

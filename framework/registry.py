@@ -200,6 +200,8 @@ LORA_BACKENDS.register("cpu", "framework.lora.ops:cpu_lora_delta")
 QUANT_LINEAR_BACKENDS.register(
     "torch", "framework.layers.quantization.torch_kernels:TorchQuantLinear")
 QUANT_LINEAR_BACKENDS.register("cpu", "framework.layers.quantization.cpu_kernels:CpuQuantLinear")
+QUANT_LINEAR_BACKENDS.register(
+    "cpu_a8", "framework.layers.quantization.cpu_kernels:CpuInt8ActivationLinear")
 
 REGISTRIES: tuple[Registry[Any], ...] = (TRANSPORTS, CODECS, ATTENTION_BACKENDS, GRAMMAR_BACKENDS,
                                          SCHEDULE_POLICIES, LOAD_BALANCERS, MOE_BACKENDS,

@@ -179,3 +179,22 @@ def test_cli_reports_bad_input_in_one_line(checkpoints: dict[str, Path], tmp_pat
     assert capsys.readouterr().err.splitlines() == [
         f"framework: error: {checkpoints['gptq']} is already quantized (gptq); "
         "quantize a float checkpoint"]
+
+
+def test_int8_activations_keep_the_4_bit_checkpoint_s_tokens(
+        checkpoints: dict[str, Path], prompt_ids: list[list[int]]) -> None:
+    # cpu_a8 rounds the activations of the 4-bit products to int8: the logprobs move a
+    # little (so its kernel ran), the greedy tokens of this checkpoint do not.
+    logprobs: dict[str, list[float]] = {}
+    tokens: dict[str, list[list[int]]] = {}
+    for backend in ("cpu", "cpu_a8"):
+        with Engine(model_path=str(checkpoints["gptq"]), launch_mode="thread",
+                    quantized_linear_backend=backend, **ENGINE_ARGS) as engine:
+            outs = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY,
+                                   return_logprob=True)
+        tokens[backend] = [o["output_ids"] for o in outs]
+        logprobs[backend] = [lp for o in outs
+                             for lp, _, _ in o["meta_info"]["output_token_logprobs"]]
+    assert tokens["cpu_a8"] == tokens["cpu"]
+    moved = [abs(a - b) for a, b in zip(logprobs["cpu"], logprobs["cpu_a8"], strict=True)]
+    assert 0 < max(moved) < 0.05, moved

@@ -15,7 +15,8 @@ def test_every_format_is_measured_and_written_with_its_bytes(tmp_path: Path) -> 
     result = json.loads(json_path.read_text())
     assert result["commit"] and result["machine"]
     rows = {(r["format"], r["streams"]): r for r in result["rows"]}
-    assert set(rows) == {(f, s) for f in ("float32", "int8", "gptq") for s in (1, 64)}
+    assert set(rows) == {(f, s) for f in ("float32", "int8", "gptq", "int8, cpu_a8",
+                                          "gptq, cpu_a8") for s in (1, 64)}
     assert all(r["output_tokens_per_s"] > 0 for r in rows.values())
     # The projections shrink to a quarter (int8) and about an eighth (4-bit) of float32's
     # bytes; the float embeddings and norms stay.

@@ -23,7 +23,12 @@ from framework.layers.quantization import (
     quantize_awq,
     quantize_gptq,
 )
-from framework.layers.quantization.cpu_kernels import CpuFp8Weight, CpuInt4Weight, CpuQuantLinear
+from framework.layers.quantization.cpu_kernels import (
+    CpuFp8Weight,
+    CpuInt4Weight,
+    CpuInt8ActivationLinear,
+    CpuQuantLinear,
+)
 from framework.layers.quantization.torch_kernels import TorchQuantLinear
 from framework.registry import QUANT_LINEAR_BACKENDS
 from tests.unit.test_attention_cpu import kernels as native_kernels
@@ -59,8 +64,8 @@ KERNELS: dict[str, Callable[[], object]] = {
     "cpu-native": lambda: CpuQuantLinear(packed_ops=False),
 }
 #: Row counts: each of the native kernels' blocks of 1 to 4 rows, several blocks, and past
-#: their limit (NATIVE_ROWS).
-ROWS = (1, 2, 3, 4, 7, 64, 65)
+#: their limits (NATIVE_INT8_ROWS, NATIVE_ROWS).
+ROWS = (1, 2, 3, 4, 7, 8, 9, 32, 33)
 
 
 def reference(weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -87,14 +92,14 @@ def test_kernel_matches_float64_reference(kernel_name: str, weight_name: str) ->
 @pytest.mark.parametrize("weight_name", ["gptq-act-order", "awq", "fp8-per-tensor", "int8"])
 def test_few_rows_run_the_native_kernels(monkeypatch: pytest.MonkeyPatch,
                                          weight_name: str) -> None:
-    # The other paths refused: up to NATIVE_ROWS rows must not need them.
+    # The other paths refused: up to the native kernels' limit, rows must not need them.
     native_kernels()
     kernel = CpuQuantLinear(packed_ops=False)
     monkeypatch.setattr(kernel, "_apply_torch", lambda *_: pytest.fail("not native"))
     weight = WEIGHTS[weight_name]()
     prepared = kernel.prepare(weight)
     bias = torch.zeros(weight.out_features)
-    for rows in range(1, cpu_kernels.NATIVE_ROWS + 1):
+    for rows in range(1, cpu_kernels.native_row_limit(weight) + 1):
         x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(kernel.apply(prepared, x).double(), reference(weight, x, bias),
                                    rtol=1e-5, atol=1e-4)
@@ -186,6 +191,127 @@ def test_unsupported_weights_are_refused() -> None:
         cpu.prepare(GptqWeight.from_checkpoint(tensors, 32))
 
 
-def test_registry_names_both_kernels() -> None:
+def test_registry_names_every_kernel() -> None:
     assert QUANT_LINEAR_BACKENDS.get("torch") is TorchQuantLinear
     assert QUANT_LINEAR_BACKENDS.get("cpu") is CpuQuantLinear
+    assert QUANT_LINEAR_BACKENDS.get("cpu_a8") is CpuInt8ActivationLinear
+
+
+#: Weights the int8-activation kernels take: 4-bit in groups of 32, 64 and 128 features
+#: (int4_rows_a8), and int8 (int8_rows_a8).
+A8_WEIGHTS = ("gptq", "gptq-act-order", "gptq-one-group", "gptq-8-out", "awq", "int8",
+              "int8-30-out")
+#: The activation blocks int8_rows_a8 picks from, largest first (one that divides K).
+INT8_A8_BLOCKS = (128, 64, 32, 16)
+
+
+def a8_kernel(weight_name: str) -> tuple[QuantizedWeight, CpuInt8ActivationLinear,
+                                         QuantizedWeight]:
+    """A weight of ``WEIGHTS``, the ``cpu_a8`` kernel (native) and the weight it prepared."""
+    native_kernels()  # built (or the test says why not)
+    weight = WEIGHTS[weight_name]()
+    kernel = CpuInt8ActivationLinear(packed_ops=False)
+    return weight, kernel, kernel.prepare(weight)
+
+
+def activation_group(prepared: QuantizedWeight) -> int:
+    """Features of ``x`` that share a scale next to a prepared weight: a 4-bit weight's
+    group, else the largest of ``INT8_A8_BLOCKS`` dividing its input features."""
+    if isinstance(prepared, CpuInt4Weight):
+        return prepared.group_size
+    return next(b for b in INT8_A8_BLOCKS if prepared.in_features % b == 0)
+
+
+def sorted_groups(t: torch.Tensor, prepared: QuantizedWeight) -> torch.Tensor:
+    """``t``'s columns in the prepared weight's sorted input order, by activation group:
+    ``[rows, groups, group size]``."""
+    perm = prepared.tensors.get("perm")
+    ordered = t if perm is None else t[:, perm]
+    return ordered.reshape(t.shape[0], -1, activation_group(prepared))
+
+
+def rounded_activations(x: torch.Tensor, prepared: QuantizedWeight) -> torch.Tensor:
+    """``x`` rounded as the int8-activation kernels round it: to int8 per row and
+    activation group of the weight's sorted inputs, the group's largest ``|x|`` at 127;
+    float64."""
+    perm = prepared.tensors.get("perm")
+    groups = sorted_groups(x, prepared)
+    largest = groups.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(largest > 0, torch.tensor(127.0) / largest, torch.zeros(()))
+    codes = torch.round(groups * inverse).clamp(-127, 127)
+    rounded = (codes.double() * (largest.double() / 127)).view_as(x)
+    if perm is None:
+        return rounded
+    restored = torch.empty_like(rounded)
+    restored[:, perm] = rounded
+    return restored
+
+
+@pytest.mark.parametrize("weight_name", A8_WEIGHTS)
+def test_a8_kernel_multiplies_rounded_activations(weight_name: str) -> None:
+    # Up to the native kernels' limit: exactly the dequantized weight times the rounded x (float
+    # rounding apart), which differs from x's own product; past it, x's own product.
+    weight, kernel, prepared = a8_kernel(weight_name)
+    bias = torch.randn(weight.out_features, generator=torch.Generator().manual_seed(1))
+    for rows in ROWS:
+        x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(rows))
+        y = kernel.apply(prepared, x, bias).double()
+        exact = reference(weight, x, bias)
+        if rows > cpu_kernels.native_row_limit(weight):
+            torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-4)
+            continue
+        expected = reference(weight, rounded_activations(x, prepared), bias)
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4)
+        assert (expected - exact).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("weight_name", A8_WEIGHTS)
+def test_a8_error_is_within_half_an_activation_step(weight_name: str) -> None:
+    # Rounding moves each x by at most half its group's step (largest |x| / 127), so an
+    # output moves by at most that times the |w| of the group, summed over groups.
+    weight, kernel, prepared = a8_kernel(weight_name)
+    matrix = weight.dequantize().double()
+    group_weight = sorted_groups(matrix.abs(), prepared).sum(-1)
+    for rows in (1, 4, 7):
+        x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(10 + rows)) * 3
+        half_steps = sorted_groups(x, prepared).abs().amax(-1).double() / 254
+        bound = half_steps @ group_weight.t()
+        error = (kernel.apply(prepared, x).double() - x.double() @ weight.dequantize().double().t())
+        assert (error.abs() <= bound + 1e-4).all()
+
+
+def test_a8_int8_activation_blocks_divide_k() -> None:
+    # K = 48: blocks of 16 (three per row), each with its own scale.
+    ops = native_kernels()
+    weight = Int8Weight.from_float(torch.randn(8, 48, generator=torch.Generator().manual_seed(6)))
+    prepared = CpuInt8ActivationLinear(packed_ops=False).prepare(weight)
+    assert activation_group(prepared) == 16
+    x = torch.randn(3, 48, generator=torch.Generator().manual_seed(7))
+    x[:, 16:32] *= 100  # one block's scale may not round the others
+    y = ops.int8_rows_a8(x, prepared.tensors["qweight"], prepared.tensors["scale"])
+    expected = reference(weight, rounded_activations(x, prepared), torch.zeros(8))
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-3)
+
+
+def test_a8_kernel_takes_groups_of_32_features() -> None:
+    # Groups of 16 run int4_rows (float activations): x's own product.
+    native_kernels()
+    weight = GptqWeight.from_checkpoint(quantize_gptq(float_weight(), 16), 16)
+    kernel = CpuInt8ActivationLinear(packed_ops=False)
+    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(3))
+    y = kernel.apply(kernel.prepare(weight), x)
+    torch.testing.assert_close(y.double(), reference(weight, x, torch.zeros(OUT)),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_a8_kernel_keeps_a_zero_group_at_zero() -> None:
+    # A group of zeros has scale 0 and codes 0: no division by zero, its terms vanish.
+    weight, _, prepared = a8_kernel("gptq")
+    ops = native_kernels()
+    x = torch.randn(2, IN, generator=torch.Generator().manual_seed(4))
+    x[:, :32] = 0
+    y = ops.int4_rows_a8(x, prepared.tensors["nibbles"], prepared.tensors["scales"],
+                         prepared.tensors["zero_scales"])
+    expected = reference(weight, rounded_activations(x, prepared), torch.zeros(OUT))
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-4)

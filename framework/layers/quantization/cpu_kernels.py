@@ -1,29 +1,25 @@
 """Quantized-linear kernels for a CPU, keeping the weights in their quantized bytes.
 
 ``prepare`` repacks a loaded weight once; ``apply`` multiplies by it. A product of up to
-``NATIVE_ROWS`` rows (a decode step, a short prefill) runs the native kernels
-(``int8_rows``, ``int4_rows``, ``fp8_rows`` in ``framework/layers/attention/csrc/
-quant_rows.cpp``), which read the weight in its quantized bytes and widen it in registers.
-A product of a few rows is bound by reading the weight, so it takes about the time of
-reading a quarter (8-bit) or an eighth (4-bit) of the float32 bytes: on a 2-core AVX2 core,
-one row by a 4096 x 1024 weight took 0.4x (int8) and 0.2x (4-bit) a float32 ``F.linear``'s
-time; at 64 rows the kernels still matched or beat widening the weight by blocks.
-Otherwise (more rows, or no C++ compiler) two ways run:
+``NATIVE_ROWS`` rows (``NATIVE_INT8_ROWS`` for int8: a decode step, a short prefill) runs
+the native kernels (``int8_rows``, ``int4_rows``, ``fp8_rows`` in
+``framework/layers/attention/csrc/quant_rows.cpp``), which read the weight in its quantized
+bytes and widen it in registers. A product of a few rows is bound by reading the weight, so
+it takes about the time of reading a quarter (8-bit) or an eighth (4-bit) of the float32
+bytes: on a 2-core AVX2 core, one row by a 4096 x 1024 weight took 0.4x (int8) and 0.2x
+(4-bit) a float32 ``F.linear``'s time. With more rows (or no C++ compiler) each call widens
+the weight to float32 a block of output rows at a time (at most ``UPCAST_ELEMENTS``
+elements, so a large head never needs its whole float32 copy) and runs ``F.linear`` on the
+blocks: int8 then takes 1.0-1.3x a float32 product's time at 64 rows, 4-bit and FP8
+1.4-2.3x; at one row 2.5-4.5x and 5-14x, which is why few rows go to the native kernels.
 
-* torch's packed weight-only kernels (``packed_ops``, the default on an AVX-512 build of
-  torch's CPU kernels, for which they are vectorised): ``torch._weight_int8pack_mm`` for
-  int8 and ``torch._weight_int4pack_mm_for_cpu`` for 4-bit GPTQ and AWQ. On an AVX2 core
-  they measure 10-25x (one row) and 30-100x (64 rows) slower than a float32 ``F.linear``
-  of the same shape (1024-2816 features).
-* Otherwise each call widens the weight to float32 a block of output rows at a time (at
-  most ``UPCAST_ELEMENTS`` elements, so a large head never needs its whole float32 copy)
-  and runs ``F.linear`` on the blocks. On the same AVX2 core a product then takes
-  1.0-1.2x a float32 product's time for int8 at 64 rows and 2.5-4.5x at one row; 4-bit
-  and FP8 1.4-1.6x at 64 rows and 5-14x at one row: the widening is the cost, which only
-  a kernel that widens in registers would avoid.
+torch's packed weight-only kernels (``torch._weight_int8pack_mm``,
+``torch._weight_int4pack_mm_for_cpu``) run only when asked for (``packed_ops``): with torch
+2.13 they measured 10-25x (one row) and 30-150x (64 rows) slower than a float32
+``F.linear`` of the same shape, on an AVX2 core and on an AVX-512 one alike.
 
-FP8 always takes the second way (torch has no weight-only FP8 kernel for a CPU, and its
-FP8 → float cast is scalar, 20-50x slower than a float32 product): an E4M3 byte placed in
+FP8 has no packed kernel in torch, and its FP8 → float cast on a CPU is scalar, 20-50x slower
+than a float32 product; widened here instead: an E4M3 byte placed in
 the bits of a float16 (sign to bit 15, the rest from bit 7) is the same number times
 2^-8, and float16 → float32 is one vector instruction, so the weight is widened in a few
 integer passes and the 2^8 goes into the channel scales. E4M3's NaN encodings (which a
@@ -51,11 +47,18 @@ from framework.layers.quantization.int8 import Int8Weight
 from framework.layers.quantization.torch_kernels import SUPPORTED_FORMATS, check_format
 from framework.layers.quantization.weights import QuantizedWeight
 
-#: The most rows of ``x`` a product hands to the native kernels: past these, widening the
-#: weight by blocks for ``F.linear``'s GEMM costs less than the kernels' simpler products.
-NATIVE_ROWS = 64
+#: The most rows of ``x`` a product by a 4-bit or FP8 weight hands to the native kernels:
+#: past these, widening the weight by blocks for ``F.linear``'s GEMM costs less than the
+#: kernels' simpler products (2048 x 1024, AVX-512 core: 4-bit 3.6 against 4.2 ms at 32
+#: rows, 13.5 against 6.8 at 64).
+NATIVE_ROWS = 32
+#: The same for int8 weights, whose widening costs less (same core: widening 1.5 ms
+#: against the kernel's 0.8 at 8 rows, 1.8 against 2.5 at 16).
+NATIVE_INT8_ROWS = 8
 #: The native kernels take input features (and 4-bit groups) in multiples of this.
 NATIVE_K_MULTIPLE = 16
+#: ``int4_rows_a8`` takes 4-bit groups in multiples of this (others take ``int4_rows``).
+A8_GROUP_MULTIPLE = 32
 #: Most weight elements widened to float32 at once (16 MiB).
 UPCAST_ELEMENTS = 1 << 22
 #: Group sizes ``_weight_int4pack_mm_for_cpu`` takes, largest first.
@@ -69,9 +72,9 @@ FP8_VIA_HALF_FACTOR = 256.0
 _CLEAR_BIT_14 = -16385
 
 
-def packed_ops_fast() -> bool:
-    """Whether torch's packed int8/int4 CPU kernels are vectorised here (an AVX-512 build)."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+def native_row_limit(weight: QuantizedWeight) -> int:
+    """The most rows of ``x`` a product by ``weight`` hands to the native kernels."""
+    return NATIVE_INT8_ROWS if isinstance(weight, Int8Weight) else NATIVE_ROWS
 
 
 @dataclass
@@ -81,7 +84,7 @@ class CpuInt4Weight(QuantizedWeight):
     Packed for torch's kernel: ``packed`` and ``scales_and_zeros`` ``[in/gs, out, 2]`` with
     ``w = (q - 8) * scale + zero`` (``zero = (8 - zero point) * scale``). Otherwise
     ``nibbles`` uint8 ``[out, in/2]`` (even input rows in the low nibble), ``scales`` and
-    ``zero_scales`` (``zero point * scale``) ``[out, groups, 1]``. ``perm`` (when there)
+    ``zero_scales`` (``zero point * scale``) ``[out, groups]``. ``perm`` (when there)
     is the input row at each sorted position.
     """
 
@@ -92,7 +95,8 @@ class CpuInt4Weight(QuantizedWeight):
         nibbles = self.tensors["nibbles"][rows]
         q = torch.stack([nibbles & 0xF, nibbles >> 4], dim=-1).view(
             nibbles.shape[0], -1, self.group_size).float()
-        q.mul_(self.tensors["scales"][rows]).sub_(self.tensors["zero_scales"][rows])
+        scales, zero_scales = self.tensors["scales"][rows], self.tensors["zero_scales"][rows]
+        q.mul_(scales[..., None]).sub_(zero_scales[..., None])
         return q.view(nibbles.shape[0], self.in_features)
 
     def packed_matrix(self) -> torch.Tensor:
@@ -184,8 +188,8 @@ def _prepare_int4(weight: GptqWeight | AwqWeight, packed_ops: bool) -> CpuInt4We
         tensors["packed"] = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
         return CpuInt4Weight(tensors, weight.shape, kernel_group)
     tensors["nibbles"] = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous()
-    tensors["scales"] = scales.t().contiguous()[..., None]
-    tensors["zero_scales"] = (zeros * scales).t().contiguous()[..., None]
+    tensors["scales"] = scales.t().contiguous()
+    tensors["zero_scales"] = (zeros * scales).t().contiguous()
     return CpuInt4Weight(tensors, weight.shape, size)
 
 
@@ -203,10 +207,14 @@ def _blocked_linear(x: torch.Tensor, weight: QuantizedWeight,
 class CpuQuantLinear:
     """Weight-only quantized products on a CPU, in float32 (see the module's notes)."""
 
-    def __init__(self, packed_ops: bool | None = None, native: bool = True) -> None:
-        """``packed_ops``: use torch's packed int8/int4 kernels (default: with AVX-512);
+    #: Whether 4-bit and int8 products of a few rows round ``x`` to int8
+    #: (``CpuInt8ActivationLinear``).
+    int8_activations: ClassVar[bool] = False
+
+    def __init__(self, packed_ops: bool = False, native: bool = True) -> None:
+        """``packed_ops``: use torch's packed int8/int4 kernels (slower here: module notes);
         ``native``: run products of a few rows on the native kernels where they build."""
-        self.packed_ops = packed_ops_fast() if packed_ops is None else packed_ops
+        self.packed_ops = packed_ops
         self.ops = load_cpu_kernels() if native else None
 
     def prepare(self, weight: QuantizedWeight) -> QuantizedWeight:
@@ -250,7 +258,8 @@ class CpuQuantLinear:
     def _apply_native(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor | None:
         """``x @ w.T`` by the native kernels, or None where they do not take this product."""
         if (self.ops is None or x.device.type != "cpu" or x.dim() != 2
-                or not 0 < x.shape[0] <= NATIVE_ROWS or x.shape[1] % NATIVE_K_MULTIPLE):
+                or not 0 < x.shape[0] <= native_row_limit(weight)
+                or x.shape[1] % NATIVE_K_MULTIPLE):
             return None
         tensors = weight.tensors
         if isinstance(weight, CpuInt4Weight):
@@ -259,13 +268,15 @@ class CpuQuantLinear:
             perm = tensors.get("perm")
             if perm is not None:
                 x = x.index_select(1, perm)
-            groups = tensors["scales"].shape[1]
-            return self.ops.int4_rows(x, tensors["nibbles"], tensors["scales"].view(-1, groups),
-                                      tensors["zero_scales"].view(-1, groups))
+            rows = self.ops.int4_rows
+            if self.int8_activations and weight.group_size % A8_GROUP_MULTIPLE == 0:
+                rows = self.ops.int4_rows_a8
+            return rows(x, tensors["nibbles"], tensors["scales"], tensors["zero_scales"])
         if isinstance(weight, CpuFp8Weight):
             return self.ops.fp8_rows(x, tensors["bits"], tensors["scale"])
         if isinstance(weight, Int8Weight):
-            return self.ops.int8_rows(x, tensors["qweight"], tensors["scale"])
+            rows = self.ops.int8_rows_a8 if self.int8_activations else self.ops.int8_rows
+            return rows(x, tensors["qweight"], tensors["scale"])
         return None
 
     def _apply_int8(self, weight: Int8Weight, x: torch.Tensor) -> torch.Tensor:
@@ -283,3 +294,20 @@ class CpuQuantLinear:
                 x, weight.tensors["packed"], weight.group_size,
                 weight.tensors["scales_and_zeros"])
         return _blocked_linear(x, weight, weight.sorted_matrix)
+
+
+class CpuInt8ActivationLinear(CpuQuantLinear):
+    """``cpu`` with 4-bit and int8 products of a few rows on int8 activations (``cpu_a8``).
+
+    Each row of ``x`` is rounded to int8 per group (scale: the group's largest ``|x|``
+    over 127) and multiplied in integers: by ``int4_rows_a8`` next to 4-bit weights (the
+    weight's groups) and by ``int8_rows_a8`` next to int8 ones (blocks of the largest of
+    128, 64, 32, 16 features that divides the input features). The result is the product
+    of the dequantized weight and the rounded ``x``, 2.4x (4-bit) the float kernels' rate
+    at one row on an AVX2 core; the rounding adds at most half a step of ``x`` per
+    feature (0.4% of its group's largest value), as the int8 and int4 weight paths of
+    other CPU runtimes do. 4-bit groups that are not a multiple of 32, more rows than
+    ``native_row_limit``, and FP8 weights run as ``cpu`` does.
+    """
+
+    int8_activations: ClassVar[bool] = True
