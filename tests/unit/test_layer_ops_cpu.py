@@ -192,8 +192,8 @@ def bf16_rows(count: int, features: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize(("count", "features"), [(1, 64), (17, 128), (300, 100)])
 def test_bfloat16_norm_and_activation_round_as_the_torch_operators(count: int,
                                                                    features: int) -> None:
-    """Computed in float32 and rounded where torch's bfloat16 operators round: only the
-    mean of squares runs in another order, which may move a result by one bfloat16 step."""
+    """Computed in float32 and rounded where torch's bfloat16 operators round: the mean of
+    squares runs in another order, which may move a result by one bfloat16 step."""
     ops = kernels()
     norm = RMSNorm(features, eps=1e-5).to(torch.bfloat16)
     norm.weight.copy_(bf16_rows(1, features, 2)[0])
@@ -205,8 +205,13 @@ def test_bfloat16_norm_and_activation_round_as_the_torch_operators(count: int,
     assert torch.equal(summed, expected_sum)  # one rounded addition, exactly torch's
     torch.testing.assert_close(normed, expected, **step)
     gate_up = bf16_rows(count, 2 * features, 3)
-    torch.testing.assert_close(ops.silu_and_mul(gate_up), GatedActivation("silu")(gate_up),
-                               **step)
+    activated, expected = ops.silu_and_mul(gate_up), GatedActivation("silu")(gate_up)
+    # silu rounds to bfloat16 before the product: where its float32 value lies within the
+    # last bits of a midpoint between two bfloat16 values, another exp (the kernel's vector
+    # one against torch's) may round it the other way, one step of silu and so up to two
+    # of the product. Such elements are rare.
+    torch.testing.assert_close(activated, expected, atol=0.0, rtol=2 ** -6)
+    assert (activated != expected).float().mean() < 0.01
 
 
 def test_bfloat16_rotary_is_bit_for_bit_the_torch_rotation() -> None:
