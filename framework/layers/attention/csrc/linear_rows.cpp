@@ -94,14 +94,14 @@ void features(const float* __restrict x, int64_t k_size, const T* __restrict w, 
   float8 acc[M][F][2] = {};
   // The features' rows are contiguous, and so are those of the blocks after them: each
   // step asks for as many bytes, kPrefetchBlocks blocks ahead, as it reads (prefetching
-  // past the weight's end is harmless: a prefetch never faults). Non-temporal: a weight
-  // is read once a step, and its lines kept in every cache level pushed out what the
-  // step's other operators use (the float32 Llama's decode forward ran 10% faster).
+  // past the weight's end is harmless: a prefetch never faults), into the outer caches
+  // (vec.h: kWeightPrefetchLocality).
   constexpr int64_t step_bytes = F * kStep * static_cast<int64_t>(sizeof(T));
   const char* ahead = reinterpret_cast<const char*>(w + (n0 + kPrefetchBlocks * F) * k_size);
   for (int64_t k = 0; k < k_size; k += kStep) {
     const char* next = ahead + (k / kStep) * step_bytes;
-    for (int64_t b = 0; b < step_bytes; b += 64) __builtin_prefetch(next + b, 0, 0);
+    for (int64_t b = 0; b < step_bytes; b += 64)
+      __builtin_prefetch(next + b, 0, framework_cpu::kWeightPrefetchLocality);
     float8 xa[M], xb[M];
 #pragma GCC unroll 4
     for (int m = 0; m < M; ++m) {

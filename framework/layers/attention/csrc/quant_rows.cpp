@@ -212,9 +212,10 @@ void features(const float* __restrict x, const float* __restrict group_sums, int
     float8 acc[M][F][2] = {};
     for (int64_t k = g * group; k < (g + 1) * group; k += kStep) {
       // The features' rows are contiguous, as are the blocks' after them: one step's bytes,
-      // kPrefetchBlocks blocks ahead, non-temporal (a weight is read once a step).
+      // kPrefetchBlocks blocks ahead.
       const char* next = ahead + (k / kStep) * F * Codes::kBytesPerStep;
-      for (int64_t b = 0; b < F * Codes::kBytesPerStep; b += 64) __builtin_prefetch(next + b, 0, 0);
+      for (int64_t b = 0; b < F * Codes::kBytesPerStep; b += 64)
+        __builtin_prefetch(next + b, 0, framework_cpu::kWeightPrefetchLocality);
       float8 xa[M], xb[M];
 #pragma GCC unroll 4
       for (int m = 0; m < M; ++m) {
@@ -367,6 +368,40 @@ inline int32x4 widen_pairs(int16x8 v) {
 #endif
 }
 
+// With VNNI (AVX512-VNNI on 128-bit vectors, or AVX-VNNI) one instruction multiplies
+// sixteen unsigned bytes by sixteen signed ones and adds each four neighbouring products
+// into an int32 lane: no int16 stage, so nothing to widen between steps.
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+constexpr bool kDotBytes = true;
+#else
+constexpr bool kDotBytes = false;
+#endif
+
+// acc plus sixteen codes times sixteen activation bytes, four neighbouring products to a
+// lane (signed codes pass their signs to the activations, as in pair_products).
+template <bool Signed, typename Codes>
+inline int32x4 dot_products(int32x4 acc, Codes codes, const int8_t* x) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+  const __m128i c = reinterpret_cast<__m128i>(codes);
+  __m128i activations = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  __m128i magnitudes = c;
+  if constexpr (Signed) {
+    magnitudes = _mm_abs_epi8(c);
+    activations = _mm_sign_epi8(activations, c);
+  }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return reinterpret_cast<int32x4>(
+      _mm_dpbusd_epi32(reinterpret_cast<__m128i>(acc), magnitudes, activations));
+#else
+  return reinterpret_cast<int32x4>(
+      _mm_dpbusd_avx_epi32(reinterpret_cast<__m128i>(acc), magnitudes, activations));
+#endif
+#else
+  for (int i = 0; i < 16; ++i) acc[i / 4] += codes[i] * x[i];
+  return acc;
+#endif
+}
+
 // The weight formats the int8-activation kernel reads: a step of codes per feature (sixteen
 // bytes), their products with a row's activation codes, and the scale and zero term of a
 // feature's group.
@@ -393,6 +428,9 @@ struct Int4ByA8 {
   static int16x8 products(const Step& step, const int8_t* x) {
     return pair_products<false>(step.low, x) + pair_products<false>(step.high, x + kStep / 2);
   }
+  static int32x4 dot(int32x4 acc, const Step& step, const int8_t* x) {
+    return dot_products<false>(dot_products<false>(acc, step.low, x), step.high, x + kStep / 2);
+  }
   float scale(int64_t n, int64_t g) const { return w.scales[n * groups + g]; }
   float zero(int64_t n, int64_t g) const { return w.zeros[n * groups + g]; }
 };
@@ -416,6 +454,9 @@ struct Int8ByA8 {
   static int16x8 products(const Step& step, const int8_t* x) {
     return pair_products<true>(step, x);
   }
+  static int32x4 dot(int32x4 acc, const Step& step, const int8_t* x) {
+    return dot_products<true>(acc, step, x);
+  }
   float scale(int64_t n, int64_t) const { return scales[n]; }
   float zero(int64_t, int64_t) const { return 0.f; }
 };
@@ -435,23 +476,41 @@ void features_a8(const int8_t* __restrict x, const float* __restrict x_scales,
   float zero_total[M][F] = {};
   const char* ahead =
       reinterpret_cast<const char*>(w.bytes(n0, 0)) + kPrefetchBlocks * F * w.stride();
+  const auto prefetch = [&](int64_t k) {
+    const char* next = ahead + (k / kStep) * F * kStepBytes;
+    for (int64_t b = 0; b < F * kStepBytes; b += 64)
+      __builtin_prefetch(next + b, 0, framework_cpu::kWeightPrefetchLocality);
+  };
   for (int64_t g = 0; g < groups; ++g) {
     int32x4 acc[M][F] = {};
     for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += kRun) {
       const int64_t k1 = std::min(k0 + kRun, (g + 1) * group);
-      int16x8 sums[M][F] = {};
-      for (int64_t k = k0; k < k1; k += kStep) {
-        const char* next = ahead + (k / kStep) * F * kStepBytes;
-        for (int64_t b = 0; b < F * kStepBytes; b += 64) __builtin_prefetch(next + b, 0, 0);
+      if constexpr (kDotBytes) {
+        for (int64_t k = k0; k < k1; k += kStep) {
+          prefetch(k);
 #pragma GCC unroll 4
-        for (int f = 0; f < F; ++f) {
-          const typename Weights::Step step = w.load(n0 + f, k);
+          for (int f = 0; f < F; ++f) {
+            const typename Weights::Step step = w.load(n0 + f, k);
 #pragma GCC unroll 4
-          for (int m = 0; m < M; ++m) sums[m][f] += Weights::products(step, x + m * k_size + k);
+            for (int m = 0; m < M; ++m)
+              acc[m][f] = Weights::dot(acc[m][f], step, x + m * k_size + k);
+          }
         }
+      } else {
+        int16x8 sums[M][F] = {};
+        for (int64_t k = k0; k < k1; k += kStep) {
+          prefetch(k);
+#pragma GCC unroll 4
+          for (int f = 0; f < F; ++f) {
+            const typename Weights::Step step = w.load(n0 + f, k);
+#pragma GCC unroll 4
+            for (int m = 0; m < M; ++m)
+              sums[m][f] += Weights::products(step, x + m * k_size + k);
+          }
+        }
+        for (int m = 0; m < M; ++m)
+          for (int f = 0; f < F; ++f) acc[m][f] += widen_pairs(sums[m][f]);
       }
-      for (int m = 0; m < M; ++m)
-        for (int f = 0; f < F; ++f) acc[m][f] += widen_pairs(sums[m][f]);
     }
     for (int f = 0; f < F; ++f) {
       const float scale = w.scale(n0 + f, g), zero = w.zero(n0 + f, g);

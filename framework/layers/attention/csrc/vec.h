@@ -1,5 +1,5 @@
-// What the CPU kernels share: eight-float vectors, and bfloat16 read as float32 and
-// rounded back to it as torch does.
+// What the CPU kernels share: eight-float vectors, bfloat16 read as float32 and rounded
+// back to it as torch does, and how the weight walks prefetch.
 //
 // A bfloat16 is the top half of a float32, so reading one is a shift; writing one rounds
 // to nearest, ties to even, and keeps a NaN a NaN (c10's round_to_nearest_even), tested
@@ -17,6 +17,14 @@
 namespace framework_cpu {
 
 using bf16 = c10::BFloat16;
+
+// The locality hint of a weight walk's prefetches (__builtin_prefetch's third argument):
+// 1, into the outer caches. A decode step's weights come from memory; with the
+// non-temporal hint (0) an Intel server core kept only as many lines in flight as its
+// first-level cache tracks, and a float32 walk through 320 MB of weights ran at 4.4 GB/s
+// against 13 GB/s with this hint (one thread, Xeon with AVX-512; 4-bit and int8 walks
+// 1.3-1.6x faster likewise).
+constexpr int kWeightPrefetchLocality = 1;
 
 // Eight floats: one AVX register, or two NEON ones; the compiler picks the instructions.
 typedef float float8 __attribute__((vector_size(32)));
