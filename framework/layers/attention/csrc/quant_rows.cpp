@@ -29,7 +29,8 @@
 // widening a code costs a mask or a shift and nothing goes through float until a group
 // ends. Per sixteen bytes of 4-bit codes, seven vector operations (mask, shift, mask, two
 // maddubs, two adds) against the float kernel's twenty-four (twenty to widen, four
-// multiply-adds): about 2.4x its rate at one row on an AVX2 Zen core (int8: 1.7x). The
+// multiply-adds): about 2.4x its rate at one row on an AVX2 Zen core (int8: 1.7x). With
+// VNNI, dpbusd takes the products into int32 lanes at once (dot_products). The
 // result is the product of the dequantized weight and the dequantized activations, to
 // float rounding.
 //
