@@ -55,6 +55,7 @@ from framework.layers.quantization.checkpoint import (
     checkpoint_quantization,
 )
 from framework.layers.quantization.linear_method import (
+    float_weights_for_reload,
     quantize_linear_layers,
     quantized_bytes,
     resolve_quant_backend,
@@ -607,6 +608,11 @@ class ModelRunner:
                 is_embedding=self.server_args.is_embedding,
             )
             self._check_same_shapes(new_config)
+            if self.checkpoint_quantization is not None:
+                raise ValueError(
+                    f"weights cannot be updated on a pre-quantized "
+                    f"({self.checkpoint_quantization.method}) checkpoint; start the server on "
+                    f"the new one")
             if load_format != "dummy":
                 dry_run_load(new_config, model_path)
         # Any error, not only the expected ones: with several ranks, one that raised here
@@ -618,12 +624,18 @@ class ModelRunner:
     def _load_update(self, model_path: str, load_format: str) -> str | None:
         """Load this rank's share of the new weights; why it failed (None: it did not)."""
         try:
-            with self._base_layers():
-                load_weights(self.model, model_path, load_format,
-                             seed=self.server_args.random_seed)
+            self._reload_weights(model_path, load_format)
         except Exception as exc:  # I/O or data errors after the old weights were partly overwritten
             return str(exc)
         return None
+
+    def _reload_weights(self, model_path: str, load_format: str) -> None:
+        """Load a checkpoint over the running weights; linear layers quantized online
+        (``--quantization int8|fp8``) take float weights for it and are quantized anew."""
+        with self._base_layers():
+            float_weights_for_reload(self.model)
+            load_weights(self.model, model_path, load_format, seed=self.server_args.random_seed)
+            self._quantize_linear_layers()
 
     def _check_same_shapes(self, new_config: ModelConfig) -> None:
         old, new = self.model_config.shape_signature(), new_config.shape_signature()
@@ -640,9 +652,7 @@ class ModelRunner:
         """
         message = f"loading weights from {model_path} failed: {self._describe(failed)}"
         try:
-            with self._base_layers():
-                load_weights(self.model, self.model_path, self.load_format,
-                             seed=self.server_args.random_seed)
+            self._reload_weights(self.model_path, self.load_format)
             error = None
         except Exception as exc:  # reported below; nothing better can be done here
             logger.error("restoring weights from %s failed: %s", self.model_path, exc)

@@ -198,3 +198,40 @@ def test_int8_activations_keep_the_4_bit_checkpoint_s_tokens(
     assert tokens["cpu_a8"] == tokens["cpu"]
     moved = [abs(a - b) for a, b in zip(logprobs["cpu"], logprobs["cpu_a8"], strict=True)]
     assert 0 < max(moved) < 0.05, moved
+
+
+def test_weight_update_quantizes_the_new_checkpoint_again(
+        checkpoints: dict[str, Path], prompt_ids: list[list[int]], tmp_path: Path) -> None:
+    # A model quantized online and updated from another float checkpoint serves what an
+    # Engine started on that checkpoint serves, in the same quantized bytes; a quantized
+    # checkpoint is refused and the running weights keep serving.
+    other = make_tiny_checkpoint(tmp_path, "llama", seed=6)
+
+    def tokens(engine: Engine) -> list[list[int]]:
+        outs = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)
+        return [o["output_ids"] for o in outs]
+
+    with Engine(model_path=str(other), quantization="int8", launch_mode="thread",
+                **ENGINE_ARGS) as engine:
+        expected = tokens(engine)
+    with Engine(model_path=str(checkpoints["float"]), quantization="int8",
+                launch_mode="thread", **ENGINE_ARGS) as engine:
+        before, info = tokens(engine), engine.get_server_info()
+        refused = engine.update_weights_from_disk(str(checkpoints["gptq"]))
+        assert not refused.success and tokens(engine) == before
+        updated = engine.update_weights_from_disk(str(other))
+        assert updated.success, updated.message
+        assert tokens(engine) == expected != before
+        assert engine.get_server_info()["weight_bytes_rank_0"] == info["weight_bytes_rank_0"]
+
+
+def test_weight_update_of_a_pre_quantized_checkpoint_is_refused(
+        checkpoints: dict[str, Path], prompt_ids: list[list[int]]) -> None:
+    with Engine(model_path=str(checkpoints["gptq"]), launch_mode="thread",
+                **ENGINE_ARGS) as engine:
+        before = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)
+        result = engine.update_weights_from_disk(str(checkpoints["gptq"]))
+        after = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)
+    assert not result.success
+    assert "cannot be updated on a pre-quantized (gptq) checkpoint" in result.message
+    assert [o["output_ids"] for o in after] == [o["output_ids"] for o in before]

@@ -3,7 +3,9 @@
 After the float weights load, each ``LinearBase`` layer's local weight (its tensor-parallel
 shard) is quantized per output channel, handed to the quantized-linear kernel's ``prepare``,
 and its float copy is freed; the layer then multiplies through the kernel's ``apply``.
-The LM head and embeddings are not ``LinearBase`` layers and stay float.
+The LM head and embeddings are not ``LinearBase`` layers and stay float. A weight update
+from disk gives the quantized layers float weights again (``float_weights_for_reload``),
+loads, and quantizes anew.
 """
 
 from __future__ import annotations
@@ -63,6 +65,20 @@ def attach_quantized_weight(layer: LinearBase, weight: QuantizedWeight, kernel: 
     layer.quant_kernel = kernel
     layer.packed_weight = None
     layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device)
+
+
+def float_weights_for_reload(model: nn.Module) -> int:
+    """Give every quantized ``LinearBase`` of ``model`` an (uninitialised) float weight of
+    its shape again and drop its quantized one, so that a checkpoint loads into it;
+    returns how many layers."""
+    layers = [m for m in model.modules()
+              if isinstance(m, LinearBase) and m.quant_weight is not None]
+    for layer in layers:
+        layer.weight.data = torch.empty(layer.quant_weight.shape, dtype=layer.weight.dtype,
+                                        device=layer.weight.device)
+        layer.quant_weight = None
+        layer.quant_kernel = None
+    return len(layers)
 
 
 def quantized_bytes(model: nn.Module) -> int:
