@@ -463,8 +463,9 @@ struct Int8ByA8 {
 };
 
 // y[m][n] for output features [n0, n0 + F) of the M rows of x's codes: per group, int32
-// sums of codes times codes (int16 for Weights::kInt16Steps steps at a time), then scaled
-// by both scales into float totals; the zero terms from x's scaled code sums.
+// sums of codes times codes (without VNNI, in int16 for Weights::kInt16Steps steps at a
+// time), then scaled by both scales into float totals; the zero terms from x's scaled code
+// sums.
 template <typename Weights, int M, int F>
 void features_a8(const int8_t* __restrict x, const float* __restrict x_scales,
                  const float* __restrict x_sums, int64_t k_size, int64_t group,
@@ -477,38 +478,35 @@ void features_a8(const int8_t* __restrict x, const float* __restrict x_scales,
   float zero_total[M][F] = {};
   const char* ahead =
       reinterpret_cast<const char*>(w.bytes(n0, 0)) + kPrefetchBlocks * F * w.stride();
-  const auto prefetch = [&](int64_t k) {
-    const char* next = ahead + (k / kStep) * F * kStepBytes;
-    for (int64_t b = 0; b < F * kStepBytes; b += 64)
-      __builtin_prefetch(next + b, 0, framework_cpu::kWeightPrefetchLocality);
+  // The steps of [k0, k1): each prefetches, then hands every feature's codes and every
+  // row's activation codes to `body(m, f, step, x_codes)`.
+  const auto over_steps = [&](int64_t k0, int64_t k1, auto&& body) {
+    for (int64_t k = k0; k < k1; k += kStep) {
+      const char* next = ahead + (k / kStep) * F * kStepBytes;
+      for (int64_t b = 0; b < F * kStepBytes; b += 64)
+        __builtin_prefetch(next + b, 0, framework_cpu::kWeightPrefetchLocality);
+#pragma GCC unroll 4
+      for (int f = 0; f < F; ++f) {
+        const typename Weights::Step step = w.load(n0 + f, k);
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) body(m, f, step, x + m * k_size + k);
+      }
+    }
   };
+  using Step = typename Weights::Step;
   for (int64_t g = 0; g < groups; ++g) {
     int32x4 acc[M][F] = {};
     for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += kRun) {
       const int64_t k1 = std::min(k0 + kRun, (g + 1) * group);
       if constexpr (kDotBytes) {
-        for (int64_t k = k0; k < k1; k += kStep) {
-          prefetch(k);
-#pragma GCC unroll 4
-          for (int f = 0; f < F; ++f) {
-            const typename Weights::Step step = w.load(n0 + f, k);
-#pragma GCC unroll 4
-            for (int m = 0; m < M; ++m)
-              acc[m][f] = Weights::dot(acc[m][f], step, x + m * k_size + k);
-          }
-        }
+        over_steps(k0, k1, [&](int m, int f, const Step& step, const int8_t* codes) {
+          acc[m][f] = Weights::dot(acc[m][f], step, codes);
+        });
       } else {
         int16x8 sums[M][F] = {};
-        for (int64_t k = k0; k < k1; k += kStep) {
-          prefetch(k);
-#pragma GCC unroll 4
-          for (int f = 0; f < F; ++f) {
-            const typename Weights::Step step = w.load(n0 + f, k);
-#pragma GCC unroll 4
-            for (int m = 0; m < M; ++m)
-              sums[m][f] += Weights::products(step, x + m * k_size + k);
-          }
-        }
+        over_steps(k0, k1, [&](int m, int f, const Step& step, const int8_t* codes) {
+          sums[m][f] += Weights::products(step, codes);
+        });
         for (int m = 0; m < M; ++m)
           for (int f = 0; f < F; ++f) acc[m][f] += widen_pairs(sums[m][f]);
       }
