@@ -97,6 +97,9 @@ class ServerArgs:
                                          "cpu_a8 (4-bit and int8 products on int8 "
                                          "activations), torch (the reference), or a plugin's; "
                                          "auto: cpu on a CPU, torch elsewhere", "runtime")
+    quantize_lm_head: bool = _opt(False, "also quantize the LM head (where it is not tied "
+                                  "to the embeddings) to int8, per channel, online "
+                                  "(docs/quantization.md)", "runtime")
     max_running_requests: int = _opt(64, "most requests in the running batch", "runtime")
     max_queued_requests: int | None = _opt(None, "most requests in flight beyond the running "
                                            "batches; a request past it gets 503 with "

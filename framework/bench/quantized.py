@@ -3,10 +3,11 @@
 A random Llama of about 100M parameters (8 layers, hidden 1024, intermediate 2048, the
 embedded tokenizer's vocabulary) is written once in float32; ``framework quantize``
 writes its int8 (per-channel) and GPTQ int4 (``--group-size``, 128) checkpoints beside
-it. Each configuration (``CONFIGURATIONS``: a checkpoint and a quantized-linear kernel)
-is served by one ``framework.Engine`` that runs greedy requests at 1 stream (one request
-at a time) and at 64 (sent together): every checkpoint on the default kernel (float32
-activations), and again on ``cpu_a8`` (products of a few rows on int8 activations).
+it. Each configuration (``CONFIGURATIONS``: a checkpoint, a quantized-linear kernel and
+whether the LM head is quantized too) is served by one ``framework.Engine`` that runs
+greedy requests at 1 stream (one request at a time) and at 64 (sent together): every
+checkpoint on the default kernel (float32 activations), again on ``cpu_a8`` (products of
+a few rows on int8 activations), and each with an int8 LM head (``--quantize-lm-head``).
 Each configuration runs ``--rounds`` times after a warm-up and keeps its best round.
 Reported: output tokens/s, the speed-up over float32, and the weight bytes
 ``/get_server_info`` reports (``weight_bytes_rank_0``), with the machine and commit, in
@@ -26,10 +27,14 @@ from framework.bench.environment import greedy_tokens_per_second, run_stamp, wri
 DEFAULT_OUTPUT = "benchmarks/results/quantized"
 #: Checkpoint formats measured, after float32: ``framework quantize --format``.
 FORMATS = ("int8", "gptq")
-#: The rows' configurations: label, checkpoint, ``--quantized-linear-backend``.
-CONFIGURATIONS = (("float32", "float32", "auto"), ("int8", "int8", "auto"),
-                  ("gptq", "gptq", "auto"), ("int8, cpu_a8", "int8", "cpu_a8"),
-                  ("gptq, cpu_a8", "gptq", "cpu_a8"))
+#: The rows' configurations: label, checkpoint, Engine options (``--quantized-linear-backend``
+#: and ``--quantize-lm-head``).
+_A8 = {"quantized_linear_backend": "cpu_a8"}
+_HEAD = {"quantize_lm_head": True}
+CONFIGURATIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("float32", "float32", {}), ("int8", "int8", {}), ("gptq", "gptq", {}),
+    ("int8, cpu_a8", "int8", _A8), ("gptq, cpu_a8", "gptq", _A8),
+    ("int8, int8 head", "int8", _HEAD), ("gptq, int8 head, cpu_a8", "gptq", {**_A8, **_HEAD}))
 STREAMS = (1, 64)
 _WORDS = "the data value list index count result file name table row column key page model"
 
@@ -74,7 +79,7 @@ def _prompts(count: int) -> list[str]:
             for i in range(count)]
 
 
-def run_format(name: str, path: Path, backend: str,
+def run_format(name: str, path: Path, options: dict[str, Any],
                settings: Settings) -> list[dict[str, Any]]:
     """The rows of one configuration: one per stream count."""
     from framework import Engine
@@ -82,8 +87,7 @@ def run_format(name: str, path: Path, backend: str,
     rows = []
     with Engine(model_path=str(path), dtype="float32", log_level="warning",
                 max_running_requests=max(STREAMS), launch_mode=settings.launch_mode,
-                torch_threads=settings.torch_threads,
-                quantized_linear_backend=backend) as engine:
+                torch_threads=settings.torch_threads, **options) as engine:
         weight_bytes = engine.get_server_info()["weight_bytes_rank_0"]
         greedy_tokens_per_second(engine, _prompts(2), 2, 4)  # warm-up
         for streams in STREAMS:
@@ -124,8 +128,8 @@ def run_benchmark(settings: Settings, output: str) -> list[Path]:
             "torch_threads": settings.torch_threads or "the default plan"}
     with tempfile.TemporaryDirectory(prefix="framework-quantized-") as tmp:
         paths = write_checkpoints(settings, Path(tmp))
-        rows = [row for name, checkpoint, backend in CONFIGURATIONS
-                for row in run_format(name, paths[checkpoint], backend, settings)]
+        rows = [row for name, checkpoint, options in CONFIGURATIONS
+                for row in run_format(name, paths[checkpoint], options, settings)]
     return write_results(output, "quantized", {**meta, "rows": rows}, render(rows, meta))
 
 

@@ -79,10 +79,14 @@ class VocabParallelEmbedding(nn.Module):
         This is how a model with tied embeddings projects onto the vocabulary.
         The result is in the weight dtype.
         """
-        logits = linear(hidden_states, self.weight, None, self.packed_weight, self.cpu_ops)
+        logits = self._project(hidden_states)
         if self.tp_size > 1:
             logits = bound_tp_group(self).all_gather(logits, dim=-1)
         return logits[:, : self.num_embeddings]
+
+    def _project(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """This rank's logits: ``hidden_states`` times its rows of the table."""
+        return linear(hidden_states, self.weight, None, self.packed_weight, self.cpu_ops)
 
     def extra_repr(self) -> str:
         return (
@@ -92,7 +96,24 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection ``hidden -> vocabulary logits``, split like the embedding."""
+    """The output projection ``hidden -> vocabulary logits``, split like the embedding.
+
+    With ``--quantize-lm-head`` its rows are held quantized (``quant_weight``, multiplied by
+    ``quant_kernel``: framework/layers/quantization/linear_method.py), as a quantized
+    linear layer's are.
+    """
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, *, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, tp_rank=tp_rank, tp_size=tp_size)
+        self.quant_weight: Any = None
+        self.quant_kernel: Any = None
+
+    def _project(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.quant_weight is None:
+            return super()._project(hidden_states)
+        return self.quant_kernel.apply(self.quant_weight, hidden_states)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """An output head is not an embedding lookup; use ``compute_logits``."""

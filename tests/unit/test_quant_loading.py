@@ -1,8 +1,9 @@
 """Online int8/FP8 quantization of a loaded tiny Llama (``--quantization``).
 
 Each quantized linear layer must match the float64 product by the dequantized weight of
-the float checkpoint's layer, the LM head must stay float, and the reported weight bytes
-must shrink to the quantized tensors'.
+the float checkpoint's layer, the LM head must stay float unless ``--quantize-lm-head``
+(then its logits are those of its int8 rows), and the reported weight bytes must shrink to
+the quantized tensors'.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from framework.config import ServerArgs
 from framework.layers.linear import LinearBase
+from framework.layers.quantization.int8 import Int8Weight
 from framework.layers.quantization.linear_method import ONLINE_FORMATS
 from framework.model_executor.model_runner import ModelRunner, weight_bytes
 
@@ -66,6 +68,25 @@ def test_lm_head_stays_float_and_weight_bytes_shrink(
     saved = weight_bytes(float_runner.model)[0] - weight_bytes(runner.model)[0]
     assert saved >= 0.7 * float_linear
     assert runner.ranks_info()["weight_bytes_rank_0"] == weight_bytes(runner.model)[1]
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_quantized_lm_head_gives_the_logits_of_its_int8_rows(
+        tiny_checkpoint: Any, float_runner: ModelRunner, quantization: str | None) -> None:
+    """With ``--quantize-lm-head`` (alone, or beside quantized layers) the head holds int8
+    rows: logits equal the float64 product by them, and a quarter of its float bytes."""
+    runner = _runner(tiny_checkpoint("llama"), quantization=quantization,
+                     quantize_lm_head=True, quantized_linear_backend="cpu")
+    head, float_head = runner.model.lm_head, float_runner.model.lm_head
+    assert head.quant_weight is not None and head.weight.numel() == 0
+    reference = Int8Weight.from_float(float_head.weight.data).dequantize().double()
+    hidden = torch.randn(3, reference.shape[1], generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(head.compute_logits(hidden).double(),
+                               (hidden.double() @ reference.T)[:, :head.num_embeddings],
+                               rtol=1e-4, atol=1e-4)
+    unquantized = _runner(tiny_checkpoint("llama"), quantization=quantization)
+    saved = weight_bytes(unquantized.model)[0] - weight_bytes(runner.model)[0]
+    assert saved >= 0.7 * float_head.weight.numel() * 4
 
 
 def test_unknown_quantized_backend_is_an_error(tiny_checkpoint: Any) -> None:

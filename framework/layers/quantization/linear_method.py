@@ -3,9 +3,10 @@
 After the float weights load, each ``LinearBase`` layer's local weight (its tensor-parallel
 shard) is quantized per output channel, handed to the quantized-linear kernel's ``prepare``,
 and its float copy is freed; the layer then multiplies through the kernel's ``apply``.
-The LM head and embeddings are not ``LinearBase`` layers and stay float. A weight update
-from disk gives the quantized layers float weights again (``float_weights_for_reload``),
-loads, and quantizes anew.
+The embeddings stay float, and so does the LM head unless ``--quantize-lm-head`` asks for
+it in int8 (``quantize_lm_head``; a head tied to the embeddings stays float). A weight
+update from disk gives the quantized layers float weights again
+(``float_weights_for_reload``), loads, and quantizes anew.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from framework.layers.embedding import ParallelLMHead
 from framework.layers.linear import LinearBase
 from framework.layers.quantization.fp8 import Fp8Weight
 from framework.layers.quantization.int8 import Int8Weight
@@ -55,7 +57,25 @@ def quantize_linear_layers(model: nn.Module, quantization: str, backend: str) ->
     return len(layers)
 
 
-def attach_quantized_weight(layer: LinearBase, weight: QuantizedWeight, kernel: Any) -> None:
+def quantize_lm_head(model: nn.Module, backend: str) -> int:
+    """Quantize ``model``'s untied LM head (this rank's rows) to int8 per output channel;
+    returns how many heads (0 where the head is the embedding table, or on a pipeline
+    stage without it)."""
+    kernel: Any = QUANT_LINEAR_BACKENDS.get(backend)()
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
+    for head in heads:
+        attach_quantized_weight(head, Int8Weight.from_float(head.weight.data), kernel)
+    return len(heads)
+
+
+def quantized_layers(model: nn.Module) -> list[LinearBase | ParallelLMHead]:
+    """The layers of ``model`` whose weights are held quantized."""
+    return [m for m in model.modules() if isinstance(m, LinearBase | ParallelLMHead)
+            and m.quant_weight is not None]
+
+
+def attach_quantized_weight(layer: LinearBase | ParallelLMHead, weight: QuantizedWeight,
+                            kernel: Any) -> None:
     """Make ``layer`` multiply by ``weight`` through ``kernel`` and free its float weight.
 
     The float parameter stays (empty, same dtype and device) so code reading its
@@ -68,11 +88,10 @@ def attach_quantized_weight(layer: LinearBase, weight: QuantizedWeight, kernel: 
 
 
 def float_weights_for_reload(model: nn.Module) -> int:
-    """Give every quantized ``LinearBase`` of ``model`` an (uninitialised) float weight of
+    """Give every quantized layer of ``model`` an (uninitialised) float weight of
     its shape again and drop its quantized one, so that a checkpoint loads into it;
     returns how many layers."""
-    layers = [m for m in model.modules()
-              if isinstance(m, LinearBase) and m.quant_weight is not None]
+    layers = quantized_layers(model)
     for layer in layers:
         layer.weight.data = torch.empty(layer.quant_weight.shape, dtype=layer.weight.dtype,
                                         device=layer.weight.device)
@@ -82,8 +101,6 @@ def float_weights_for_reload(model: nn.Module) -> int:
 
 
 def quantized_bytes(model: nn.Module) -> int:
-    """Bytes of the quantized tensors every quantized ``LinearBase`` of ``model`` holds."""
+    """Bytes of the quantized tensors the quantized layers of ``model`` hold."""
     return sum(t.numel() * t.element_size()
-               for m in model.modules()
-               if isinstance(m, LinearBase) and m.quant_weight is not None
-               for t in m.quant_weight.tensors.values())
+               for m in quantized_layers(model) for t in m.quant_weight.tensors.values())
