@@ -100,6 +100,9 @@ class ServerArgs:
     quantize_lm_head: bool = _opt(False, "also quantize the LM head (where it is not tied "
                                   "to the embeddings) to int8, per channel, online "
                                   "(docs/quantization.md)", "runtime")
+    quantize_embeddings: bool = _opt(False, "also quantize the token embedding table (and "
+                                     "the LM head tied to it) to int8, per row, online "
+                                     "(docs/quantization.md)", "runtime")
     max_running_requests: int = _opt(64, "most requests in the running batch", "runtime")
     max_queued_requests: int | None = _opt(None, "most requests in flight beyond the running "
                                            "batches; a request past it gets 503 with "

@@ -4,10 +4,11 @@ A random Llama of about 100M parameters (8 layers, hidden 1024, intermediate 204
 embedded tokenizer's vocabulary) is written once in float32; ``framework quantize``
 writes its int8 (per-channel) and GPTQ int4 (``--group-size``, 128) checkpoints beside
 it. Each configuration (``CONFIGURATIONS``: a checkpoint, a quantized-linear kernel and
-whether the LM head is quantized too) is served by one ``framework.Engine`` that runs
-greedy requests at 1 stream (one request at a time) and at 64 (sent together): every
-checkpoint on the default kernel (float32 activations), again on ``cpu_a8`` (products of
-a few rows on int8 activations), and each with an int8 LM head (``--quantize-lm-head``).
+whether the LM head and embeddings are quantized too) is served by one
+``framework.Engine`` that runs greedy requests at 1 stream (one request at a time) and at
+64 (sent together): every checkpoint on the default kernel (float32 activations), again
+on ``cpu_a8`` (products of a few rows on int8 activations), and each with an int8 LM
+head and embedding table (``--quantize-lm-head``, ``--quantize-embeddings``).
 Each configuration runs ``--rounds`` times after a warm-up and keeps its best round.
 Reported: output tokens/s, the speed-up over float32, and the weight bytes
 ``/get_server_info`` reports (``weight_bytes_rank_0``), with the machine and commit, in
@@ -27,14 +28,15 @@ from framework.bench.environment import greedy_tokens_per_second, run_stamp, wri
 DEFAULT_OUTPUT = "benchmarks/results/quantized"
 #: Checkpoint formats measured, after float32: ``framework quantize --format``.
 FORMATS = ("int8", "gptq")
-#: The rows' configurations: label, checkpoint, Engine options (``--quantized-linear-backend``
-#: and ``--quantize-lm-head``).
+#: The rows' configurations: label, checkpoint, Engine options (``--quantized-linear-backend``;
+#: "int8 tables": ``--quantize-lm-head`` and ``--quantize-embeddings``).
 _A8 = {"quantized_linear_backend": "cpu_a8"}
-_HEAD = {"quantize_lm_head": True}
+_TABLES = {"quantize_lm_head": True, "quantize_embeddings": True}
 CONFIGURATIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("float32", "float32", {}), ("int8", "int8", {}), ("gptq", "gptq", {}),
     ("int8, cpu_a8", "int8", _A8), ("gptq, cpu_a8", "gptq", _A8),
-    ("int8, int8 head", "int8", _HEAD), ("gptq, int8 head, cpu_a8", "gptq", {**_A8, **_HEAD}))
+    ("int8, int8 tables", "int8", _TABLES),
+    ("gptq, int8 tables, cpu_a8", "gptq", {**_A8, **_TABLES}))
 STREAMS = (1, 64)
 _WORDS = "the data value list index count result file name table row column key page model"
 

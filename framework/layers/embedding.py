@@ -44,6 +44,13 @@ class VocabParallelEmbedding(nn.Module):
         #: The native CPU kernels when bound (``bind_cpu_layer_ops``): the logits of a few
         #: rows come from their ``linear_rows``.
         self.cpu_ops: Any = None
+        #: With ``--quantize-embeddings`` or ``--quantize-lm-head`` the table held in int8
+        #: instead (framework/layers/quantization/linear_method.py): ``quant_weight`` as the
+        #: quantized-linear kernel ``quant_kernel`` prepared it, for logits; ``quant_rows``
+        #: as quantized (int8 ``qweight`` and a ``scale`` a row), for lookups.
+        self.quant_weight: Any = None
+        self.quant_kernel: Any = None
+        self.quant_rows: Any = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: CheckpointWeight, shard_id: object = None
@@ -66,12 +73,19 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embed token ids; each rank looks up its own rows, the rest are summed in."""
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.rows_per_rank)
-        out = F.embedding(local.clamp(0, self.rows_per_rank - 1), self.weight)
+        out = self._lookup(local.clamp(0, self.rows_per_rank - 1))
         out = out * mine.unsqueeze(-1).to(out.dtype)
         return bound_tp_group(self).all_reduce(out)
+
+    def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's table rows ``rows``, in the weight dtype (int8 rows times scales)."""
+        if self.quant_rows is None:
+            return F.embedding(rows, self.weight)
+        codes, scale = self.quant_rows.tensors["qweight"], self.quant_rows.tensors["scale"]
+        return (codes[rows].float() * scale[rows].float().unsqueeze(-1)).to(self.weight.dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Use the table as an output projection: logits ``[n, num_embeddings]``.
@@ -86,6 +100,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def _project(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """This rank's logits: ``hidden_states`` times its rows of the table."""
+        if self.quant_weight is not None:
+            return self.quant_kernel.apply(self.quant_weight, hidden_states)
         return linear(hidden_states, self.weight, None, self.packed_weight, self.cpu_ops)
 
     def extra_repr(self) -> str:
@@ -96,24 +112,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection ``hidden -> vocabulary logits``, split like the embedding.
-
-    With ``--quantize-lm-head`` its rows are held quantized (``quant_weight``, multiplied by
-    ``quant_kernel``: framework/layers/quantization/linear_method.py), as a quantized
-    linear layer's are.
-    """
-
-    def __init__(
-        self, num_embeddings: int, embedding_dim: int, *, tp_rank: int = 0, tp_size: int = 1
-    ) -> None:
-        super().__init__(num_embeddings, embedding_dim, tp_rank=tp_rank, tp_size=tp_size)
-        self.quant_weight: Any = None
-        self.quant_kernel: Any = None
-
-    def _project(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.quant_weight is None:
-            return super()._project(hidden_states)
-        return self.quant_kernel.apply(self.quant_weight, hidden_states)
+    """The output projection ``hidden -> vocabulary logits``, split like the embedding
+    (held in int8 with ``--quantize-lm-head``)."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """An output head is not an embedding lookup; use ``compute_logits``."""

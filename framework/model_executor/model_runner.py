@@ -56,6 +56,7 @@ from framework.layers.quantization.checkpoint import (
 )
 from framework.layers.quantization.linear_method import (
     float_weights_for_reload,
+    quantize_embeddings,
     quantize_linear_layers,
     quantize_lm_head,
     quantized_bytes,
@@ -294,20 +295,23 @@ class ModelRunner:
     def _quantize_linear_layers(self) -> None:
         """Stack a pre-quantized checkpoint's layers for their kernel, or with
         ``--quantization int8|fp8`` of a float checkpoint quantize the loaded linear layers;
-        with ``--quantize-lm-head`` quantize the LM head too (a no-op otherwise)."""
+        with ``--quantize-embeddings`` and ``--quantize-lm-head`` the embedding table and the
+        LM head too (a no-op otherwise)."""
         args = self.server_args
         if (args.quantization is None and self.checkpoint_quantization is None
-                and not args.quantize_lm_head):
+                and not args.quantize_lm_head and not args.quantize_embeddings):
             return
         backend = resolve_quant_backend(args.quantized_linear_backend, self.device)
         if self.checkpoint_quantization is not None:
             attach_checkpoint_weights(self.model, backend)
         elif args.quantization is not None:
             quantize_linear_layers(self.model, args.quantization, backend)
+        if args.quantize_embeddings:
+            quantize_embeddings(self.model, backend)
         last_stage = self.pp_rank == self.pp_size - 1
         if args.quantize_lm_head and not quantize_lm_head(self.model, backend) and last_stage:
             logger.warning("--quantize-lm-head: the LM head is the embedding table (tied "
-                           "embeddings) and stays float")
+                           "embeddings); --quantize-embeddings quantizes it")
 
     def _pack_linear_weights(self) -> None:
         """With the onednn linear backend, pack the weights just loaded (a no-op otherwise)."""

@@ -202,11 +202,13 @@ def test_int8_activations_keep_the_4_bit_checkpoint_s_tokens(
 
 def test_weight_update_quantizes_the_new_checkpoint_again(
         checkpoints: dict[str, Path], prompt_ids: list[list[int]], tmp_path: Path) -> None:
-    # A model quantized online (its LM head too) and updated from another float checkpoint
-    # serves what an Engine started on that checkpoint serves, in the same quantized bytes;
-    # a quantized checkpoint is refused and the running weights keep serving.
+    # A model quantized online (its LM head and embeddings too) and updated from another
+    # float checkpoint serves what an Engine started on that checkpoint serves, in the same
+    # quantized bytes; a quantized checkpoint is refused and the running weights keep
+    # serving.
     other = make_tiny_checkpoint(tmp_path, "llama", seed=6)
-    online = {"quantization": "int8", "quantize_lm_head": True, "launch_mode": "thread"}
+    online = {"quantization": "int8", "quantize_lm_head": True, "quantize_embeddings": True,
+              "launch_mode": "thread"}
 
     def tokens(engine: Engine) -> list[list[int]]:
         outs = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)

@@ -16,15 +16,15 @@ def test_every_format_is_measured_and_written_with_its_bytes(tmp_path: Path) -> 
     assert result["commit"] and result["machine"]
     rows = {(r["format"], r["streams"]): r for r in result["rows"]}
     assert set(rows) == {(f, s) for f in ("float32", "int8", "gptq", "int8, cpu_a8",
-                                          "gptq, cpu_a8", "int8, int8 head",
-                                          "gptq, int8 head, cpu_a8") for s in (1, 64)}
+                                          "gptq, cpu_a8", "int8, int8 tables",
+                                          "gptq, int8 tables, cpu_a8") for s in (1, 64)}
     assert all(r["output_tokens_per_s"] > 0 for r in rows.values())
     # The projections shrink to a quarter (int8) and about an eighth (4-bit) of float32's
     # bytes; the float embeddings and norms stay.
     float_bytes = rows[("float32", 1)]["weight_bytes"]
     assert float_bytes > rows[("int8", 1)]["weight_bytes"] > rows[("gptq", 1)]["weight_bytes"]
-    # An int8 LM head holds a quarter of its float bytes (plus a scale a row).
-    assert rows[("int8", 1)]["weight_bytes"] > rows[("int8, int8 head", 1)]["weight_bytes"]
+    # An int8 LM head and table hold a quarter of their float bytes (plus a scale a row).
+    assert rows[("int8", 1)]["weight_bytes"] > rows[("int8, int8 tables", 1)]["weight_bytes"]
     assert (rows[("gptq", 1)]["weight_bytes"]
-            > rows[("gptq, int8 head, cpu_a8", 1)]["weight_bytes"])
+            > rows[("gptq, int8 tables, cpu_a8", 1)]["weight_bytes"])
     assert "| gptq | 64 |" in md_path.read_text()

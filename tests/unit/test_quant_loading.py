@@ -1,9 +1,10 @@
 """Online int8/FP8 quantization of a loaded tiny Llama (``--quantization``).
 
 Each quantized linear layer must match the float64 product by the dequantized weight of
-the float checkpoint's layer, the LM head must stay float unless ``--quantize-lm-head``
-(then its logits are those of its int8 rows), and the reported weight bytes must shrink to
-the quantized tensors'.
+the float checkpoint's layer, the LM head and the embedding table must stay float unless
+``--quantize-lm-head`` or ``--quantize-embeddings`` (then their logits and lookups are
+those of their int8 rows), and the reported weight bytes must shrink to the quantized
+tensors'.
 """
 
 from __future__ import annotations
@@ -87,6 +88,28 @@ def test_quantized_lm_head_gives_the_logits_of_its_int8_rows(
     unquantized = _runner(tiny_checkpoint("llama"), quantization=quantization)
     saved = weight_bytes(unquantized.model)[0] - weight_bytes(runner.model)[0]
     assert saved >= 0.7 * float_head.weight.numel() * 4
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_quantized_embeddings_look_up_and_project_their_int8_rows(
+        tiny_checkpoint: Any, tied: bool) -> None:
+    """With ``--quantize-embeddings`` the table's lookups are its int8 rows times their
+    scales; a head tied to it gives the logits of those rows, an untied one stays float."""
+    path = tiny_checkpoint("llama", tie_word_embeddings=tied)
+    float_model = _runner(path).model
+    runner = _runner(path, quantize_embeddings=True, quantized_linear_backend="cpu")
+    table, float_table = runner.model.model.embed_tokens, float_model.model.embed_tokens
+    reference = Int8Weight.from_float(float_table.weight.data).dequantize()
+    ids = torch.tensor([0, 7, 7, reference.shape[0] - 1])
+    assert table.quant_rows is not None and table.weight.numel() == 0
+    torch.testing.assert_close(table(ids), reference[ids], rtol=1e-6, atol=1e-6)
+    assert (table(ids) - float_table(ids)).abs().max() > 0  # the rows were rounded
+    head = runner.model.lm_head
+    assert (head is table) == tied and (head.quant_weight is None) != tied
+    hidden = torch.randn(3, reference.shape[1], generator=torch.Generator().manual_seed(0))
+    expected = hidden.double() @ (reference if tied else float_model.lm_head.weight).double().T
+    torch.testing.assert_close(head.compute_logits(hidden).double(),
+                               expected[:, :head.num_embeddings], rtol=1e-4, atol=1e-4)
 
 
 def test_unknown_quantized_backend_is_an_error(tiny_checkpoint: Any) -> None:

@@ -3,9 +3,10 @@
 After the float weights load, each ``LinearBase`` layer's local weight (its tensor-parallel
 shard) is quantized per output channel, handed to the quantized-linear kernel's ``prepare``,
 and its float copy is freed; the layer then multiplies through the kernel's ``apply``.
-The embeddings stay float, and so does the LM head unless ``--quantize-lm-head`` asks for
-it in int8 (``quantize_lm_head``; a head tied to the embeddings stays float). A weight
-update from disk gives the quantized layers float weights again
+The embedding table and the LM head stay float unless asked for in int8, one scale a row:
+``--quantize-embeddings`` (``quantize_embeddings``: the table's lookups, and the logits
+where the head is tied to it) and ``--quantize-lm-head`` (``quantize_lm_head``: an untied
+head). A weight update from disk gives the quantized layers float weights again
 (``float_weights_for_reload``), loads, and quantizes anew.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from framework.layers.embedding import ParallelLMHead
+from framework.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from framework.layers.linear import LinearBase
 from framework.layers.quantization.fp8 import Fp8Weight
 from framework.layers.quantization.int8 import Int8Weight
@@ -68,14 +69,28 @@ def quantize_lm_head(model: nn.Module, backend: str) -> int:
     return len(heads)
 
 
-def quantized_layers(model: nn.Module) -> list[LinearBase | ParallelLMHead]:
+def quantize_embeddings(model: nn.Module, backend: str) -> int:
+    """Quantize ``model``'s embedding tables (this rank's rows; not an untied LM head) to
+    int8 per row, for lookups and, where the head is tied to one, logits; returns how many
+    tables (0 on a pipeline stage without one)."""
+    kernel: Any = QUANT_LINEAR_BACKENDS.get(backend)()
+    tables = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding)
+              and not isinstance(m, ParallelLMHead)]
+    for table in tables:
+        weight = Int8Weight.from_float(table.weight.data)
+        attach_quantized_weight(table, weight, kernel)
+        table.quant_rows = weight
+    return len(tables)
+
+
+def quantized_layers(model: nn.Module) -> list[LinearBase | VocabParallelEmbedding]:
     """The layers of ``model`` whose weights are held quantized."""
-    return [m for m in model.modules() if isinstance(m, LinearBase | ParallelLMHead)
+    return [m for m in model.modules() if isinstance(m, LinearBase | VocabParallelEmbedding)
             and m.quant_weight is not None]
 
 
-def attach_quantized_weight(layer: LinearBase | ParallelLMHead, weight: QuantizedWeight,
-                            kernel: Any) -> None:
+def attach_quantized_weight(layer: LinearBase | VocabParallelEmbedding,
+                            weight: QuantizedWeight, kernel: Any) -> None:
     """Make ``layer`` multiply by ``weight`` through ``kernel`` and free its float weight.
 
     The float parameter stays (empty, same dtype and device) so code reading its
@@ -97,6 +112,8 @@ def float_weights_for_reload(model: nn.Module) -> int:
                                         device=layer.weight.device)
         layer.quant_weight = None
         layer.quant_kernel = None
+        if isinstance(layer, VocabParallelEmbedding):
+            layer.quant_rows = None
     return len(layers)
 
 
