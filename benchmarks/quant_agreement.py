@@ -4,7 +4,8 @@
 embedded default model in float32 with ``--linear-backend torch`` (the reference), then
 with int8 and FP8 quantized online and from GPTQ and AWQ checkpoints that
 ``framework quantize`` writes (round to nearest, group ``--group-size``; int8, GPTQ and
-AWQ also on the ``cpu_a8`` quantized-linear kernel): how many
+AWQ also on the ``cpu_a8`` quantized-linear kernel; int8 with the embedding table, which
+the default model's LM head is tied to, in int8 too): how many
 prompts give the reference's tokens exactly; and each one's perplexity on a held-out
 code file (``HELD_OUT``: this project's own source, which the default model, trained on
 the Python standard library, never saw), scored in windows of ``WINDOW`` tokens through
@@ -83,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {"int8 (online)": measure(texts, windows, quantization="int8"),
                "int8 (online), cpu_a8": measure(texts, windows, quantization="int8",
                                                 quantized_linear_backend="cpu_a8"),
+               "int8 (online), int8 embeddings": measure(texts, windows, quantization="int8",
+                                                         quantize_embeddings=True),
+               "int8 embeddings alone": measure(texts, windows, quantize_embeddings=True),
                "fp8 (online)": measure(texts, windows, quantization="fp8")}
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in ("gptq", "awq"):
