@@ -373,16 +373,17 @@ inline int32x4 widen_pairs(int16x8 v) {
 // sixteen unsigned bytes by sixteen signed ones and adds each four neighbouring products
 // into an int32 lane: no int16 stage, so nothing to widen between steps.
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define FRAMEWORK_CPU_VNNI 1
 constexpr bool kDotBytes = true;
 #else
 constexpr bool kDotBytes = false;
 #endif
 
+#if defined(FRAMEWORK_CPU_VNNI)
 // acc plus sixteen codes times sixteen activation bytes, four neighbouring products to a
 // lane (signed codes pass their signs to the activations, as in pair_products).
 template <bool Signed, typename Codes>
 inline int32x4 dot_products(int32x4 acc, Codes codes, const int8_t* x) {
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
   const __m128i c = reinterpret_cast<__m128i>(codes);
   __m128i activations = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
   __m128i magnitudes = c;
@@ -397,11 +398,8 @@ inline int32x4 dot_products(int32x4 acc, Codes codes, const int8_t* x) {
   return reinterpret_cast<int32x4>(
       _mm_dpbusd_avx_epi32(reinterpret_cast<__m128i>(acc), magnitudes, activations));
 #endif
-#else
-  for (int i = 0; i < 16; ++i) acc[i / 4] += codes[i] * x[i];
-  return acc;
-#endif
 }
+#endif
 
 // The weight formats the int8-activation kernel reads: a step of codes per feature (sixteen
 // bytes), their products with a row's activation codes, and the scale and zero term of a
@@ -429,9 +427,11 @@ struct Int4ByA8 {
   static int16x8 products(const Step& step, const int8_t* x) {
     return pair_products<false>(step.low, x) + pair_products<false>(step.high, x + kStep / 2);
   }
+#if defined(FRAMEWORK_CPU_VNNI)
   static int32x4 dot(int32x4 acc, const Step& step, const int8_t* x) {
     return dot_products<false>(dot_products<false>(acc, step.low, x), step.high, x + kStep / 2);
   }
+#endif
   float scale(int64_t n, int64_t g) const { return w.scales[n * groups + g]; }
   float zero(int64_t n, int64_t g) const { return w.zeros[n * groups + g]; }
 };
@@ -455,9 +455,11 @@ struct Int8ByA8 {
   static int16x8 products(const Step& step, const int8_t* x) {
     return pair_products<true>(step, x);
   }
+#if defined(FRAMEWORK_CPU_VNNI)
   static int32x4 dot(int32x4 acc, const Step& step, const int8_t* x) {
     return dot_products<true>(acc, step, x);
   }
+#endif
   float scale(int64_t n, int64_t) const { return scales[n]; }
   float zero(int64_t, int64_t) const { return 0.f; }
 };
