@@ -62,20 +62,22 @@ def quantize_lm_head(model: nn.Module, backend: str) -> int:
     """Quantize ``model``'s untied LM head (this rank's rows) to int8 per output channel;
     returns how many heads (0 where the head is the embedding table, or on a pipeline
     stage without it)."""
-    kernel: Any = QUANT_LINEAR_BACKENDS.get(backend)()
-    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
-    for head in heads:
-        attach_quantized_weight(head, Int8Weight.from_float(head.weight.data), kernel)
-    return len(heads)
+    return _int8_tables([m for m in model.modules() if isinstance(m, ParallelLMHead)],
+                        backend)
 
 
 def quantize_embeddings(model: nn.Module, backend: str) -> int:
     """Quantize ``model``'s embedding tables (this rank's rows; not an untied LM head) to
     int8 per row, for lookups and, where the head is tied to one, logits; returns how many
     tables (0 on a pipeline stage without one)."""
+    return _int8_tables([m for m in model.modules() if isinstance(m, VocabParallelEmbedding)
+                         and not isinstance(m, ParallelLMHead)], backend)
+
+
+def _int8_tables(tables: list[VocabParallelEmbedding], backend: str) -> int:
+    """Hold each table's rows in int8 (one scale a row), prepared by ``backend`` for
+    logits and as quantized for lookups; returns how many tables."""
     kernel: Any = QUANT_LINEAR_BACKENDS.get(backend)()
-    tables = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding)
-              and not isinstance(m, ParallelLMHead)]
     for table in tables:
         weight = Int8Weight.from_float(table.weight.data)
         attach_quantized_weight(table, weight, kernel)
