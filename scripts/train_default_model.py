@@ -137,6 +137,8 @@ class TrainingConfig:
     source_dir: Path | None = None
     sample_new_tokens: int = 80
     teacher: Path | None = None
+    #: The share of training windows that repeat a span of themselves (``WindowSampler``).
+    repeat_fraction: float = 0.25
 
     def __post_init__(self) -> None:
         positive = ("steps", "batch_size", "seq_len", "vocab_size", "hidden_size", "num_layers",
@@ -160,6 +162,8 @@ class TrainingConfig:
         if self.learning_rate <= 0 or self.warmup_steps < 0 or self.weight_decay < 0:
             raise ValueError("learning_rate must be positive; warmup_steps and weight_decay "
                              "must not be negative")
+        if not 0.0 <= self.repeat_fraction <= 1.0:
+            raise ValueError(f"repeat_fraction must be in [0, 1], got {self.repeat_fraction}")
         if self.max_files is not None and self.max_files < 2:
             raise ValueError("max_files must be at least 2 (training and held-out files)")
 
@@ -317,15 +321,29 @@ def split_windows(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
     return stream[starts.unsqueeze(1) + torch.arange(seq_len + 1)]
 
 
-class WindowSampler:
-    """Batches of training windows: each epoch visits every window once, in seeded order."""
+#: Tokens changed in each repeated span (``WindowSampler``): none to this many, at random.
+REPEAT_MAX_EDITS = 2
 
-    def __init__(self, windows: torch.Tensor, batch_size: int, seed: int) -> None:
+
+class WindowSampler:
+    """Batches of training windows: each epoch visits every window once, in seeded order.
+
+    With ``repeat_fraction``, that share of the windows (drawn per window) become a span
+    of their text followed by the same span again, with up to ``REPEAT_MAX_EDITS`` of its
+    tokens replaced, then the text that followed the span: code re-emitted with small
+    edits. The standard library repeats itself too rarely for a model this small to learn
+    to copy from its context, and speculative decoding by prompt lookup or by a draft
+    model gains on such copies only when the model makes them.
+    """
+
+    def __init__(self, windows: torch.Tensor, batch_size: int, seed: int,
+                 repeat_fraction: float = 0.0) -> None:
         if windows.shape[0] < batch_size:
             raise ValueError(f"only {windows.shape[0]} windows of training text for "
                              f"batch size {batch_size}; lower seq_len or batch_size")
         self.windows = windows
         self.batch_size = batch_size
+        self.repeat_fraction = repeat_fraction
         self.generator = torch.Generator().manual_seed(seed)
         self.order = torch.randperm(windows.shape[0], generator=self.generator)
         self.cursor = 0
@@ -339,7 +357,22 @@ class WindowSampler:
             self.epochs_started += 1
         indices = self.order[self.cursor:self.cursor + self.batch_size]
         self.cursor += self.batch_size
-        return self.windows[indices]
+        batch = self.windows[indices]
+        if self.repeat_fraction:
+            chosen = torch.rand(len(batch), generator=self.generator) < self.repeat_fraction
+            for row in chosen.nonzero().flatten().tolist():
+                batch[row] = self._repeated(batch[row])
+        return batch
+
+    def _repeated(self, window: torch.Tensor) -> torch.Tensor:
+        """``window``'s first ``span`` tokens, then its text from the start again (edited)."""
+        length = window.numel()
+        span = int(torch.randint(length // 8, length // 2 + 1, (1,), generator=self.generator))
+        edits = int(torch.randint(0, REPEAT_MAX_EDITS + 1, (1,), generator=self.generator))
+        copy = window[:length - span].clone()
+        at = torch.randint(0, span, (edits,), generator=self.generator)
+        copy[at] = window[torch.randint(0, length, (edits,), generator=self.generator)]
+        return torch.cat([window[:span], copy])
 
 
 def build_model(config: TrainingConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
@@ -608,6 +641,20 @@ the model cannot follow instructions. Its chat template (below) makes `/v1/chat/
 work, for tests and demos of the chat route."""
 
 
+def repeat_paragraph(config: TrainingConfig) -> str:
+    """The card's words on the repeated windows (``WindowSampler``); none without them."""
+    if not config.repeat_fraction:
+        return ""
+    return f"""
+Of the windows, {config.repeat_fraction:.0%} (drawn per window) are rewritten as a span of
+their text (an eighth to a half of the window) followed by the same span again, with up to
+{REPEAT_MAX_EDITS} of its tokens replaced, then the text that followed the span: code
+re-emitted with small edits. They teach the model to copy from its context, which the
+training text alone did not at this size, and which speculative decoding's prompt lookup
+and draft model gain on.
+"""
+
+
 def render_model_card(result: TrainingResult, corpus: Corpus, output: Path) -> str:
     """The model card (``README.md``) text for a finished run saved in ``output``."""
     config = result.config
@@ -684,7 +731,7 @@ third-party packages, codec tables and pydoc's topic strings). Every
 
 Each file ends with `{SPECIAL_TOKEN}`; the token stream is cut into non-overlapping windows
 of {config.seq_len} tokens, visited in a seeded random order, each window once per epoch.
-
+{repeat_paragraph(config)}
 ## Tokenizer
 
 Byte-level BPE (the `tokenizers` library: ByteLevel pre-tokenizer and decoder, all 256
@@ -797,7 +844,7 @@ def train(config: TrainingConfig) -> TrainingResult:
     holdout_stream = encode_documents(tokenizer, corpus.holdout_texts)
     result.train_tokens, result.holdout_tokens = train_stream.numel(), holdout_stream.numel()
     sampler = WindowSampler(split_windows(train_stream, config.seq_len), config.batch_size,
-                            config.seed)
+                            config.seed, config.repeat_fraction)
     holdout_windows = split_windows(holdout_stream, config.seq_len)[
         :config.eval_batches * config.batch_size]
     result.tokenizer_seconds = time.perf_counter() - started

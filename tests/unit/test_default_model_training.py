@@ -270,6 +270,30 @@ def test_sampler_visits_each_window_once_per_epoch(script: ModuleType) -> None:
     assert sampler.epochs_started == 2
 
 
+def test_repeat_windows_re_emit_a_span_of_themselves_with_few_edits(
+        script: ModuleType) -> None:
+    windows = script.split_windows(torch.arange(1 + 40 * 64), 64)
+    plain = script.WindowSampler(windows, batch_size=8, seed=3)
+    repeating = script.WindowSampler(windows, batch_size=8, seed=3, repeat_fraction=1.0)
+    # The first epoch's order is drawn before any repeat: the same windows, row for row.
+    edits = []
+    for _ in range(4):
+        originals, batch = plain.next_batch(), repeating.next_batch()
+        assert batch.shape == originals.shape
+        for original, window in zip(originals, batch, strict=True):
+            spans = [span for span in range(65 // 8, 65 // 2 + 1)
+                     if torch.equal(window[:span], original[:span])
+                     and (window[span:] != original[:65 - span]).sum() <= 2]
+            assert len(spans) == 1, (original.tolist(), window.tolist())
+            span = spans[0]
+            changed = (window[span:] != original[:65 - span]).nonzero().flatten()
+            assert all(at < span for at in changed.tolist())
+            edits.append(len(changed))
+    assert set(edits) == {0, 1, 2}
+    assert torch.equal(script.WindowSampler(windows, 8, 3, repeat_fraction=0.0).next_batch(),
+                       plain.__class__(windows, 8, 3).next_batch())
+
+
 def test_source_files_are_sorted_and_skip_excluded_dirs(script: ModuleType) -> None:
     root = script.stdlib_source_dir()
     files = script.list_source_files(root)
@@ -284,6 +308,7 @@ def test_source_files_are_sorted_and_skip_excluded_dirs(script: ModuleType) -> N
     {"hidden_size": 30, "num_heads": 4},
     {"num_heads": 4, "num_kv_heads": 3},
     {"steps": 0},
+    {"repeat_fraction": 1.5},
     {"vocab_size": 200},
     {"seq_len": 256, "max_position_embeddings": 128},
 ])
