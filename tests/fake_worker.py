@@ -33,6 +33,7 @@ from framework.messages import (
 from framework.runtime.scheduler import ModelWorker, Scheduler, StepResult, WorkerBatch
 from framework.runtime.scheduler.speculation import WORKER_DRAFTS
 from framework.sampling_params import SamplingParams
+from framework.speculative.ngram import NgramIndex
 from framework.speculative.verifier import DraftVerifier
 from tests.model_fixtures import EOS_TOKEN_ID, TINY_VOCAB_SIZE, make_tiny_tokenizer
 
@@ -53,6 +54,14 @@ class FakeModelProposer:
 
     right: int = 2
     wrong: int = 1
+
+    def index(self) -> NgramIndex:
+        """What the planner keeps of a request's tokens, as for the n-gram proposer."""
+        return NgramIndex(max_ngram=1, min_ngram=1)
+
+    def draft(self, index: NgramIndex, limit: int) -> list[int]:
+        """The draft after the tokens ``index`` holds (the planner's call)."""
+        return self.propose(index.tokens, limit)
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         seq, draft = list(tokens), []

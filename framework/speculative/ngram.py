@@ -6,16 +6,18 @@ most recent earlier occurrence of the sequence's last ``n`` tokens, longest ``n`
 and drafts the ``k`` tokens that followed it. When fewer than ``k`` follow before the
 sequence ends, the match lies inside a run that repeats itself (a loop of a few tokens,
 a list of like items), and the copy goes on through the tokens it has just drafted, as a
-self-overlapping copy does: the run's period continues. No model runs: a draft costs a
-scan of the request's own tokens.
+self-overlapping copy does: the run's period continues. No model runs.
+
+A request's ``NgramIndex`` keeps where each of its n-grams last ended and is brought up
+to date with the tokens a step adds, so that a draft costs a few dictionary reads rather
+than a scan of all the request's tokens (a scan took about 100 us for 250 tokens, 8% of
+a decode step of the default model).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 
 @dataclass(frozen=True)
@@ -34,38 +36,65 @@ class NgramProposer:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram} and "
                              f"{self.max_ngram}")
 
-    def propose(self, tokens: Sequence[int] | np.ndarray, limit: int | None = None) -> list[int]:
-        """The draft after ``tokens`` (prompt then output): at most ``limit`` (default
+    def index(self) -> NgramIndex:
+        """An empty index for one request's tokens (``NgramIndex.sync`` fills it)."""
+        return NgramIndex(self.max_ngram, self.min_ngram)
+
+    def propose(self, tokens: Sequence[int], limit: int | None = None) -> list[int]:
+        """The draft after ``tokens`` (prompt then output), indexed anew."""
+        index = self.index()
+        index.sync(tokens, ())
+        return self.draft(index, limit)
+
+    def draft(self, index: NgramIndex, limit: int | None = None) -> list[int]:
+        """The draft after ``index``'s tokens: at most ``limit`` (default
         ``num_draft_tokens``) tokens, empty when no tail of ``min_ngram`` tokens recurs."""
         budget = self.num_draft_tokens if limit is None else min(limit, self.num_draft_tokens)
-        seq = np.asarray(tokens, dtype=np.int64)
-        if budget <= 0 or len(seq) < self.min_ngram + 1:
+        if budget <= 0:
             return []
-        end = self._match_end(seq)
-        # np.resize repeats the tokens after the match cyclically: the overlapping copy.
-        return [] if end is None else np.resize(seq[end + 1:], budget).tolist()
+        end = index.match_end()
+        if end is None:
+            return []
+        # The tokens after the match, repeated from its end: the overlapping copy.
+        tokens = index.tokens
+        period = len(tokens) - 1 - end
+        return [tokens[end + 1 + i % period] for i in range(budget)]
 
-    def _match_end(self, seq: np.ndarray) -> int | None:
-        """Where the latest earlier occurrence of the longest tail of ``seq`` (``max_ngram``
-        down to ``min_ngram`` tokens) ends, or None.
 
-        The candidates are the earlier positions holding the last token; each step back
-        keeps those whose run still matches the tail, so the scan costs a few vector
-        operations over the candidates rather than one over every window for each length.
-        """
-        ends = np.flatnonzero(seq[:-1] == seq[-1])  # each has a token after it
-        if not len(ends):
-            return None
-        longest = min(self.max_ngram, len(seq) - 1)
-        run = np.ones(len(ends), dtype=np.int64)  # tokens matched backwards from each end
-        alive = np.ones(len(ends), dtype=bool)
-        for back in range(1, longest):
-            before = ends - back
-            alive &= before >= 0
-            alive[alive] = seq[before[alive]] == seq[-1 - back]
-            run += alive
-        for n in range(longest, self.min_ngram - 1, -1):
-            hits = ends[run >= n]
-            if len(hits):
-                return int(hits[-1])
+class NgramIndex:
+    """Where the latest occurrence of each n-gram (``min_ngram`` to ``max_ngram`` tokens) of
+    a growing sequence ends, among those ending before its last token."""
+
+    def __init__(self, max_ngram: int, min_ngram: int) -> None:
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        #: The sequence so far.
+        self.tokens: list[int] = []
+        self._latest: dict[tuple[int, ...], int] = {}
+
+    def sync(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+        """Take in the tokens of ``prompt`` then ``output`` not yet indexed (a request's
+        output only grows; a shorter sequence than the one indexed is indexed anew)."""
+        known = len(self.tokens)
+        if known > len(prompt) + len(output):
+            self.tokens, self._latest, known = [], {}, 0
+        if known < len(prompt):
+            self.tokens.extend(prompt[known:])
+            self.tokens.extend(output)
+        else:
+            self.tokens.extend(output[known - len(prompt):])
+        # The n-grams ending at each position that has a token after it, newly so.
+        tokens, latest = self.tokens, self._latest
+        for end in range(max(known - 1, 0), len(tokens) - 1):
+            for n in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
+                latest[tuple(tokens[end + 1 - n:end + 1])] = end
+
+    def match_end(self) -> int | None:
+        """Where the latest earlier occurrence of the longest tail (``max_ngram`` tokens down
+        to ``min_ngram``) ends, or None."""
+        tokens = self.tokens
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            end = self._latest.get(tuple(tokens[len(tokens) - n:]))
+            if end is not None:
+                return end
         return None

@@ -130,6 +130,24 @@ def test_ngram_drafts_as_the_lookup_s_definition_says(seq: list[int], k: int, ma
                                                              limit)
 
 
+@settings(max_examples=200, deadline=None)
+@given(prompt=st.lists(st.integers(0, 3), max_size=12),
+       chunks=st.lists(st.lists(st.integers(0, 3), max_size=4), max_size=8),
+       max_ngram=st.integers(1, 4))
+def test_an_index_kept_up_to_date_drafts_as_one_made_anew(
+        prompt: list[int], chunks: list[list[int]], max_ngram: int) -> None:
+    proposer = NgramProposer(num_draft_tokens=3, max_ngram=max_ngram)
+    index = proposer.index()
+    output: list[int] = []
+    for chunk in chunks:
+        output.extend(chunk)  # a step's accepted tokens
+        index.sync(prompt, output)
+        assert index.tokens == prompt + output
+        assert proposer.draft(index) == proposer.propose(prompt + output)
+    index.sync(prompt[:1], [])  # another, shorter sequence: indexed anew
+    assert index.tokens == prompt[:1] and proposer.draft(index) == []
+
+
 def test_ngram_refuses_bad_settings() -> None:
     with pytest.raises(ValueError, match="num_draft_tokens"):
         NgramProposer(num_draft_tokens=0)

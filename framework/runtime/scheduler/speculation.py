@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from framework.runtime.request import Req
 from framework.runtime.scheduler.batch import ScheduledBatch
-from framework.speculative.ngram import NgramProposer
+from framework.speculative.ngram import NgramIndex, NgramProposer
 
 if TYPE_CHECKING:
     from framework.config import ServerArgs
@@ -40,6 +40,8 @@ class DraftPlanner:
         self.disable_by_batch_size = disable_by_batch_size
         self.tree_cache = tree_cache
         self.context_len = context_len
+        # Each running request's n-gram index (``ngram``), by request id.
+        self._indexes: dict[str, NgramIndex] = {}
 
     @classmethod
     def create(cls, server_args: ServerArgs, tree_cache: PrefixCache,
@@ -47,7 +49,7 @@ class DraftPlanner:
         """The planner ``--speculative-algorithm`` asks for; None without speculation."""
         if server_args.speculative_algorithm is None:
             return None
-        k = server_args.speculative_num_draft_tokens
+        k = server_args.resolved_num_draft_tokens()
         proposer = NgramProposer(num_draft_tokens=k, max_ngram=server_args.speculative_ngram_max) \
             if server_args.speculative_algorithm == "ngram" else None
         return cls(proposer, k, tree_cache, context_len,
@@ -64,6 +66,9 @@ class DraftPlanner:
             draft = self.draft(req, spare) if spare > 0 else []
             spare -= len(draft)
             drafts.append(draft)
+        if len(self._indexes) > len(running):  # requests that ended or left the batch
+            ids = {req.rid for req in running}
+            self._indexes = {rid: index for rid, index in self._indexes.items() if rid in ids}
         if not any(drafts):
             return ScheduledBatch.decode(running)
         return ScheduledBatch.verify(running, drafts)
@@ -79,4 +84,8 @@ class DraftPlanner:
             return []
         if self.proposer is None:
             return [WORKER_DRAFTS] * min(room, self.num_draft_tokens)
-        return self.proposer.propose(req.origin_input_ids + req.output_ids, room)
+        index = self._indexes.get(req.rid)
+        if index is None:
+            index = self._indexes[req.rid] = self.proposer.index()
+        index.sync(req.origin_input_ids, req.output_ids)
+        return self.proposer.draft(index, room)
