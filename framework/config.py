@@ -24,6 +24,13 @@ def _opt(default: Any, help: str, group: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, "group": group, **extra})
 
 
+#: ``--speculative-num-draft-tokens`` by algorithm when not given: prompt lookup drafts
+#: cost no forward, so a longer draft costs only its rows in the verify step; a draft
+#: model's cost a forward each (bench speculative on the default model:
+#: docs/speculative_decoding.md).
+DEFAULT_NUM_DRAFT_TOKENS = {"ngram": 5, "draft": 3}
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     """Everything a user can set, for the server and the offline Engine alike."""
@@ -137,9 +144,10 @@ class ServerArgs:
     speculative_draft_model_path: str | None = _opt(
         None, "the draft model of --speculative-algorithm draft: a checkpoint with the served "
         "model's tokenizer (the embedded default model's is `default-draft`)", "runtime")
-    speculative_num_draft_tokens: int = _opt(
-        3, "most tokens drafted per request and step (3 keeps a verify step's rows per "
-        "request within the CPU's few-row product kernel)", "runtime")
+    speculative_num_draft_tokens: int | None = _opt(
+        None, "most tokens drafted per request and step (default: 5 for ngram, whose drafts "
+        "cost no forward, 3 for draft, whose drafts cost one draft-model forward each; "
+        "docs/speculative_decoding.md)", "runtime")
     speculative_disable_by_batch_size: int | None = _opt(
         None, "decode without drafts while more than N requests are running (a verify step "
         "costs more than a decode step when many requests share it; default: always draft)",
@@ -251,7 +259,7 @@ class ServerArgs:
              "--speculative-algorithm draft and --speculative-draft-model-path go together"),
             (self.speculative_algorithm != "draft" or self.tp_size == 1,
              "--speculative-algorithm draft runs on one rank: leave out --tp-size"),
-            (self.speculative_num_draft_tokens >= 1,
+            (self.speculative_num_draft_tokens is None or self.speculative_num_draft_tokens >= 1,
              f"--speculative-num-draft-tokens must be at least 1, got "
              f"{self.speculative_num_draft_tokens}"),
             (self.speculative_disable_by_batch_size is None
@@ -326,6 +334,13 @@ class ServerArgs:
         from framework.default_model import default_draft_model_path
 
         return default_draft_model_path()
+
+    def resolved_num_draft_tokens(self) -> int:
+        """Tokens drafted per request and step: the one given, else the algorithm's default
+        (``DEFAULT_NUM_DRAFT_TOKENS``)."""
+        if self.speculative_num_draft_tokens is not None:
+            return self.speculative_num_draft_tokens
+        return DEFAULT_NUM_DRAFT_TOKENS.get(self.speculative_algorithm or "", 3)
 
     def resolved_tokenizer_path(self) -> str:
         """The tokenizer directory: ``--tokenizer-path`` or the model directory."""

@@ -16,7 +16,9 @@ default model then loops on ``#`` lines, a run that prompt lookup drafts perfect
 that says nothing of free generation.
 
 Each configuration runs ``--rounds`` times after a warm-up and keeps its best round
-(another job on the machine can slow a run down, never speed it up). It reports output
+(another job on the machine can slow a run down, never speed it up); the modes' Engines
+run side by side and take turns round by round, so that the machine's slower spells
+fall on every mode alike. It reports output
 tokens/s, the speed-up over ``plain`` and, when speculating, the mean tokens a request gains
 per verify step (``spec_accept_length`` over the run). Results, with the machine and
 commit, go to ``--output`` as ``speculative.json`` and ``speculative.md``.
@@ -25,11 +27,13 @@ commit, go to ``--output`` as ``speculative.json`` and ``speculative.md``.
 from __future__ import annotations
 
 import argparse
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from framework.bench.environment import greedy_tokens_per_second, run_stamp, write_results
+from framework.config import DEFAULT_NUM_DRAFT_TOKENS
 
 DEFAULT_OUTPUT = "benchmarks/results/speculative"
 FUNCTIONS = [
@@ -60,7 +64,9 @@ class Settings:
     #: The draft of the ``draft`` rows; None leaves them out.
     draft_model_path: str | None = "default-draft"
     output_len: int = 96
-    num_draft_tokens: int = 3
+    #: ``--speculative-num-draft-tokens`` of both speculative modes; None: each mode's
+    #: default (``DEFAULT_NUM_DRAFT_TOKENS``).
+    num_draft_tokens: int | None = None
     #: Rounds of one configuration, the best kept: a one-stream round lasts about a second,
     #: and best-of-3 figures still moved by up to 30% between runs.
     rounds: int = 6
@@ -77,34 +83,63 @@ def _spec_counters(engine: Any) -> tuple[int, int]:
     return info.get("spec_verifications", 0), info.get("spec_accepted_tokens", 0)
 
 
-def run_mode(mode: str, settings: Settings) -> list[dict[str, Any]]:
-    """Every workload × streams row of one decoding mode."""
-    from framework import Engine
-
+def _engine_args(mode: str, settings: Settings) -> dict[str, Any]:
     args: dict[str, Any] = {"log_level": "warning", "launch_mode": settings.launch_mode,
                             **MODES[mode]}
-    if mode != "plain":
+    if mode != "plain" and settings.num_draft_tokens is not None:
         args["speculative_num_draft_tokens"] = settings.num_draft_tokens
     if mode == "draft":
         args["speculative_draft_model_path"] = settings.draft_model_path
     if settings.model_path:
         args["model_path"] = settings.model_path
+    return args
+
+
+def run_modes(modes: list[str], settings: Settings) -> list[dict[str, Any]]:
+    """Every mode × workload × streams row, from one Engine per mode, all started at once.
+
+    The rounds of a workload and stream count alternate between the modes (plain, then
+    ngram, then draft, then plain again...), so that a slower spell of a shared machine
+    falls on every mode alike rather than on the one that happened to run then.
+    """
+    from framework import Engine
+
+    with ExitStack() as stack:
+        engines = {mode: stack.enter_context(Engine(**_engine_args(mode, settings)))
+                   for mode in modes}
+        for engine in engines.values():
+            greedy_tokens_per_second(engine, WORKLOADS["free"][:1], 1, 8)  # warm-up
+        rows = [row for workload in WORKLOADS for streams in STREAMS
+                for row in _measure(engines, workload, streams, settings)]
+    return sorted(rows, key=lambda row: modes.index(row["mode"]))
+
+
+def _measure(engines: dict[str, Any], workload: str, streams: int, settings: Settings
+             ) -> list[dict[str, Any]]:
+    """One row per mode of ``workload`` at ``streams``: the modes take turns, round by round."""
+    prompts = _prompts(workload, streams)
+    before = {mode: _spec_counters(engine) for mode, engine in engines.items()}
+    best = dict.fromkeys(engines, 0.0)
+    for _ in range(settings.rounds):
+        for mode, engine in engines.items():
+            best[mode] = max(best[mode], greedy_tokens_per_second(
+                engine, prompts, streams, settings.output_len))
     rows = []
-    with Engine(**args) as engine:
-        greedy_tokens_per_second(engine, WORKLOADS["free"][:1], 1, 8)  # warm-up
-        for workload in WORKLOADS:
-            for streams in STREAMS:
-                prompts = _prompts(workload, streams)
-                before = _spec_counters(engine)
-                best = max(greedy_tokens_per_second(engine, prompts, streams, settings.output_len)
-                           for _ in range(settings.rounds))
-                after = _spec_counters(engine)
-                steps = after[0] - before[0]
-                rows.append({"mode": mode, "workload": workload, "streams": streams,
-                             "output_tokens_per_s": best,
-                             "accept_length": 1 + (after[1] - before[1]) / steps
-                             if steps else None})
+    for mode, engine in engines.items():
+        after = _spec_counters(engine)
+        steps = after[0] - before[mode][0]
+        rows.append({"mode": mode, "workload": workload, "streams": streams,
+                     "output_tokens_per_s": best[mode],
+                     "accept_length": 1 + (after[1] - before[mode][1]) / steps
+                     if steps else None})
     return rows
+
+
+def _draft_tokens(given: int | None) -> str:
+    if given is not None:
+        return f"{given} draft tokens"
+    return "draft tokens: " + ", ".join(f"{count} for {mode}"
+                                        for mode, count in DEFAULT_NUM_DRAFT_TOKENS.items())
 
 
 def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -116,7 +151,7 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              f"- Run: {meta['started_at']}", f"- Model: {meta['model']}",
              f"- Draft model: {meta['draft_model'] or 'none'}",
              f"- Greedy, {meta['output_len']} output tokens per request, "
-             f"{meta['num_draft_tokens']} draft tokens, best of {meta['rounds']} rounds", "",
+             f"{_draft_tokens(meta['num_draft_tokens'])}, best of {meta['rounds']} rounds", "",
              "| workload | streams | mode | output tok/s | vs plain | mean accepted length |",
              "|---|---:|---|---:|---:|---:|"]
     for r in rows:
@@ -135,7 +170,7 @@ def run_benchmark(settings: Settings, output: str) -> list[Path]:
             "output_len": settings.output_len, "num_draft_tokens": settings.num_draft_tokens,
             "rounds": settings.rounds}
     modes = [mode for mode in MODES if mode != "draft" or settings.draft_model_path]
-    rows = [row for mode in modes for row in run_mode(mode, settings)]
+    rows = run_modes(modes, settings)
     return write_results(output, "speculative", {**meta, "rows": rows}, render(rows, meta))
 
 
@@ -148,9 +183,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         "model's, when --model-path is not given; else no draft rows)")
     parser.add_argument("--output-len", type=int, default=Settings.output_len, metavar="N",
                         help=f"output tokens per request (default: {Settings.output_len})")
-    parser.add_argument("--num-draft-tokens", type=int, default=Settings.num_draft_tokens,
-                        metavar="K", help="--speculative-num-draft-tokens of the speculative runs "
-                        f"(default: {Settings.num_draft_tokens})")
+    parser.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
+                        help="--speculative-num-draft-tokens of the speculative runs (default: "
+                        "each algorithm's own)")
     parser.add_argument("--rounds", type=int, default=Settings.rounds, metavar="N",
                         help=f"runs per configuration, the best kept (default: "
                         f"{Settings.rounds})")
