@@ -21,8 +21,8 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
 _WORDS = ("def return class import for while if else print self value list dict data "
           "result index count name file")
 #: Prompts (of the default model's domain) whose outputs over 16 tokens are identical to
-#: the model-dtype cache's, at least: measured 12 (fp8_e4m3) and 13 (int8) of these 16,
-#: 44 and 55 of 64 (docs/quantization.md); the floors leave room for thread counts that
+#: the model-dtype cache's, at least: measured 13 (fp8_e4m3) and 14 (int8) of these 16,
+#: 47 and 58 of 64 (docs/quantization.md); the floors leave room for thread counts that
 #: reorder float sums.
 FLOOR = {"fp8_e4m3": 9, "int8": 10}
 
