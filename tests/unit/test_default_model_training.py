@@ -291,7 +291,7 @@ def test_repeat_windows_re_emit_a_span_of_themselves_with_few_edits(
             edits.append(len(changed))
     assert set(edits) == {0, 1, 2}
     assert torch.equal(script.WindowSampler(windows, 8, 3, repeat_fraction=0.0).next_batch(),
-                       plain.__class__(windows, 8, 3).next_batch())
+                       script.WindowSampler(windows, 8, 3).next_batch())
 
 
 def test_source_files_are_sorted_and_skip_excluded_dirs(script: ModuleType) -> None:
