@@ -20,19 +20,20 @@ The linear backend is chosen like the attention backend (``--linear-backend``):
   and runs the offline benchmark's Engine 5-7% faster than oneDNN there at two
   threads (the same at one); on an AMD core oneDNN is the faster by 10-35% a product.
 
-Whatever the backend, a product of a few rows (``NATIVE_ROWS``: a decode step of a few
+Whatever the backend, a product of a few rows (``native_rows_fit``: a decode step of a few
 requests) runs the native ``linear_rows`` kernel where the layers have it bound (float32
 and bfloat16 on a CPU, ``bind_cpu_layer_ops``): such a product is a walk through the
 weight, which the kernel does in a few microseconds less than a GEMM library's call
 costs (oneDNN's 40-50 us on a packed 256 x 256 weight, against under 10), and in
 bfloat16 without torch's conversions; on a CPU without bfloat16 instructions, bfloat16
-products of any number of rows run it (four rows per walk). Results agree with
-``F.linear``'s to float rounding.
+products of any number of rows run it (four rows per walk), and on one with them those
+of up to 16 rows (eight rows per AVX-512 walk), which torch's bfloat16 GEMM cannot start
+in less time. Results agree with ``F.linear``'s to float rounding, and each row's with
+what the kernel gives it alone, bit for bit.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -49,15 +50,35 @@ def bfloat16_gemm_is_native() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
-#: The most rows of ``x`` that ``linear`` hands to the native ``linear_rows`` kernel.
+#: The most rows of ``x`` that ``linear`` hands to the native ``linear_rows`` kernel
+#: (float32; bfloat16: ``native_rows_fit``).
 NATIVE_ROWS = 4
-#: ... by dtype: bfloat16 products of any size on a CPU without bfloat16 instructions,
-#: where torch's bfloat16 GEMM is slower than the native kernel at every row count
-#: (2-5x from 5 to 64 rows of a 128-wide layer, measured on AVX2).
-NATIVE_ROWS_BY_DTYPE = {
-    torch.float32: NATIVE_ROWS,
-    torch.bfloat16: NATIVE_ROWS if bfloat16_gemm_is_native() else sys.maxsize,
-}
+#: Whether torch's bfloat16 GEMM runs at full speed here; where it does not, bfloat16
+#: products of any size go to the native kernel, which is faster at every row count
+#: there (2-5x from 5 to 64 rows of a 128-wide layer, measured on AVX2).
+BFLOAT16_GEMM_IS_NATIVE = bfloat16_gemm_is_native()
+#: Where the GEMM is native, bfloat16 products of up to this many rows still go to the
+#: native kernel: there torch's bfloat16 GEMM (oneDNN) costs 25-30 us a call however small
+#: the product, while the kernel's AVX-512 walk takes 6 to 8 rows (a verify step of
+#: speculative decoding) through a 128 x 384 weight in 10-13 us. A 128 x 4096 LM head is
+#: faster in the GEMM from about 5 rows (66 against 93 us at 6), but the kernel sums each
+#: output in the same order whatever the rows, so that a verify step's logits are a
+#: plain step's to the bit and greedy speculation keeps the plain tokens exactly.
+BFLOAT16_NATIVE_ROWS = 16
+
+
+def native_rows_fit(rows: int, weight: torch.Tensor) -> bool:
+    """Whether a product of ``rows`` rows by ``weight`` ``[out, in]`` is faster in the
+    native ``linear_rows`` kernel than in torch's GEMM (float32 and bfloat16)."""
+    if rows <= 0:
+        return False
+    if weight.dtype == torch.float32:
+        return rows <= NATIVE_ROWS
+    if weight.dtype != torch.bfloat16:
+        return False
+    if not BFLOAT16_GEMM_IS_NATIVE:
+        return True
+    return rows <= BFLOAT16_NATIVE_ROWS
 
 
 class PackableLinear(Protocol):
@@ -116,12 +137,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None, cpu_ops: Any = None) -> torch.Tensor:
     """``x W^T + b`` for ``x`` ``[..., in]``: with oneDNN on ``packed`` when given.
 
-    ``cpu_ops``: the native CPU kernels, when bound; then up to ``NATIVE_ROWS_BY_DTYPE``
-    rows of ``x`` ``[rows, in]`` go through ``linear_rows`` on ``weight``.
+    ``cpu_ops``: the native CPU kernels, when bound; then ``x`` ``[rows, in]`` goes
+    through ``linear_rows`` on ``weight`` when ``native_rows_fit``.
     """
-    if (cpu_ops is not None and x.dim() == 2
-            and 0 < x.shape[0] <= NATIVE_ROWS_BY_DTYPE.get(x.dtype, 0)
-            and x.stride(1) == 1 and x.dtype == weight.dtype):
+    if (cpu_ops is not None and x.dim() == 2 and x.stride(1) == 1
+            and x.dtype == weight.dtype and native_rows_fit(x.shape[0], weight)):
         return cpu_ops.linear_rows(x, weight, bias)
     if packed is None:
         return F.linear(x, weight, bias)

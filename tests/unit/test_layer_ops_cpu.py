@@ -9,7 +9,6 @@ a few rows must agree with ``F.linear`` to float rounding.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from framework.config import ServerArgs
+from framework.layers import linear_kernel
 from framework.layers.activation import GatedActivation
 from framework.layers.linear import RowParallelLinear
-from framework.layers.linear_kernel import NATIVE_ROWS, NATIVE_ROWS_BY_DTYPE, linear
+from framework.layers.linear_kernel import BFLOAT16_NATIVE_ROWS, NATIVE_ROWS, linear
 from framework.layers.norm import RMSNorm
 from framework.layers.rotary import RopeConfig, RotaryEmbedding
 from framework.model_executor.model_runner import ModelRunner
@@ -230,11 +230,14 @@ def test_bfloat16_rotary_is_bit_for_bit_the_torch_rotation() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("count", "features", "outputs"),
                          [(1, 256, 768), (2, 128, 4099), (3, 64, 5), (4, 24, 130),
-                          (7, 128, 48), (13, 24, 37)])
+                          (7, 128, 48), (13, 24, 37), (11, 96, 37), (5, 160, 67),
+                          (6, 48, 130), (16, 32, 19)])
 def test_linear_rows_agrees_with_f_linear(dtype: torch.dtype, count: int, features: int,
                                           outputs: int) -> None:
     """Float32 sums in another order; in bfloat16 the same sums rounded once, as torch's.
-    More than four rows go four at a time (a last block of three and of one here)."""
+    Rows go in walks of up to eight (AVX-512, features a multiple of 32) or four (else),
+    with last walks of every size here; output features in blocks, with some left over;
+    features a multiple of 32, of 16 only (48) and of neither (24)."""
     ops = kernels()
     x = rows(count, features, 10).to(dtype)
     weight, bias = (rows(outputs, features, 11) / 16).to(dtype), rows(1, outputs, 12)[0].to(dtype)
@@ -270,22 +273,36 @@ def test_linear_rows_refuses_what_it_cannot_read() -> None:
 @pytest.mark.parametrize("bfloat16_instructions", [True, False])
 def test_linear_takes_the_kernel_for_a_few_rows_only(monkeypatch: pytest.MonkeyPatch,
                                                      bfloat16_instructions: bool) -> None:
-    """Float32: up to ``NATIVE_ROWS``. Bfloat16: the same on a CPU with bfloat16
-    instructions, any number of rows on one without."""
+    """Float32: up to ``NATIVE_ROWS``. Bfloat16: up to ``BFLOAT16_NATIVE_ROWS`` on a CPU
+    with bfloat16 instructions, any number of rows on one without."""
     ops = kernels()
-    calls: list[int] = []
+    calls: list[tuple[torch.dtype, int]] = []
     kernel = ops.linear_rows
-    monkeypatch.setattr(ops, "linear_rows", lambda x, *a: (calls.append(x.shape[0]),
+    monkeypatch.setattr(ops, "linear_rows", lambda x, *a: (calls.append((x.dtype, x.shape[0])),
                                                            kernel(x, *a))[1])
-    monkeypatch.setitem(NATIVE_ROWS_BY_DTYPE, torch.bfloat16,
-                        NATIVE_ROWS if bfloat16_instructions else sys.maxsize)
+    monkeypatch.setattr(linear_kernel, "BFLOAT16_GEMM_IS_NATIVE", bfloat16_instructions)
     weight = rows(32, 64, 13)
-    for count in (1, NATIVE_ROWS, NATIVE_ROWS + 1):
+    counts = (1, NATIVE_ROWS, NATIVE_ROWS + 1, BFLOAT16_NATIVE_ROWS, BFLOAT16_NATIVE_ROWS + 1)
+    for count in counts:
         x = rows(count, 64, 14)
         torch.testing.assert_close(linear(x, weight, None, None, ops), F.linear(x, weight),
                                    atol=1e-4, rtol=1e-5)
         linear(x.bfloat16(), weight.bfloat16(), None, None, ops)
     assert linear(rows(2, 64, 15), weight, None, None).shape == (2, 32)  # not bound
-    bfloat16_calls = [1, NATIVE_ROWS] if bfloat16_instructions else [1, NATIVE_ROWS,
-                                                                     NATIVE_ROWS + 1]
-    assert calls == sorted([1, NATIVE_ROWS, *bfloat16_calls])
+    bfloat16 = counts[:-1] if bfloat16_instructions else counts
+    expected = [(torch.float32, 1), (torch.float32, NATIVE_ROWS),
+                *((torch.bfloat16, count) for count in bfloat16)]
+    assert sorted(calls, key=str) == sorted(expected, key=str)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("features", [128, 48])
+def test_linear_rows_gives_each_row_what_it_gets_alone(dtype: torch.dtype,
+                                                       features: int) -> None:
+    """Bit for bit, whatever rows come with it: a verify step's products (several rows a
+    request) equal a plain step's (one), so greedy speculation keeps the plain tokens."""
+    ops = kernels()
+    x, weight = rows(13, features, 17).to(dtype), (rows(37, features, 18) / 8).to(dtype)
+    alone = torch.cat([ops.linear_rows(x[i:i + 1], weight, None) for i in range(13)])
+    for count in (2, 3, 5, 6, 8, 13):
+        assert torch.equal(ops.linear_rows(x[:count], weight, None), alone[:count]), count

@@ -31,6 +31,11 @@
 
 #include "vec.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define FRAMEWORK_WIDE_ROWS 1
+#endif
+
 namespace {
 
 using framework_cpu::bf16;
@@ -66,18 +71,20 @@ inline void load16(const bf16* w, float8& a, float8& b) {
   std::memcpy(&b, &odd, sizeof(b));
 }
 
-// Row m of x [rows, K] (row stride `stride`) in float32, in load16's order for T.
+// The M rows of x [rows, K] (row stride `stride`) in float32, in the order the weight's
+// loads of `step` elements give for T (0: as stored): a bfloat16 step as its even
+// elements, then its odd ones.
 template <typename T>
-void load_x(const T* x, int64_t stride, int64_t rows, int64_t k_size, bool in_steps,
+void load_x(const T* x, int64_t stride, int64_t rows, int64_t k_size, int64_t step,
             float* out) {
   for (int64_t m = 0; m < rows; ++m) {
     const T* row = x + m * stride;
     float* to = out + m * k_size;
-    if (std::is_same_v<T, bf16> && in_steps) {
-      for (int64_t k = 0; k < k_size; k += kStep)
-        for (int64_t j = 0; j < kStep / 2; ++j) {
+    if (std::is_same_v<T, bf16> && step > 0) {
+      for (int64_t k = 0; k < k_size; k += step)
+        for (int64_t j = 0; j < step / 2; ++j) {
           to[k + j] = to_float(row[k + 2 * j]);
-          to[k + kStep / 2 + j] = to_float(row[k + 2 * j + 1]);
+          to[k + step / 2 + j] = to_float(row[k + 2 * j + 1]);
         }
     } else {
       for (int64_t k = 0; k < k_size; ++k) to[k] = to_float(row[k]);
@@ -150,32 +157,159 @@ void product_any(const float* x, int64_t rows, int64_t k_size, const T* w, int64
   });
 }
 
+#ifdef FRAMEWORK_WIDE_ROWS
+// With AVX-512, a step takes 32 weight elements as two 16-lane vectors and a walk up to
+// eight rows; the sums of a block of outputs (rows x features, at most 16) are added up
+// together at the end (reduce16), since one reduction per output would cost more than a
+// 128-wide product's multiply-adds. (AVX512-BF16's dot-product instruction runs at a
+// quarter of the multiply-add rate on the CPUs measured, so bfloat16 is widened here too.)
+constexpr int64_t kWideRows = 8;
+constexpr int64_t kWideStep = 32;
+
+// Weights k..k+32 of a row as two vectors, in load_x's order for kWideStep.
+inline void load32(const float* w, __m512& a, __m512& b) {
+  a = _mm512_loadu_ps(w);
+  b = _mm512_loadu_ps(w + 16);
+}
+
+inline void load32(const bf16* w, __m512& a, __m512& b) {
+  const __m512i pairs = _mm512_loadu_si512(w);
+  a = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+  b = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xffff0000u)));
+}
+
+// The 16 sums of each of 16 vectors at once, into one vector: four rounds, each adding two
+// halves of every pair of vectors, so that a round halves both the vectors and the
+// lanes each sum still spans (15 additions and 30 shuffles, against 16 reductions of
+// eight instructions each). Sum i lands in lane reduced_lane(i).
+inline __m512 reduce16(const __m512 (&v)[16]) {
+  __m512 r[8], s[4], t[2];
+  for (int i = 0; i < 8; ++i)
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    t[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], 0x88), _mm512_shuffle_ps(t[0], t[1], 0xDD));
+}
+
+constexpr int reduced_lane(int i) { return (i % 4) * 4 + i / 4; }
+
+// y[m][n] for output features [n0, n0 + F) of the M rows of x (float32 [M, K] in
+// load32's order, K a multiple of 32), weight W [N, K] of type T.
+template <typename T, int M, int F>
+void wide_features(const float* __restrict x, int64_t k_size, const T* __restrict w,
+                   int64_t n0, float* __restrict y, int64_t n_size) {
+  static_assert(M * F <= 16);
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  constexpr int64_t step_bytes = F * kWideStep * static_cast<int64_t>(sizeof(T));
+  const char* ahead = reinterpret_cast<const char*>(w + (n0 + kPrefetchBlocks * F) * k_size);
+  for (int64_t k = 0; k < k_size; k += kWideStep) {
+    const char* next = ahead + (k / kWideStep) * step_bytes;
+    for (int64_t b = 0; b < step_bytes; b += 64)
+      __builtin_prefetch(next + b, 0, framework_cpu::kWeightPrefetchLocality);
+#pragma GCC unroll 16
+    for (int f = 0; f < F; ++f) {
+      __m512 wa, wb;
+      load32(w + (n0 + f) * k_size + k, wa, wb);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const float* xm = x + m * k_size + k;
+        acc[m * F + f] = _mm512_fmadd_ps(_mm512_load_ps(xm), wa, acc[m * F + f]);
+        acc[m * F + f] = _mm512_fmadd_ps(_mm512_load_ps(xm + 16), wb, acc[m * F + f]);
+      }
+    }
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, reduce16(acc));
+  for (int m = 0; m < M; ++m)
+    for (int f = 0; f < F; ++f) y[m * n_size + n0 + f] = sums[reduced_lane(m * F + f)];
+}
+
+// All N outputs of M rows: F = 16 / M features at a time, split over torch's threads; the
+// last N % F one at a time.
+template <typename T, int M>
+void wide_product(const float* x, int64_t k_size, const T* w, int64_t n_size, float* y) {
+  constexpr int F = 16 / M;
+  const int64_t blocks = n_size / F;
+  at::parallel_for(0, blocks, std::max(1, 64 / F), [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) wide_features<T, M, F>(x, k_size, w, b * F, y, n_size);
+  });
+  for (int64_t n = blocks * F; n < n_size; ++n) wide_features<T, M, 1>(x, k_size, w, n, y, n_size);
+}
+
+// yf [rows, N] float32 = x W^T for K a multiple of kWideStep: x widened once, then walks
+// of up to kWideRows rows.
+template <typename T>
+void wide_rows(const T* x, int64_t x_stride, int64_t rows, int64_t k_size, const T* w,
+               int64_t n_size, float* yf) {
+  // Aligned to a cache line, so that no vector of x straddles two (K is a multiple of 32).
+  std::vector<__m512> xv(static_cast<size_t>(rows * k_size / 16));
+  float* xf = reinterpret_cast<float*>(xv.data());
+  load_x(x, x_stride, rows, k_size, kWideStep, xf);
+  for (int64_t r0 = 0; r0 < rows; r0 += kWideRows) {
+    const float* xb = xf + r0 * k_size;
+    float* yb = yf + r0 * n_size;
+    switch (std::min(kWideRows, rows - r0)) {
+      case 1: wide_product<T, 1>(xb, k_size, w, n_size, yb); break;
+      case 2: wide_product<T, 2>(xb, k_size, w, n_size, yb); break;
+      case 3: wide_product<T, 3>(xb, k_size, w, n_size, yb); break;
+      case 4: wide_product<T, 4>(xb, k_size, w, n_size, yb); break;
+      case 5: wide_product<T, 5>(xb, k_size, w, n_size, yb); break;
+      case 6: wide_product<T, 6>(xb, k_size, w, n_size, yb); break;
+      case 7: wide_product<T, 7>(xb, k_size, w, n_size, yb); break;
+      default: wide_product<T, 8>(xb, k_size, w, n_size, yb); break;
+    }
+  }
+}
+#endif
+
+// yf [rows, N] float32 = x W^T: x widened to float32 once, then walks of kBlockRows rows.
+template <typename T>
+void widened_rows(const T* x, int64_t x_stride, int64_t rows, int64_t k_size, const T* w,
+                  int64_t n_size, float* yf) {
+  const bool in_steps = k_size % kStep == 0;
+  std::vector<float> xf(static_cast<size_t>(rows * k_size));
+  load_x(x, x_stride, rows, k_size, in_steps ? kStep : 0, xf.data());
+  for (int64_t r0 = 0; r0 < rows; r0 += kBlockRows) {
+    const int64_t block = std::min(kBlockRows, rows - r0);
+    const float* xb = xf.data() + r0 * k_size;
+    float* yb = yf + r0 * n_size;
+    if (!in_steps) {
+      product_any(xb, block, k_size, w, n_size, yb);
+    } else if (block == 1) {
+      product<T, 1>(xb, k_size, w, n_size, yb);
+    } else if (block == 2) {
+      product<T, 2>(xb, k_size, w, n_size, yb);
+    } else if (block == 3) {
+      product<T, 3>(xb, k_size, w, n_size, yb);
+    } else {
+      product<T, 4>(xb, k_size, w, n_size, yb);
+    }
+  }
+}
+
 template <typename T>
 at::Tensor linear_rows_typed(const at::Tensor& x, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias) {
   const int64_t rows = x.size(0), k_size = x.size(1), n_size = weight.size(0);
-  const bool in_steps = k_size % kStep == 0;
-  // x in float32 (a copy of a few rows), the products in float32, then bias and rounding.
-  std::vector<float> xf(static_cast<size_t>(rows * k_size));
-  load_x(x.const_data_ptr<T>(), x.stride(0), rows, k_size, in_steps, xf.data());
+  // The products in float32, then bias and rounding.
   std::vector<float> yf(static_cast<size_t>(rows * n_size));
+  const T* xp = x.const_data_ptr<T>();
   const T* wp = weight.const_data_ptr<T>();
-  for (int64_t r0 = 0; r0 < rows; r0 += kBlockRows) {
-    const int64_t block = std::min(kBlockRows, rows - r0);
-    const float* xb = xf.data() + r0 * k_size;
-    float* yb = yf.data() + r0 * n_size;
-    if (!in_steps) {
-      product_any(xb, block, k_size, wp, n_size, yb);
-    } else if (block == 1) {
-      product<T, 1>(xb, k_size, wp, n_size, yb);
-    } else if (block == 2) {
-      product<T, 2>(xb, k_size, wp, n_size, yb);
-    } else if (block == 3) {
-      product<T, 3>(xb, k_size, wp, n_size, yb);
-    } else {
-      product<T, 4>(xb, k_size, wp, n_size, yb);
-    }
+#ifdef FRAMEWORK_WIDE_ROWS
+  if (k_size % kWideStep == 0) {
+    wide_rows(xp, x.stride(0), rows, k_size, wp, n_size, yf.data());
+  } else {
+    widened_rows(xp, x.stride(0), rows, k_size, wp, n_size, yf.data());
   }
+#else
+  widened_rows(xp, x.stride(0), rows, k_size, wp, n_size, yf.data());
+#endif
   at::Tensor out = at::empty({rows, n_size}, x.options());
   T* op = out.mutable_data_ptr<T>();
   const T* bp = bias ? bias->const_data_ptr<T>() : nullptr;
