@@ -286,14 +286,16 @@ class CountingKernels:
         return getattr(self.ops, name)
 
 
-@pytest.mark.parametrize(("extra_rows", "kernel_rows"), [(2, 5 + 2), (20, 33)])
+@pytest.mark.parametrize(("extra_rows", "kernel_rows"), [(2, 5 + 2), (24, 41)])
 def test_a_few_rows_run_alone_and_many_run_as_the_whole_batch(
         monkeypatch: pytest.MonkeyPatch, extra_rows: int, kernel_rows: int) -> None:
     """Each request's last row and a few more: one query each. Prompt logprobs over most
-    of the prompts: the whole batch's call (33 new tokens here), its rows kept."""
+    of the prompts: the whole batch's call (41 new tokens here, one request with more than
+    ``DECODE_WALK_TOKENS``), its rows kept."""
     counting = CountingKernels(kernels())
     monkeypatch.setattr(cpu_native, "load_cpu_kernels", lambda: counting)
-    prefix_lens, new_lens = [0, 5, 0, 17, 3], [7, 1, 12, 4, 9]
+    prefix_lens, new_lens = [0, 5, 0, 17, 3], [7, 1, 20, 4, 9]
+    assert max(new_lens) > cpu_native.DECODE_WALK_TOKENS
     last = torch.tensor(new_lens).cumsum(0) - 1
     inside = torch.tensor([r for r in range(sum(new_lens)) if r not in last.tolist()])
     rows = torch.cat([last, inside[torch.randperm(len(inside))[:extra_rows]]])
@@ -319,6 +321,57 @@ def test_the_backend_gives_the_kernel_the_layer_s_window_and_cap(mode: ForwardMo
                                       backend_cls=CpuNativeAttnBackend, variant=LAYER_VARIANT,
                                       decode_tail=2 if mode.is_extend() else 0)
     assert_matches_reference(requests, output, 4, LAYER_VARIANT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_few_new_tokens_attend_as_the_decode_tokens_they_would_be(
+        monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """Requests of up to ``DECODE_WALK_TOKENS`` new tokens (a verify step's): each token is
+    one query of its own, bit for bit what a decode step at its position gives (the
+    kernel's decode walk sums in another order than its extend path)."""
+    counting = CountingKernels(kernels())
+    monkeypatch.setattr(cpu_native, "load_cpu_kernels", lambda: counting)
+    scale, prefixes, news = HEAD_DIM**-0.5, [63, 30, 0], [4, 6, cpu_native.DECODE_WALK_TOKENS]
+    q, k_buffer, v_buffer, table, rows, lens, new = scattered_case(4, 2, HEAD_DIM, [
+        p + n for p, n in zip(prefixes, news, strict=True)], news, seed=9)
+    q, k_buffer, v_buffer = q.to(dtype), k_buffer.to(dtype), v_buffer.to(dtype)
+    backend_rows, visible, ones = cpu_native._as_decode_tokens(rows, lens, new)
+    assert ones.tolist() == [1] * sum(news)
+    assert visible.tolist() == [p + i + 1 for p, n in zip(prefixes, news, strict=True)
+                                for i in range(n)]
+    batch = counting.paged_attention(q, k_buffer, v_buffer, table, backend_rows, visible,
+                                     ones, scale)
+    token = 0
+    for row, prefix, count in zip(rows.tolist(), prefixes, news, strict=True):
+        for i in range(count):
+            alone = counting.paged_attention(
+                q[token:token + 1].contiguous(), k_buffer, v_buffer, table,
+                torch.tensor([row]), torch.tensor([prefix + i + 1]), torch.tensor([1]), scale)
+            assert torch.equal(batch[token], alone[0]), (prefix, i)
+            token += 1
+
+
+def test_the_backend_runs_a_verify_step_s_tokens_as_decode_tokens() -> None:
+    """A step of a few new tokens a request: the layer's output is, bit for bit, the
+    kernel's for each token alone as a decode token."""
+    prefix_lens, new_lens = [40, 20, 5], [4, 6, 1]
+    requests, output, kv_pool, _ = run_case(ForwardMode.EXTEND, prefix_lens, new_lens, 4, 2,
+                                             seed=11, backend_cls=CpuNativeAttnBackend)
+    k_buffer, v_buffer = kv_pool.get_kv_buffer(1)
+    table = torch.zeros(len(requests), max(r.seq_len for r in requests), dtype=torch.int64)
+    for i, request in enumerate(requests):
+        assert request.slots is not None
+        table[i, :request.seq_len] = request.slots
+    rows = output.view(-1, 4, HEAD_DIM)
+    token = 0
+    for i, request in enumerate(requests):
+        for j in range(request.queries.shape[0]):
+            alone = kernels().paged_attention(
+                request.queries[j:j + 1].contiguous(), k_buffer, v_buffer, table,
+                torch.tensor([i]), torch.tensor([request.prefix_len + j + 1]),
+                torch.tensor([1]), HEAD_DIM**-0.5)
+            assert torch.equal(rows[token], alone[0]), (i, j)
+            token += 1
 
 
 def test_rows_alone_see_the_window_ending_at_their_own_position(

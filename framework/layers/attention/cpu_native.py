@@ -39,6 +39,14 @@ if TYPE_CHECKING:
     from framework.forward_batch import ForwardBatch
     from framework.layers.attention.radix_attention import RadixAttention
 
+#: An extend batch whose requests have at most this many new tokens each (a verify step
+#: of speculative decoding, a short prompt) runs each new token as a decode token: the
+#: kernel's decode walk sums a query's scores and values in another order than its
+#: extend path does, so that otherwise a verify step's attention would differ from the
+#: plain decode steps' in the last bits, and greedy speculation could pick another token
+#: where two logits nearly tie. Each such token reads its request's rows once more, a
+#: small cost next to the rest of a step at these lengths.
+DECODE_WALK_TOKENS = 16
 #: A layer's pool as the kernel takes it: key and value buffers (values, or 8-bit codes)
 #: and the codes' key and value scales (None and None for values).
 _LayerPool = tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, torch.Tensor | None]]
@@ -75,12 +83,17 @@ class CpuNativeAttnBackend(AttentionBackend):
             return
         super().init_forward_metadata(forward_batch)
         seq_lens = forward_batch.seq_lens.contiguous()
+        req_pool_indices = forward_batch.req_pool_indices.contiguous()
         if forward_batch.forward_mode.is_decode():
-            new = self._ones[:forward_batch.batch_size]
-        else:  # the check above refused an extend batch without them
-            assert forward_batch.extend_seq_lens is not None
-            new = forward_batch.extend_seq_lens.contiguous()
-        self._batch = (forward_batch.req_pool_indices.contiguous(), seq_lens, new)
+            self._batch = (req_pool_indices, seq_lens, self._ones[:forward_batch.batch_size])
+            return
+        # The check above refused an extend batch without them.
+        assert forward_batch.extend_seq_lens is not None
+        new = forward_batch.extend_seq_lens.contiguous()
+        if max(forward_batch.extend_seq_lens_cpu or [0]) <= DECODE_WALK_TOKENS:
+            self._batch = _as_decode_tokens(req_pool_indices, seq_lens, new)
+        else:
+            self._batch = (req_pool_indices, seq_lens, new)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                 forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
@@ -159,6 +172,17 @@ class CpuNativeAttnBackend(AttentionBackend):
             self._ops.write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc,
                                k.reshape(rows, -1), v.reshape(rows, -1))
         return k_buffer, v_buffer, (pool.k_scales[layer_id], pool.v_scales[layer_id])
+
+
+def _as_decode_tokens(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                      new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's batch with each new token as a request of its own: its request's row,
+    the tokens it sees (the request's own up to itself) and one new token."""
+    owner = torch.repeat_interleave(torch.arange(new.shape[0], device=new.device), new)
+    ends = torch.cumsum(new, dim=0)
+    rows = torch.arange(owner.shape[0], device=new.device)
+    visible = seq_lens[owner] - ends[owner] + rows + 1
+    return req_pool_indices[owner], visible, torch.ones_like(visible)
 
 
 def _variant(layer: RadixAttention) -> tuple[int, float]:
