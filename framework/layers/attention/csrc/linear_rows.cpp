@@ -182,18 +182,37 @@ inline void load32(const bf16* w, __m512& a, __m512& b) {
 // halves of every pair of vectors, so that a round halves both the vectors and the
 // lanes each sum still spans (15 additions and 30 shuffles, against 16 reductions of
 // eight instructions each). Sum i lands in lane reduced_lane(i).
-inline __m512 reduce16(const __m512 (&v)[16]) {
-  __m512 r[8], s[4], t[2];
-  for (int i = 0; i < 8; ++i)
-    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    t[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], 0x88), _mm512_shuffle_ps(t[0], t[1], 0xDD));
+// Two vectors' 16 lanes each halved into 8 partial sums, side by side in one vector;
+// `Halves` picks the 128-bit quarters (0x44 and 0xEE: the first and last pairs; 0x88 and
+// 0xDD: the even and odd quarters).
+template <int Low, int High>
+__attribute__((always_inline)) inline __m512 halve_quarters(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, Low), _mm512_shuffle_f32x4(a, b, High));
+}
+
+template <int Low, int High>
+__attribute__((always_inline)) inline __m512 halve_lanes(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, Low), _mm512_shuffle_ps(a, b, High));
+}
+
+// The 16 sums of each of 16 vectors at once, into one vector: four rounds, each adding two
+// halves of every pair of vectors, so that a round halves both the vectors and the
+// lanes each sum still spans (15 additions and 30 shuffles, against 16 reductions of
+// eight instructions each). Sum i lands in lane reduced_lane(i). The vectors come as
+// values, so that they stay in registers.
+__attribute__((always_inline)) inline __m512 reduce16(
+    __m512 v0, __m512 v1, __m512 v2, __m512 v3, __m512 v4, __m512 v5, __m512 v6, __m512 v7,
+    __m512 v8, __m512 v9, __m512 v10, __m512 v11, __m512 v12, __m512 v13, __m512 v14,
+    __m512 v15) {
+  const __m512 r0 = halve_quarters<0x44, 0xEE>(v0, v1), r1 = halve_quarters<0x44, 0xEE>(v2, v3),
+               r2 = halve_quarters<0x44, 0xEE>(v4, v5), r3 = halve_quarters<0x44, 0xEE>(v6, v7),
+               r4 = halve_quarters<0x44, 0xEE>(v8, v9), r5 = halve_quarters<0x44, 0xEE>(v10, v11),
+               r6 = halve_quarters<0x44, 0xEE>(v12, v13),
+               r7 = halve_quarters<0x44, 0xEE>(v14, v15);
+  const __m512 s0 = halve_quarters<0x88, 0xDD>(r0, r1), s1 = halve_quarters<0x88, 0xDD>(r2, r3),
+               s2 = halve_quarters<0x88, 0xDD>(r4, r5), s3 = halve_quarters<0x88, 0xDD>(r6, r7);
+  const __m512 t0 = halve_lanes<0x44, 0xEE>(s0, s1), t1 = halve_lanes<0x44, 0xEE>(s2, s3);
+  return halve_lanes<0x88, 0xDD>(t0, t1);
 }
 
 constexpr int reduced_lane(int i) { return (i % 4) * 4 + i / 4; }
@@ -205,6 +224,7 @@ void wide_features(const float* __restrict x, int64_t k_size, const T* __restric
                    int64_t n0, float* __restrict y, int64_t n_size) {
   static_assert(M * F <= 16);
   __m512 acc[16];
+#pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   constexpr int64_t step_bytes = F * kWideStep * static_cast<int64_t>(sizeof(T));
   const char* ahead = reinterpret_cast<const char*>(w + (n0 + kPrefetchBlocks * F) * k_size);
@@ -225,7 +245,9 @@ void wide_features(const float* __restrict x, int64_t k_size, const T* __restric
     }
   }
   alignas(64) float sums[16];
-  _mm512_store_ps(sums, reduce16(acc));
+  _mm512_store_ps(sums, reduce16(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6],
+                                 acc[7], acc[8], acc[9], acc[10], acc[11], acc[12], acc[13],
+                                 acc[14], acc[15]));
   for (int m = 0; m < M; ++m)
     for (int f = 0; f < F; ++f) y[m * n_size + n0 + f] = sums[reduced_lane(m * F + f)];
 }
