@@ -335,7 +335,8 @@ def test_a_few_new_tokens_attend_as_the_decode_tokens_they_would_be(
     q, k_buffer, v_buffer, table, rows, lens, new = scattered_case(4, 2, HEAD_DIM, [
         p + n for p, n in zip(prefixes, news, strict=True)], news, seed=9)
     q, k_buffer, v_buffer = q.to(dtype), k_buffer.to(dtype), v_buffer.to(dtype)
-    backend_rows, visible, ones = cpu_native._as_decode_tokens(rows, lens, new)
+    backend_rows, visible, ones = cpu_native._as_decode_tokens(rows.tolist(), lens.tolist(),
+                                                               new.tolist(), q.device)
     assert ones.tolist() == [1] * sum(news)
     assert visible.tolist() == [p + i + 1 for p, n in zip(prefixes, news, strict=True)
                                 for i in range(n)]

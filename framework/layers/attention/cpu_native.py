@@ -67,6 +67,8 @@ class CpuNativeAttnBackend(AttentionBackend):
         # Of the planned batch: each request's row in req_to_token, its tokens and its
         # new tokens (None until init_forward_metadata has run).
         self._batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # Whether that batch has each new token as a request of its own (DECODE_WALK_TOKENS).
+        self._tokens_alone = False
         # A decode step's new tokens per request, sliced from one tensor made here rather
         # than made anew every step.
         self._ones = torch.ones(args.max_batch_size, dtype=torch.int64, device=args.device)
@@ -84,14 +86,19 @@ class CpuNativeAttnBackend(AttentionBackend):
         super().init_forward_metadata(forward_batch)
         seq_lens = forward_batch.seq_lens.contiguous()
         req_pool_indices = forward_batch.req_pool_indices.contiguous()
-        if forward_batch.forward_mode.is_decode():
+        self._tokens_alone = forward_batch.forward_mode.is_decode()
+        if self._tokens_alone:
             self._batch = (req_pool_indices, seq_lens, self._ones[:forward_batch.batch_size])
             return
         # The check above refused an extend batch without them.
         assert forward_batch.extend_seq_lens is not None
         new = forward_batch.extend_seq_lens.contiguous()
-        if max(forward_batch.extend_seq_lens_cpu or [0]) <= DECODE_WALK_TOKENS:
-            self._batch = _as_decode_tokens(req_pool_indices, seq_lens, new)
+        counts = forward_batch.extend_seq_lens_cpu or []
+        self._tokens_alone = max(counts, default=0) <= DECODE_WALK_TOKENS
+        if self._tokens_alone:
+            self._batch = _as_decode_tokens(forward_batch.req_pool_indices_cpu or [],
+                                            forward_batch.seq_lens_cpu or [], counts,
+                                            new.device)
         else:
             self._batch = (req_pool_indices, seq_lens, new)
 
@@ -127,15 +134,18 @@ class CpuNativeAttnBackend(AttentionBackend):
             return super().forward_rows(q, k, v, layer, forward_batch, rows)
         k_buffer, v_buffer, scales = self._pool(k, v, layer, forward_batch, save_kv_cache=True)
         req_pool_indices, seq_lens, new = self._batch
-        ends = torch.cumsum(new, dim=0)  # past each request's last row in the batch
-        owner = torch.searchsorted(ends, rows, right=True)
-        # Tokens the query sees: the request's own up to the query, itself included.
-        visible = seq_lens[owner] - ends[owner] + rows + 1
+        if self._tokens_alone:  # the batch's rows are its tokens already
+            owner, visible = rows, seq_lens.index_select(0, rows)
+        else:
+            ends = torch.cumsum(new, dim=0)  # past each request's last row in the batch
+            owner = torch.searchsorted(ends, rows, right=True)
+            # Tokens the query sees: the request's own up to the query, itself included.
+            visible = seq_lens[owner] - ends[owner] + rows + 1
         queries = q.index_select(0, rows).reshape(rows.shape[0], layer.num_heads, layer.head_dim)
         # The query is the last of its `visible` tokens: its window ends at itself there too.
         out = self._ops.paged_attention(queries, k_buffer, v_buffer,
                                         self.req_to_token_pool.req_to_token,
-                                        req_pool_indices[owner], visible,
+                                        req_pool_indices.index_select(0, owner), visible,
                                         torch.ones_like(visible), layer.scaling,
                                         *_variant(layer), *scales)
         return out.view(rows.shape[0], layer.num_heads * layer.head_dim)
@@ -174,15 +184,18 @@ class CpuNativeAttnBackend(AttentionBackend):
         return k_buffer, v_buffer, (pool.k_scales[layer_id], pool.v_scales[layer_id])
 
 
-def _as_decode_tokens(req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                      new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _as_decode_tokens(req_pool_indices: list[int], seq_lens: list[int], counts: list[int],
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's batch with each new token as a request of its own: its request's row,
-    the tokens it sees (the request's own up to itself) and one new token."""
-    owner = torch.repeat_interleave(torch.arange(new.shape[0], device=new.device), new)
-    ends = torch.cumsum(new, dim=0)
-    rows = torch.arange(owner.shape[0], device=new.device)
-    visible = seq_lens[owner] - ends[owner] + rows + 1
-    return req_pool_indices[owner], visible, torch.ones_like(visible)
+    the tokens it sees (the request's own up to itself) and one new token. Made from the
+    host copies of the lengths: a handful of torch operators on these few tokens would
+    cost more than the lists."""
+    rows, visible = [], []
+    for row, seq_len, count in zip(req_pool_indices, seq_lens, counts, strict=True):
+        rows.extend([row] * count)
+        visible.extend(range(seq_len - count + 1, seq_len + 1))
+    as_tensor = torch.tensor([rows, visible], dtype=torch.int64, device=device)
+    return as_tensor[0], as_tensor[1], torch.ones(len(rows), dtype=torch.int64, device=device)
 
 
 def _variant(layer: RadixAttention) -> tuple[int, float]:
