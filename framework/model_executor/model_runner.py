@@ -292,6 +292,11 @@ class ModelRunner:
         """Whether norms, activations and rotary embeddings run the native CPU kernels."""
         return self._cpu_ops is not None
 
+    @property
+    def layer_ops(self) -> Any:
+        """The native CPU kernels bound to the layers (``load_cpu_kernels``), or None."""
+        return self._cpu_ops
+
     def _quantize_linear_layers(self) -> None:
         """Stack a pre-quantized checkpoint's layers for their kernel, or with
         ``--quantization int8|fp8`` of a float checkpoint quantize the loaded linear layers;

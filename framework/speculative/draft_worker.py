@@ -46,6 +46,7 @@ from framework.runtime.scheduler.worker import (
     StepResult,
     WorkerBatch,
 )
+from framework.speculative.draft_decode import DraftDecodePlan
 
 
 class DraftModelWorker(ModelWorker):
@@ -64,6 +65,8 @@ class DraftModelWorker(ModelWorker):
         self._owed: dict[int, list[int]] = {}
         #: Draft model forwards run so far.
         self.draft_forwards = 0
+        # The draft's decode forwards without its module tree, where its model allows.
+        self._plan = DraftDecodePlan.build(draft)
 
     @classmethod
     def build(cls, server_args: ServerArgs, model_path: str) -> DraftModelWorker:
@@ -122,7 +125,7 @@ class DraftModelWorker(ModelWorker):
             # A prefilling request owes nothing: what its row held was its predecessor's.
             owed.append(held if i >= first_decoding else [])
         if not any(owed):
-            self._run_draft(dataclasses.replace(
+            self._forward_draft(dataclasses.replace(
                 forward, prompt_logprob_rows=None, lora_names=None, lora_in_use=None))
             return
         ids = forward.input_ids.tolist()
@@ -133,7 +136,7 @@ class DraftModelWorker(ModelWorker):
             tokens.append(owed[i] + ids[offset:offset + n])
             offset += n
             starts[i] -= len(tokens[i])
-        self._run_draft(self._packed(rows, starts, tokens))
+        self._forward_draft(self._packed(rows, starts, tokens))
 
     def _draft(self, forward: ForwardBatch, lengths: list[int]) -> list[list[int]]:
         """Each request's ``lengths[i]`` greedy drafts, written into ``forward.input_ids``."""
@@ -147,7 +150,7 @@ class DraftModelWorker(ModelWorker):
         owed = [self._owed.pop(row, []) for row in rows]
         tokens = [owed[i] + [token] for i, token in enumerate(last.tolist())]
         starts = [prefix[i] - len(owed[i]) for i in range(len(rows))]
-        nexts = dict(enumerate(self._run_draft(self._packed(rows, starts, tokens))))
+        nexts = dict(enumerate(self._run_draft(rows, starts, tokens)))
         drafts: list[list[int]] = [[] for _ in rows]
         for step in range(max(lengths, default=0)):
             active = [i for i, n in enumerate(lengths) if n > step]
@@ -156,9 +159,9 @@ class DraftModelWorker(ModelWorker):
             further = [i for i in active if lengths[i] > step + 1]
             if not further:
                 break
-            found = self._run_draft(self._packed(
-                [rows[i] for i in further], [prefix[i] + step + 1 for i in further],
-                [[drafts[i][-1]] for i in further]))
+            found = self._run_draft([rows[i] for i in further],
+                                    [prefix[i] + step + 1 for i in further],
+                                    [[drafts[i][-1]] for i in further])
             nexts = dict(zip(further, found, strict=True))
         places = [offsets[i] + 1 + j for i, n in enumerate(lengths) for j in range(n)]
         if places:
@@ -199,8 +202,19 @@ class DraftModelWorker(ModelWorker):
             req_pool_indices_cpu=list(rows),
         )
 
-    def _run_draft(self, forward: ForwardBatch) -> list[int]:
-        """One draft forward; each request's greedy next token."""
+    def _run_draft(self, rows: list[int], starts: list[int], tokens: list[list[int]]
+                   ) -> list[int]:
+        """One draft forward of ``tokens[i]`` at positions ``starts[i]...`` of row
+        ``rows[i]``; each request's greedy next token (through the decode plan where the
+        draft model has one)."""
+        if self._plan is None:
+            return self._forward_draft(self._packed(rows, starts, tokens))
+        self.draft_forwards += 1
+        return self._plan.greedy(rows, starts, tokens)
+
+    def _forward_draft(self, forward: ForwardBatch) -> list[int]:
+        """One draft forward through the draft model's modules; each request's greedy next
+        token."""
         self.draft_forwards += 1
         logits = self.draft.forward(forward).next_token_logits
         assert logits is not None, "the draft model runs on one rank"
