@@ -65,7 +65,11 @@ class DraftDecodePlan:
         self._ops: Any = runner.layer_ops
         self._layers = layers
         self._embedding = model.model.embed_tokens.weight
-        self._rotary = model.model.layers[0].self_attn.rotary_emb
+        # Every position's angles, computed once as the rotary module computes a step's
+        # (the same values: each is one product and its cosine or sine).
+        self._cos, self._sin = model.model.layers[0].self_attn.rotary_emb.cos_sin(
+            torch.arange(runner.model_config.context_len, device=runner.device),
+            self._embedding.dtype)
         final = model.model.norm
         self._final_norm, self._final_eps = final.weight, final.eps
         head = model.lm_head
@@ -115,7 +119,7 @@ class DraftDecodePlan:
         seq_lens = position_ids + 1
         ones = torch.ones_like(seq_lens)
         hidden = F.embedding(index[2], self._embedding)
-        cos, sin = self._rotary.cos_sin(position_ids, hidden.dtype)
+        cos, sin = self._cos[position_ids], self._sin[position_ids]
         count = len(positions)
         # Only each request's last token makes logits: the last layer computes the rest of
         # its block for those rows alone, as the modules do (``output_rows``).
