@@ -19,7 +19,9 @@ target's, under one discipline:
   verify it in. The drafts go into the step, and the target verifies them
   (``DraftVerifier``);
 - drafting writes the draft KV of every fed token but the last draft. When the target
-  accepts all of a request's drafts, that token's draft KV is missing: it is owed too.
+  accepts all of a request's drafts, that token's draft KV is missing: it is owed too;
+- drafting forwards run through the draft's ``DraftDecodePlan`` where its model has one
+  (the same kernel calls without the module tree), prefills through its modules.
 
 Drafts are the draft model's greedy tokens, a deterministic proposal: rejection
 sampling then keeps the target's distribution exactly, as with n-gram drafts. A slot
