@@ -67,8 +67,6 @@ class CpuNativeAttnBackend(AttentionBackend):
         # Of the planned batch: each request's row in req_to_token, its tokens and its
         # new tokens (None until init_forward_metadata has run).
         self._batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        # Whether that batch has each new token as a request of its own (DECODE_WALK_TOKENS).
-        self._tokens_alone = False
         # A decode step's new tokens per request, sliced from one tensor made here rather
         # than made anew every step.
         self._ones = torch.ones(args.max_batch_size, dtype=torch.int64, device=args.device)
@@ -84,23 +82,19 @@ class CpuNativeAttnBackend(AttentionBackend):
             self._fallback.init_forward_metadata(forward_batch)
             return
         super().init_forward_metadata(forward_batch)
-        seq_lens = forward_batch.seq_lens.contiguous()
-        req_pool_indices = forward_batch.req_pool_indices.contiguous()
-        self._tokens_alone = forward_batch.forward_mode.is_decode()
-        if self._tokens_alone:
-            self._batch = (req_pool_indices, seq_lens, self._ones[:forward_batch.batch_size])
-            return
-        # The check above refused an extend batch without them.
-        assert forward_batch.extend_seq_lens is not None
-        new = forward_batch.extend_seq_lens.contiguous()
         counts = forward_batch.extend_seq_lens_cpu or []
-        self._tokens_alone = max(counts, default=0) <= DECODE_WALK_TOKENS
-        if self._tokens_alone:
+        if forward_batch.forward_mode.is_extend() and max(counts, default=0) <= DECODE_WALK_TOKENS:
             self._batch = _as_decode_tokens(forward_batch.req_pool_indices_cpu or [],
                                             forward_batch.seq_lens_cpu or [], counts,
-                                            new.device)
-        else:
-            self._batch = (req_pool_indices, seq_lens, new)
+                                            forward_batch.seq_lens.device)
+            return
+        if forward_batch.forward_mode.is_decode():
+            new = self._ones[:forward_batch.batch_size]
+        else:  # the check above refused an extend batch without them
+            assert forward_batch.extend_seq_lens is not None
+            new = forward_batch.extend_seq_lens.contiguous()
+        self._batch = (forward_batch.req_pool_indices.contiguous(),
+                       forward_batch.seq_lens.contiguous(), new)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                 forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
@@ -134,7 +128,7 @@ class CpuNativeAttnBackend(AttentionBackend):
             return super().forward_rows(q, k, v, layer, forward_batch, rows)
         k_buffer, v_buffer, scales = self._pool(k, v, layer, forward_batch, save_kv_cache=True)
         req_pool_indices, seq_lens, new = self._batch
-        if self._tokens_alone:  # the batch's rows are its tokens already
+        if req_pool_indices.shape[0] == q.shape[0]:  # one new token a request already
             owner, visible = rows, seq_lens.index_select(0, rows)
         else:
             ends = torch.cumsum(new, dim=0)  # past each request's last row in the batch
