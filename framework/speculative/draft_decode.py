@@ -35,6 +35,16 @@ from framework.model_executor.model_runner import ModelRunner
 from framework.models.llama import LlamaForCausalLM
 
 
+def token_places(rows: list[int], starts: list[int], tokens: list[list[int]]
+                 ) -> tuple[list[int], list[int]]:
+    """Each fed token's request row and position: ``tokens[i]`` at ``starts[i]...`` of row
+    ``rows[i]``."""
+    token_rows = [row for row, fed in zip(rows, tokens, strict=True) for _ in fed]
+    positions = [start + j for start, fed in zip(starts, tokens, strict=True)
+                 for j in range(len(fed))]
+    return token_rows, positions
+
+
 @dataclass(frozen=True)
 class _Layer:
     """One decoder layer's tensors and sizes, as its modules hold them."""
@@ -109,9 +119,7 @@ class DraftDecodePlan:
         backend runs a step of a few new tokens a request), after all of them are written.
         """
         ops, device = self._ops, self._device
-        token_rows = [row for row, fed in zip(rows, tokens, strict=True) for _ in fed]
-        positions = [start + j for start, fed in zip(starts, tokens, strict=True)
-                     for j in range(len(fed))]
+        token_rows, positions = token_places(rows, starts, tokens)
         index = torch.tensor([token_rows, positions, [t for fed in tokens for t in fed]],
                              dtype=torch.int64, device=device)
         row_ids, position_ids = index[0], index[1]

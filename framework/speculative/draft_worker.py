@@ -48,7 +48,7 @@ from framework.runtime.scheduler.worker import (
     StepResult,
     WorkerBatch,
 )
-from framework.speculative.draft_decode import DraftDecodePlan
+from framework.speculative.draft_decode import DraftDecodePlan, token_places
 
 
 class DraftModelWorker(ModelWorker):
@@ -178,9 +178,7 @@ class DraftModelWorker(ModelWorker):
         into the slots the request row already holds there."""
         device = self._req_to_token.device
         lengths = [len(t) for t in tokens]
-        positions = [p for start, n in zip(starts, lengths, strict=True)
-                     for p in range(start, start + n)]
-        token_rows = [row for row, n in zip(rows, lengths, strict=True) for _ in range(n)]
+        token_rows, positions = token_places(rows, starts, tokens)
 
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)

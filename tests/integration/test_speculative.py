@@ -198,6 +198,17 @@ def test_the_model_as_its_own_draft_has_every_draft_accepted(llama: Path) -> Non
     assert info["spec_accepted_tokens"] == info["spec_drafted_tokens"] == 11 * len(PROMPTS)
 
 
+def test_a_draft_without_a_decode_plan_drafts_through_its_modules(
+        tiny_checkpoint: Callable[..., Path]) -> None:
+    """Qwen3 (q/k norms) has no ``DraftDecodePlan``: as its own draft, every draft is still
+    accepted, drafted by its modules."""
+    model = tiny_checkpoint("qwen3", seed=2)
+    plain, _ = _run(model, GREEDY)
+    outputs, info = _run(model, GREEDY, **_draft_args(model))
+    assert [o["output_ids"] for o in outputs] == [o["output_ids"] for o in plain]
+    assert info["spec_accepted_tokens"] == info["spec_drafted_tokens"] > 0
+
+
 def test_plain_steps_above_the_batch_size_limit_leave_their_tokens_to_the_draft(
         llama: Path) -> None:
     """While three requests run, steps decode without drafts and the draft model does not
