@@ -48,7 +48,17 @@ from framework.runtime.scheduler.worker import (
     StepResult,
     WorkerBatch,
 )
-from framework.speculative.draft_decode import DraftDecodePlan, token_places
+from framework.speculative.draft_decode import DraftDecodePlan
+
+
+def token_places(rows: list[int], starts: list[int], tokens: list[list[int]]
+                 ) -> tuple[list[int], list[int]]:
+    """Each fed token's request row and position: ``tokens[i]`` at ``starts[i]...`` of row
+    ``rows[i]``."""
+    token_rows = [row for row, fed in zip(rows, tokens, strict=True) for _ in fed]
+    positions = [start + j for start, fed in zip(starts, tokens, strict=True)
+                 for j in range(len(fed))]
+    return token_rows, positions
 
 
 class DraftModelWorker(ModelWorker):
@@ -147,10 +157,10 @@ class DraftModelWorker(ModelWorker):
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n + 1)
-        last = forward.input_ids[torch.tensor(offsets[:-1], device=forward.input_ids.device)]
+        fed = forward.input_ids.tolist()
         # First forward: the tokens owed, then the last one; its logits give draft one.
         owed = [self._owed.pop(row, []) for row in rows]
-        tokens = [owed[i] + [token] for i, token in enumerate(last.tolist())]
+        tokens = [owed[i] + [fed[offset]] for i, offset in enumerate(offsets[:-1])]
         starts = [prefix[i] - len(owed[i]) for i in range(len(rows))]
         nexts = dict(enumerate(self._run_draft(rows, starts, tokens)))
         drafts: list[list[int]] = [[] for _ in rows]
@@ -207,7 +217,7 @@ class DraftModelWorker(ModelWorker):
         """One draft forward of ``tokens[i]`` at positions ``starts[i]...`` of row
         ``rows[i]``; each request's greedy next token (through the decode plan where the
         draft model has one)."""
-        if self._plan is None:
+        if self._plan is None or not self._plan.fits(sum(len(fed) for fed in tokens)):
             return self._forward_draft(self._packed(rows, starts, tokens))
         self.draft_forwards += 1
         return self._plan.greedy(rows, starts, tokens)

@@ -11,6 +11,7 @@ import torch
 
 from framework.config import ServerArgs
 from framework.forward_batch import ForwardBatch, ForwardMode
+from framework.layers.linear_kernel import NATIVE_ROWS, native_rows_fit
 from framework.model_executor.model_runner import ModelRunner
 from framework.speculative.draft_decode import DraftDecodePlan
 
@@ -54,13 +55,13 @@ def _prefilled(runner: ModelRunner) -> list[int]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("fed", [[[3], [12]], [[3, 25], [12]], [[3, 25, 8], [12, 2]]])
+@pytest.mark.parametrize("fed", [[[3], [12]], [[3, 25], [12]], [[3, 25], [12, 2]]])
 def test_the_plan_gives_the_modules_logits_and_writes_their_keys_and_values(
         tiny_checkpoint: Callable[..., Path], dtype: str, fed: list[list[int]]) -> None:
     """A decode step, and steps where requests feed the tokens they owe the draft first."""
     runner = _runner(tiny_checkpoint("llama", seed=3, num_hidden_layers=2), dtype=dtype)
     plan = DraftDecodePlan.build(runner)
-    assert plan is not None
+    assert plan is not None and plan.fits(sum(len(tokens) for tokens in fed))
     rows = _prefilled(runner)
     starts = [len(prompt) for prompt in PROMPTS]
     expected = runner.forward(_batch(runner, rows, starts, fed)).next_token_logits
@@ -87,3 +88,17 @@ def test_no_plan_where_the_modules_run_another_forward(
         tiny_checkpoint: Callable[..., Path], arch: str, args: dict[str, object]) -> None:
     """Biases (qwen2), q/k norms (qwen3), a quantized KV cache, no native kernels."""
     assert DraftDecodePlan.build(_runner(tiny_checkpoint(arch, seed=3), **args)) is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_plan_takes_the_forwards_whose_products_run_natively(
+        tiny_checkpoint: Callable[..., Path], dtype: str) -> None:
+    """A forward whose products would leave ``linear_rows`` (float32 beyond its rows) is the
+    modules' to run: the plan gives no other product's results."""
+    runner = _runner(tiny_checkpoint("llama", seed=3, num_hidden_layers=2), dtype=dtype)
+    plan = DraftDecodePlan.build(runner)
+    assert plan is not None
+    weight = runner.model.lm_head.weight
+    for count in (1, NATIVE_ROWS, NATIVE_ROWS + 1, 64):
+        assert plan.fits(count) == native_rows_fit(count, weight)
+    assert plan.fits(NATIVE_ROWS) and (dtype == "bfloat16" or not plan.fits(NATIVE_ROWS + 1))

@@ -2,7 +2,8 @@
 
 The library holds the attention kernel, the fused norm, activation and rotary
 layers, and the product of a few rows (``linear_rows``), for float32 and bfloat16, and
-by a quantized weight (``int8_rows``, ``int4_rows``, ``fp8_rows``).
+by a quantized weight (``int8_rows``, ``int4_rows``, ``fp8_rows``), and a plain Llama
+model's decode forward in one call (``llama_decode``, a draft model's).
 Its C++ sources are compiled once per machine with the C++ compiler found
 (``$CXX``, else ``c++``), for this CPU (``-march=native``) and against the
 installed torch, into a cache directory keyed by everything that changes the
@@ -47,14 +48,16 @@ EXACT_CXX_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off
                    "-fPIC", "-std=c++20")
 _CSRC = Path(__file__).parent / "csrc"
 #: The library's sources, each with its compiler flags: the attention kernel, the fused
-#: norm and activation, the product of a few rows (float, and quantized weights), and the
-#: rotary embedding and greedy argmax (exactly torch's).
+#: norm and activation, the product of a few rows (float, and quantized weights), the
+#: rotary embedding and greedy argmax (exactly torch's), and a plain Llama model's decode
+#: forward made of those kernels' calls (``llama_decode``).
 SOURCES: tuple[tuple[Path, tuple[str, ...]], ...] = (
     (_CSRC / "paged_attention.cpp", CXX_FLAGS),
     (_CSRC / "layer_ops.cpp", CXX_FLAGS),
     (_CSRC / "linear_rows.cpp", CXX_FLAGS),
     (_CSRC / "quant_rows.cpp", CXX_FLAGS),
     (_CSRC / "exact_ops.cpp", EXACT_CXX_FLAGS),
+    (_CSRC / "decode_forward.cpp", CXX_FLAGS),
 )
 #: The header the sources include (vectors, bfloat16 conversions): part of the build's key.
 HEADERS: tuple[Path, ...] = (_CSRC / "vec.h",)
@@ -66,7 +69,7 @@ LINK_FLAGS = ("-shared", "-fopenmp")
 #: The operators the library registers (``torch.ops.framework_cpu.<name>``).
 OPERATORS = ("paged_attention", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
              "linear_rows", "int8_rows", "int8_rows_a8", "int4_rows", "int4_rows_a8", "fp8_rows",
-             "rotary", "argmax_rows")
+             "rotary", "argmax_rows", "llama_decode")
 #: The dtypes the kernels compute in (activations, weights and the KV pool alike).
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 #: Where built kernels are kept (default: ``~/.cache/framework/kernels``).
