@@ -8,7 +8,10 @@
 // * A request with one new token (decode) is bound by reading its rows once:
 //   it walks them in place, each row's heads at once, for the scores, then
 //   again for the values, eight rows at a time (each output block is read and
-//   written once per eight rows), with the rows ahead prefetched.
+//   written once per eight rows), with the rows ahead prefetched. Several decode tokens
+//   of one request at consecutive positions (a verify step of speculative decoding gives
+//   its tokens so) walk its rows together: each row is read and widened once, and each
+//   token's sums are the ones it gets alone, operation for operation.
 // * A request with several new tokens (prefill, extend) reads each row many
 //   times: it is split by key/value head, and the head's keys and values are
 //   first copied into two contiguous blocks that stay in the core's caches
@@ -59,6 +62,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -391,6 +395,69 @@ void decode_one(const Shapes& sh, const Variant& var, const float* q, const Pool
   }
 }
 
+// Pool row `slot` [kv_heads, dim] widened to float32 into `to` (codes times their scale):
+// what read_row gives a decode token, in floats whatever the pool holds.
+template <typename T, typename S>
+inline const float* widen_row(const T* buffer, const S& scales, int64_t slot, const Shapes& sh,
+                              float* to) {
+  const T* row = buffer + slot * sh.kv_heads * sh.dim;
+  if constexpr (std::is_same_v<T, float> && !S::kScaled) {
+    return row;
+  } else {
+    for (int64_t g = 0; g < sh.kv_heads; ++g)
+      copy_row(row + g * sh.dim, sh.dim, scales(slot, g), to + g * sh.dim);
+    return to;
+  }
+}
+
+// `count` decode tokens of one request at consecutive positions (a verify step's): token
+// i sees the first len + i tokens; q, out [count, heads, dim]. Each token's scores,
+// weights and sums are decode_one's, operation for operation (a row widened to float32
+// holds the values decode_one widens as it reads them), so each token's output is what it
+// gets alone, bit for bit; but every pool row is read and widened once for all of them.
+// No sliding window (decode_one skips a different number of rows per token).
+template <typename T, typename S>
+void decode_group(const Shapes& sh, const Variant& var, const float* q, const Pool<T, S>& pool,
+                  const int64_t* slots, int64_t len, int64_t count, float scale, float* out,
+                  std::vector<float>& scratch) {
+  const int64_t row = sh.kv_heads * sh.dim, last = len + count - 1;
+  // Token i's [heads, len + i] scores at s + sh.heads * (i * len + i * (i - 1) / 2), then
+  // one widened key row and kValueBlock widened value rows.
+  const int64_t scores_size = sh.heads * (count * len + count * (count - 1) / 2);
+  scratch.resize(static_cast<size_t>(scores_size + (kValueBlock + 1) * row));
+  float* s = scratch.data();
+  float* wide = s + scores_size;
+  auto scores_of = [&](int64_t i) { return s + sh.heads * (i * len + i * (i - 1) / 2); };
+  for (int64_t t = 0; t < std::min(kDecodePrefetchRows, last); ++t)
+    prefetch_row(pool.k, pool.k_scales, slots[t], row);
+  for (int64_t t = 0; t < last; ++t) {
+    if (t + kDecodePrefetchRows < last)
+      prefetch_row(pool.k, pool.k_scales, slots[t + kDecodePrefetchRows], row);
+    const float* k = widen_row(pool.k, pool.k_scales, slots[t], sh, wide);
+    for (int64_t i = std::max<int64_t>(0, t + 1 - len); i < count; ++i)
+      row_scores(sh, q + i * sh.heads * sh.dim, k, scale, len + i, scores_of(i) + t);
+  }
+  for (int64_t t = 0; t < std::min(kValueBlock, last); ++t)
+    prefetch_row(pool.v, pool.v_scales, slots[t], row);
+  for (int64_t i = 0; i < count; ++i) {
+    for (int64_t h = 0; h < sh.heads; ++h) weights(scores_of(i) + h * (len + i), len + i, var);
+    std::fill(out + i * sh.heads * sh.dim, out + (i + 1) * sh.heads * sh.dim, 0.f);
+  }
+  const float* rows[kValueBlock];
+  float* values = wide + row;
+  for (int64_t t0 = 0; t0 < last; t0 += kValueBlock) {
+    const int64_t n = std::min(kValueBlock, last - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      rows[j] = widen_row(pool.v, pool.v_scales, slots[t0 + j], sh, values + j * row);
+      if (t0 + j + kValueBlock < last)
+        prefetch_row(pool.v, pool.v_scales, slots[t0 + j + kValueBlock], row);
+    }
+    for (int64_t i = std::max<int64_t>(0, t0 + 1 - len); i < count; ++i)
+      block_values(sh, scores_of(i) + t0, rows, std::min(n, len + i - t0), len + i,
+                   out + i * sh.heads * sh.dim);
+  }
+}
+
 // Queries of one head, and keys, taken together by the tiled extend path.
 constexpr int64_t kQueryTile = 8;
 constexpr int64_t kKeyTile = 16;
@@ -645,12 +712,19 @@ void attend(const Shapes& sh, const Variant& var, const float* qp, const Pool<T,
   std::vector<int64_t> first(static_cast<size_t>(batch));  // each request's first q row
   for (int64_t b = 0, row = 0; b < batch; row += news[b++]) first[b] = row;
   const int64_t row_floats = sh.heads * sh.dim;
-  // Work items: (request, -1) for a decode token, (request, g) for each key/value head
-  // of a request with several new tokens.
+  // Work items: (request, -n) for n decode tokens of one request row at consecutive
+  // positions (a verify step's, given as requests of one new token each; n = 1: a plain
+  // decode token), (request, g) for each key/value head of a request with several new
+  // tokens.
   std::vector<std::pair<int64_t, int64_t>> items;
   for (int64_t b = 0; b < batch; ++b) {
     if (news[b] == 1) {
-      items.emplace_back(b, -1);
+      int64_t n = 1;
+      while (var.window == 0 && b + n < batch && news[b + n] == 1 && idx[b + n] == idx[b] &&
+             lens[b + n] == lens[b] + n)
+        ++n;
+      items.emplace_back(b, -n);
+      b += n - 1;
     } else {
       for (int64_t g = 0; g < sh.kv_heads; ++g) items.emplace_back(b, g);
     }
@@ -662,8 +736,10 @@ void attend(const Shapes& sh, const Variant& var, const float* qp, const Pool<T,
       const int64_t* slots = reqs.table + idx[b] * sh.context;
       const float* q_rows = qp + first[b] * row_floats;
       float* out_rows = op + first[b] * row_floats;
-      if (g < 0) {
+      if (g == -1) {
         decode_one(sh, var, q_rows, pool, slots, lens[b], s, out_rows, scratch);
+      } else if (g < 0) {
+        decode_group(sh, var, q_rows, pool, slots, lens[b], -g, s, out_rows, scratch);
       } else if (sh.dim % 16 == 0) {
         extend_tiled(sh, var, q_rows, pool, slots, lens[b], news[b], g, s, out_rows, scratch);
       } else {
