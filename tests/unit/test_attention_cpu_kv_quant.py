@@ -119,6 +119,29 @@ def test_window_and_cap_on_codes_match_float64(heads: int, kv_heads: int, dim: i
                           dim + window, kv_cache_dtype, dtype, window, cap)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_a_request_s_decode_tokens_on_codes_attend_as_each_alone(
+        kv_cache_dtype: str, dtype: torch.dtype) -> None:
+    """Decode tokens of one request at consecutive positions (a verify step's) walk its
+    rows together, widening each row's codes once: each token's output is, bit for bit,
+    what it gets as the only decode token."""
+    prefix, count = 37, 5
+    args, scales, _ = quantized_case(4, 2, HEAD_DIM, [prefix + count], [count], seed=4,
+                                     kv_cache_dtype=kv_cache_dtype, dtype=dtype)
+    q, k_codes, v_codes, table, rows, _, _ = args
+    visible = torch.arange(prefix + 1, prefix + count + 1)
+    scale = HEAD_DIM**-0.5
+    together = kernels().paged_attention(q, k_codes, v_codes, table, rows.repeat(count),
+                                         visible, torch.ones(count, dtype=torch.int64),
+                                         scale, 0, 0.0, *scales)
+    for i in range(count):
+        alone = kernels().paged_attention(q[i:i + 1].contiguous(), k_codes, v_codes, table,
+                                          rows, visible[i:i + 1], torch.ones(1, dtype=torch.int64),
+                                          scale, 0, 0.0, *scales)
+        assert torch.equal(together[i], alone[0]), i
+
+
 def every_code(kv_cache_dtype: str) -> torch.Tensor:
     """The 256 codes of the format [1, 1, 256] (E4M3's two NaN codes as zeros)."""
     bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)

@@ -102,3 +102,15 @@ def test_the_plan_takes_the_forwards_whose_products_run_natively(
     for count in (1, NATIVE_ROWS, NATIVE_ROWS + 1, 64):
         assert plan.fits(count) == native_rows_fit(count, weight)
     assert plan.fits(NATIVE_ROWS) and (dtype == "bfloat16" or not plan.fits(NATIVE_ROWS + 1))
+
+
+def test_a_forward_past_the_request_row_is_refused(tiny_checkpoint: Callable[..., Path]) -> None:
+    """Tokens fed past the end of a request's row are refused with a reason, not written
+    outside it."""
+    runner = _runner(tiny_checkpoint("llama", seed=3, num_hidden_layers=2))
+    plan = DraftDecodePlan.build(runner)
+    assert plan is not None
+    rows = _prefilled(runner)
+    context = runner.pools.req_to_token_pool.req_to_token.shape[1]
+    with pytest.raises(RuntimeError, match="feeds 2 tokens at"):
+        plan.logits(rows[:1], [context - 1], [[3, 4]])
