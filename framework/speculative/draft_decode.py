@@ -4,17 +4,18 @@ A draft model drafts ``K`` tokens a step, one forward each, and on a CPU a small
 forward is mostly the cost of running its module tree: module calls, attribute reads,
 the attention backend's checks, a ``ForwardBatch`` to build, and some fifty operator
 calls from Python. The default model's two-layer draft spent about 570 us a forward
-through its modules, of which the kernels took about 100-200; that made each of its
-tokens cost half a decode step of the served model, and drafting did not pay.
+through its modules on a 2-core Xeon, of which the kernels took about 100-200; that made
+each of its tokens cost half a decode step of the served model, and drafting did not pay.
 
 ``DraftDecodePlan`` reads a Llama model's weights, norms and KV buffers once and runs a
 draft forward of a few tokens a request (a decode step, or the tokens a request owes the
 draft and its last one) as one call of the native ``llama_decode``
 (``csrc/decode_forward.cpp``), which makes the calls the modules make (the native norms,
 ``linear_rows``, rotary, ``write_kv``, ``paged_attention`` and SiLU), in the same order with
-the same arguments, from C++: its logits are the modules' bit for bit, in about a quarter
-of their time (150 against 570 us, one row, on a 2-core AMD EPYC). Its weights are the
-modules' tensors, so a load in place reaches it too.
+the same arguments, from C++: its logits are the modules' bit for bit, in well under half
+their time (one row on a 2-core AMD EPYC: 140 us, where the modules take about 360 and the
+same calls made from Python took 250). Its weights are the modules' tensors, so a load in
+place reaches it too.
 
 It applies where the modules' decode forward is exactly that sequence: a
 ``LlamaForCausalLM`` (not a subclass) on a CPU with the native kernels bound, on one rank,
