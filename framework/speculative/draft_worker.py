@@ -21,7 +21,7 @@ target's, under one discipline:
 - drafting writes the draft KV of every fed token but the last draft. When the target
   accepts all of a request's drafts, that token's draft KV is missing: it is owed too;
 - drafting forwards run through the draft's ``DraftDecodePlan`` where its model has one
-  (the same kernel calls without the module tree), prefills through its modules.
+  (the modules' kernel calls, made in one native call), prefills through its modules.
 
 Drafts are the draft model's greedy tokens, a deterministic proposal: rejection
 sampling then keeps the target's distribution exactly, as with n-gram drafts. A slot
@@ -49,16 +49,6 @@ from framework.runtime.scheduler.worker import (
     WorkerBatch,
 )
 from framework.speculative.draft_decode import DraftDecodePlan
-
-
-def token_places(rows: list[int], starts: list[int], tokens: list[list[int]]
-                 ) -> tuple[list[int], list[int]]:
-    """Each fed token's request row and position: ``tokens[i]`` at ``starts[i]...`` of row
-    ``rows[i]``."""
-    token_rows = [row for row, fed in zip(rows, tokens, strict=True) for _ in fed]
-    positions = [start + j for start, fed in zip(starts, tokens, strict=True)
-                 for j in range(len(fed))]
-    return token_rows, positions
 
 
 class DraftModelWorker(ModelWorker):
@@ -188,7 +178,9 @@ class DraftModelWorker(ModelWorker):
         into the slots the request row already holds there."""
         device = self._req_to_token.device
         lengths = [len(t) for t in tokens]
-        token_rows, positions = token_places(rows, starts, tokens)
+        token_rows = [row for row, n in zip(rows, lengths, strict=True) for _ in range(n)]
+        positions = [p for start, n in zip(starts, lengths, strict=True)
+                     for p in range(start, start + n)]
 
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)

@@ -161,8 +161,9 @@ void product_any(const float* x, int64_t rows, int64_t k_size, const T* w, int64
 // With AVX-512, a step takes 32 weight elements as two 16-lane vectors and a walk up to
 // eight rows; the sums of a block of outputs (rows x features, at most 16) are added up
 // together at the end (reduce16), since one reduction per output would cost more than a
-// 128-wide product's multiply-adds. (AVX512-BF16's dot-product instruction runs at a
-// quarter of the multiply-add rate on the CPUs measured, so bfloat16 is widened here too.)
+// 128-wide product's multiply-adds. (AVX512-BF16's dot-product instruction ran at a
+// quarter of the multiply-add rate on the Intel Xeon measured, and at 1.5-2x on a Zen 4
+// EPYC; bfloat16 is widened here, one product whatever the CPU.)
 constexpr int64_t kWideRows = 8;
 constexpr int64_t kWideStep = 32;
 
@@ -178,13 +179,10 @@ inline void load32(const bf16* w, __m512& a, __m512& b) {
   b = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xffff0000u)));
 }
 
-// The 16 sums of each of 16 vectors at once, into one vector: four rounds, each adding two
-// halves of every pair of vectors, so that a round halves both the vectors and the
-// lanes each sum still spans (15 additions and 30 shuffles, against 16 reductions of
-// eight instructions each). Sum i lands in lane reduced_lane(i).
-// Two vectors' 16 lanes each halved into 8 partial sums, side by side in one vector;
-// `Halves` picks the 128-bit quarters (0x44 and 0xEE: the first and last pairs; 0x88 and
-// 0xDD: the even and odd quarters).
+// Two vectors' 16 lanes each halved into 8 partial sums, side by side in one vector: the
+// sum of the 128-bit quarters (halve_quarters) or of the lanes within them (halve_lanes)
+// that `Low` and `High` pick (0x44 and 0xEE: the first and last pairs; 0x88 and 0xDD: the
+// even and odd ones).
 template <int Low, int High>
 __attribute__((always_inline)) inline __m512 halve_quarters(__m512 a, __m512 b) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, Low), _mm512_shuffle_f32x4(a, b, High));
