@@ -58,12 +58,14 @@ NATIVE_ROWS = 4
 #: there (2-5x from 5 to 64 rows of a 128-wide layer, measured on AVX2).
 BFLOAT16_GEMM_IS_NATIVE = bfloat16_gemm_is_native()
 #: Where the GEMM is native, bfloat16 products of up to this many rows still go to the
-#: native kernel: there torch's bfloat16 GEMM (oneDNN) costs 25-30 us a call however small
+#: native kernel: there torch's bfloat16 GEMM (oneDNN) costs 20-30 us a call however small
 #: the product, while the kernel's AVX-512 walk takes 6 to 8 rows (a verify step of
-#: speculative decoding) through a 128 x 384 weight in 10-13 us. A 128 x 4096 LM head is
-#: faster in the GEMM from about 5 rows (66 against 93 us at 6), but the kernel sums each
-#: output in the same order whatever the rows, so that a verify step's logits are a
-#: plain step's to the bit and greedy speculation keeps the plain tokens exactly.
+#: speculative decoding) through a 128 x 384 weight in 7-13 us. A 128 x 4096 LM head is
+#: faster in the GEMM from about 5 rows with the widening walk (76 against 85 us at 6 on a
+#: Zen 4 EPYC), from about 9 with AVX512-BF16's dot product (124 against 159 us at 16),
+#: but the kernel sums each output in the same order whatever the rows, so that a verify
+#: step's logits are a plain step's to the bit and greedy speculation keeps the plain
+#: tokens exactly.
 BFLOAT16_NATIVE_ROWS = 16
 
 

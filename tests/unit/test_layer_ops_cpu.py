@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from framework.config import ServerArgs
+from framework.cpuinfo import cpuinfo_fields
 from framework.layers import linear_kernel
 from framework.layers.activation import GatedActivation
 from framework.layers.linear import RowParallelLinear
@@ -27,6 +28,8 @@ from tests.model_fixtures import make_tiny_checkpoint
 from tests.unit.test_attention_cpu import kernels
 
 TOLERANCE = {"atol": 2e-5, "rtol": 2e-5}
+#: Whether the kernels hold linear_rows' bfloat16 dot-product walk (AVX512-BF16).
+HAS_BF16_DOT = "avx512_bf16" in cpuinfo_fields("flags").get("flags", "").split()
 
 
 def norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -257,6 +260,23 @@ def test_linear_rows_agrees_with_f_linear(dtype: torch.dtype, count: int, featur
     assert torch.equal(ops.linear_rows(spread[::2], weight, bias), got)
 
 
+@pytest.mark.skipif(not HAS_BF16_DOT, reason="the CPU has no AVX512-BF16: linear_rows is "
+                    "built without its dot-product walk")
+@pytest.mark.parametrize("count", [1, 3, 6, 8, 11, 16])
+def test_bfloat16_dot_walk_agrees_with_f_linear_and_sums_each_output_alike(count: int) -> None:
+    """AVX512-BF16's walk: within half a bfloat16 step of the exact product, each output
+    summed in one order whatever the rows beside it (a verify step's logits are a plain
+    step's to the bit)."""
+    ops = kernels()
+    x = rows(count, 128, 13).bfloat16()
+    weight, bias = (rows(4099, 128, 14) / 16).bfloat16(), rows(1, 4099, 15)[0].bfloat16()
+    got = ops.linear_rows(x, weight, bias, True)
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=2 ** -8)
+    for m in range(count):
+        assert torch.equal(ops.linear_rows(x[m:m + 1], weight, bias, True), got[m:m + 1])
+
+
 def test_linear_rows_refuses_what_it_cannot_read() -> None:
     ops = kernels()
     weight = torch.ones(8, 16)
@@ -268,6 +288,8 @@ def test_linear_rows_refuses_what_it_cannot_read() -> None:
         ops.linear_rows(torch.ones(1, 16), weight.bfloat16(), None)
     with pytest.raises(RuntimeError, match="bias"):
         ops.linear_rows(torch.ones(1, 16), weight, torch.ones(7))
+    with pytest.raises(RuntimeError, match="bf16_dot"):  # float32, or a CPU without the walk
+        ops.linear_rows(torch.ones(1, 32), torch.ones(8, 32), None, True)
 
 
 @pytest.mark.parametrize("bfloat16_instructions", [True, False])

@@ -480,6 +480,11 @@ def stalling(harness: Any) -> Any:
     StallingBackend.compiled.clear()
     yield lambda **kwargs: harness(grammar_backend="stalling-test", **kwargs)
     StallingBackend.release.set()
+    # The released compiles leave ``stalled`` before the next test reads it: on a busy
+    # machine a thread woken here can still be in it when the next test starts.
+    deadline = time.monotonic() + LIVENESS_S
+    while StallingBackend.stalled and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def step_until(h: SchedulerHarness, done: Any, what: str) -> None:

@@ -48,9 +48,10 @@ struct Kernels {
       add_rms_norm = find<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&,
                                                      const Tensor&, double)>(
           "framework_cpu::add_rms_norm");
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&)>
-      linear_rows = find<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&)>(
-          "framework_cpu::linear_rows");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                                  std::optional<bool>)>
+      linear_rows = find<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                         std::optional<bool>)>("framework_cpu::linear_rows");
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t)>
       rotary = find<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t)>(
           "framework_cpu::rotary");
@@ -158,7 +159,7 @@ Tensor llama_decode(const Tensor& tokens, const Tensor& rows, const Tensor& star
       std::tie(normed, residual) = k.add_rms_norm.call(hidden, residual, w[kInputNorm],
                                                        eps[2 * layer]);
     }
-    const Tensor qkv = k.linear_rows.call(normed, w[kQkv], std::nullopt);
+    const Tensor qkv = k.linear_rows.call(normed, w[kQkv], std::nullopt, std::nullopt);
     Tensor q = k.rotary.call(qkv.narrow(1, 0, q_size), cos_rows, sin_rows, head_dim);
     const Tensor key = k.rotary.call(qkv.narrow(1, q_size, kv_size), cos_rows, sin_rows,
                                      head_dim);
@@ -177,14 +178,15 @@ Tensor llama_decode(const Tensor& tokens, const Tensor& rows, const Tensor& star
     const Tensor attended = k.paged_attention.call(
         q.reshape({at, heads, head_dim}).contiguous(), k_buffer, v_buffer, req_to_token,
         attending, seen, ones.narrow(0, 0, at), scaling, 0, 0.0, std::nullopt, std::nullopt);
-    hidden = k.linear_rows.call(attended.view({at, -1}), w[kO], std::nullopt);
+    hidden = k.linear_rows.call(attended.view({at, -1}), w[kO], std::nullopt, std::nullopt);
     std::tie(normed, residual) = k.add_rms_norm.call(hidden, residual, w[kPostNorm],
                                                      eps[2 * layer + 1]);
-    const Tensor gate_up = k.linear_rows.call(normed, w[kGateUp], std::nullopt);
-    hidden = k.linear_rows.call(k.silu_and_mul.call(gate_up), w[kDown], std::nullopt);
+    const Tensor gate_up = k.linear_rows.call(normed, w[kGateUp], std::nullopt, std::nullopt);
+    hidden = k.linear_rows.call(k.silu_and_mul.call(gate_up), w[kDown], std::nullopt,
+                                std::nullopt);
   }
   normed = std::get<0>(k.add_rms_norm.call(hidden, residual, final_norm, final_eps));
-  return k.linear_rows.call(normed, head, std::nullopt);
+  return k.linear_rows.call(normed, head, std::nullopt, std::nullopt);
 }
 
 }  // namespace
