@@ -6,10 +6,12 @@ writes its int8 (per-channel) and GPTQ int4 (``--group-size``, 128) checkpoints 
 it. Each configuration (``CONFIGURATIONS``: a checkpoint, a quantized-linear kernel and
 whether the LM head and embeddings are quantized too) is served by one
 ``framework.Engine`` that runs greedy requests at 1 stream (one request at a time) and at
-64 (sent together): every checkpoint on the default kernel (float32 activations), again
+64 (sent together): every checkpoint on the default kernel (float32 activations, rounded
+to int16 next to 4-bit codes), again
 on ``cpu_a8`` (products of a few rows on int8 activations), and each with an int8 LM
 head and embedding table (``--quantize-lm-head``, ``--quantize-embeddings``).
-Each configuration runs ``--rounds`` times after a warm-up and keeps its best round.
+The Engines run side by side and take turns round by round (``run_configurations``); each
+configuration runs ``--rounds`` times after a warm-up and keeps its best round.
 Reported: output tokens/s, the speed-up over float32, and the weight bytes
 ``/get_server_info`` reports (``weight_bytes_rank_0``), with the machine and commit, in
 ``quantized.json`` and ``quantized.md`` under ``--output``.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +54,8 @@ class Settings:
     group_size: int = 128  # of the GPTQ checkpoint
     output_len: int = 32
     single_requests: int = 4  # requests run one at a time for the 1-stream figure
-    rounds: int = 2
+    #: Rounds of a configuration, the best kept: they alternate between the Engines.
+    rounds: int = 3
     launch_mode: str = "process"  # the Engines' (``thread`` starts faster)
     #: The Scheduler's torch threads (``--torch-threads``); None: the Engine's default plan,
     #: which leaves one core to the other components.
@@ -81,24 +85,38 @@ def _prompts(count: int) -> list[str]:
             for i in range(count)]
 
 
-def run_format(name: str, path: Path, options: dict[str, Any],
-               settings: Settings) -> list[dict[str, Any]]:
-    """The rows of one configuration: one per stream count."""
+def run_configurations(paths: dict[str, Path], settings: Settings) -> list[dict[str, Any]]:
+    """One row per configuration and stream count, from one Engine per configuration,
+    all started at once.
+
+    The rounds at a stream count alternate between the configurations (float32, int8,
+    gptq, ..., then float32 again), so that a slower spell of a shared machine falls on
+    every configuration alike rather than on the one that happened to run then.
+    """
     from framework import Engine
 
-    rows = []
-    with Engine(model_path=str(path), dtype="float32", log_level="warning",
-                max_running_requests=max(STREAMS), launch_mode=settings.launch_mode,
-                torch_threads=settings.torch_threads, **options) as engine:
-        weight_bytes = engine.get_server_info()["weight_bytes_rank_0"]
-        greedy_tokens_per_second(engine, _prompts(2), 2, 4)  # warm-up
+    with ExitStack() as stack:
+        engines = {name: stack.enter_context(Engine(
+            model_path=str(paths[checkpoint]), dtype="float32", log_level="warning",
+            max_running_requests=max(STREAMS), launch_mode=settings.launch_mode,
+            torch_threads=settings.torch_threads, **options))
+            for name, checkpoint, options in CONFIGURATIONS}
+        weight_bytes = {name: engine.get_server_info()["weight_bytes_rank_0"]
+                        for name, engine in engines.items()}
+        for engine in engines.values():
+            greedy_tokens_per_second(engine, _prompts(2), 2, 4)  # warm-up
+        rows = []
         for streams in STREAMS:
             prompts = _prompts(settings.single_requests if streams == 1 else streams)
-            best = max(greedy_tokens_per_second(engine, prompts, streams, settings.output_len)
-                       for _ in range(settings.rounds))
-            rows.append({"format": name, "streams": streams, "output_tokens_per_s": best,
-                         "weight_bytes": weight_bytes})
-    return rows
+            best = dict.fromkeys(engines, 0.0)
+            for _ in range(settings.rounds):
+                for name, engine in engines.items():
+                    best[name] = max(best[name], greedy_tokens_per_second(
+                        engine, prompts, streams, settings.output_len))
+            rows += [{"format": name, "streams": streams, "output_tokens_per_s": best[name],
+                      "weight_bytes": weight_bytes[name]} for name in engines]
+    order = [name for name, _, _ in CONFIGURATIONS]
+    return sorted(rows, key=lambda row: (order.index(row["format"]), row["streams"]))
 
 
 def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -130,8 +148,7 @@ def run_benchmark(settings: Settings, output: str) -> list[Path]:
             "torch_threads": settings.torch_threads or "the default plan"}
     with tempfile.TemporaryDirectory(prefix="framework-quantized-") as tmp:
         paths = write_checkpoints(settings, Path(tmp))
-        rows = [row for name, checkpoint, options in CONFIGURATIONS
-                for row in run_format(name, paths[checkpoint], options, settings)]
+        rows = run_configurations(paths, settings)
     return write_results(output, "quantized", {**meta, "rows": rows}, render(rows, meta))
 
 

@@ -66,11 +66,32 @@ KERNELS: dict[str, Callable[[], object]] = {
 #: Row counts: each of the native kernels' blocks of 1 to 4 rows, several blocks, and past
 #: their limits (NATIVE_INT8_ROWS, NATIVE_ROWS).
 ROWS = (1, 2, 3, 4, 7, 8, 9, 32, 33)
+#: The largest activation code of int4_rows_a8 and int8_rows_a8, and of int4_rows_a16.
+INT8_LEVELS, INT16_LEVELS = 127, 32767
+#: 4-bit weights whose groups are a multiple of 32 features (int4_rows_a16, int4_rows_a8).
+INT4_CODE_WEIGHTS = ("gptq", "gptq-act-order", "gptq-one-group", "gptq-8-out", "awq")
 
 
 def reference(weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``x @ dequantize(w).T + bias`` in float64."""
     return x.double() @ weight.dequantize().double().t() + bias.double()
+
+
+def rounds_to_int16(kernel: object, prepared: QuantizedWeight, rows: int) -> bool:
+    """Whether ``kernel`` multiplies ``rows`` rows by ``prepared`` on int16 activations:
+    ``cpu``'s native 4-bit products of groups of 32 features or a multiple of them."""
+    return (type(kernel) is CpuQuantLinear and kernel.ops is not None
+            and isinstance(prepared, CpuInt4Weight) and "nibbles" in prepared.tensors
+            and prepared.group_size % 32 == 0 and rows <= cpu_kernels.native_row_limit(prepared))
+
+
+def expected_product(kernel: object, weight: QuantizedWeight, prepared: QuantizedWeight,
+                     x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """What ``kernel`` gives to float32 accuracy: the float64 product of the dequantized
+    weight and ``x``, rounded to int16 where the kernel rounds it."""
+    if rounds_to_int16(kernel, prepared, x.shape[0]):
+        x = rounded_activations(x, prepared, INT16_LEVELS)
+    return reference(weight, x, bias)
 
 
 @pytest.mark.parametrize("kernel_name", sorted(KERNELS))
@@ -86,7 +107,8 @@ def test_kernel_matches_float64_reference(kernel_name: str, weight_name: str) ->
         x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(rows))
         y = kernel.apply(prepared, x, bias)
         assert y.shape == (rows, weight.out_features) and y.dtype == torch.float32
-        torch.testing.assert_close(y.double(), reference(weight, x, bias), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(y.double(), expected_product(kernel, weight, prepared, x, bias),
+                                   rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("weight_name", ["gptq-act-order", "awq", "fp8-per-tensor", "int8"])
@@ -101,7 +123,8 @@ def test_few_rows_run_the_native_kernels(monkeypatch: pytest.MonkeyPatch,
     bias = torch.zeros(weight.out_features)
     for rows in range(1, cpu_kernels.native_row_limit(weight) + 1):
         x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(rows))
-        torch.testing.assert_close(kernel.apply(prepared, x).double(), reference(weight, x, bias),
+        torch.testing.assert_close(kernel.apply(prepared, x).double(),
+                                   expected_product(kernel, weight, prepared, x, bias),
                                    rtol=1e-5, atol=1e-4)
 
 
@@ -161,7 +184,8 @@ def test_cpu_widening_by_blocks(monkeypatch: pytest.MonkeyPatch, packed_ops: boo
         weight = WEIGHTS[name]()
         prepared = kernel.prepare(weight)
         y = kernel.apply(prepared, x, bias)
-        torch.testing.assert_close(y.double(), reference(weight, x, bias), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(y.double(), expected_product(kernel, weight, prepared, x, bias),
+                                   rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(prepared.dequantize(), weight.dequantize(), rtol=1e-6,
                                    atol=1e-6)
 
@@ -199,8 +223,7 @@ def test_registry_names_every_kernel() -> None:
 
 #: Weights the int8-activation kernels take: 4-bit in groups of 32, 64 and 128 features
 #: (int4_rows_a8), and int8 (int8_rows_a8).
-A8_WEIGHTS = ("gptq", "gptq-act-order", "gptq-one-group", "gptq-8-out", "awq", "int8",
-              "int8-30-out")
+A8_WEIGHTS = (*INT4_CODE_WEIGHTS, "int8", "int8-30-out")
 #: The activation blocks int8_rows_a8 picks from, largest first (one that divides K).
 INT8_A8_BLOCKS = (128, 64, 32, 16)
 
@@ -230,16 +253,17 @@ def sorted_groups(t: torch.Tensor, prepared: QuantizedWeight) -> torch.Tensor:
     return ordered.reshape(t.shape[0], -1, activation_group(prepared))
 
 
-def rounded_activations(x: torch.Tensor, prepared: QuantizedWeight) -> torch.Tensor:
-    """``x`` rounded as the int8-activation kernels round it: to int8 per row and
-    activation group of the weight's sorted inputs, the group's largest ``|x|`` at 127;
-    float64."""
+def rounded_activations(x: torch.Tensor, prepared: QuantizedWeight,
+                        levels: int = INT8_LEVELS) -> torch.Tensor:
+    """``x`` rounded as the integer-activation kernels round it: to integers in
+    ``[-levels, levels]`` per row and activation group of the weight's sorted inputs, the
+    group's largest ``|x|`` at ``levels``; float64."""
     perm = prepared.tensors.get("perm")
     groups = sorted_groups(x, prepared)
     largest = groups.abs().amax(dim=-1, keepdim=True)
-    inverse = torch.where(largest > 0, torch.tensor(127.0) / largest, torch.zeros(()))
-    codes = torch.round(groups * inverse).clamp(-127, 127)
-    rounded = (codes.double() * (largest.double() / 127)).view_as(x)
+    inverse = torch.where(largest > 0, torch.tensor(float(levels)) / largest, torch.zeros(()))
+    codes = torch.round(groups * inverse).clamp(-levels, levels)
+    rounded = (codes.double() * (largest.double() / levels)).view_as(x)
     if perm is None:
         return rounded
     restored = torch.empty_like(rounded)
@@ -293,17 +317,6 @@ def test_a8_int8_activation_blocks_divide_k() -> None:
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-3)
 
 
-def test_a8_kernel_takes_groups_of_32_features() -> None:
-    # Groups of 16 run int4_rows (float activations): x's own product.
-    native_kernels()
-    weight = GptqWeight.from_checkpoint(quantize_gptq(float_weight(), 16), 16)
-    kernel = CpuInt8ActivationLinear(packed_ops=False)
-    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(3))
-    y = kernel.apply(kernel.prepare(weight), x)
-    torch.testing.assert_close(y.double(), reference(weight, x, torch.zeros(OUT)),
-                               rtol=1e-5, atol=1e-4)
-
-
 def test_a8_kernel_keeps_a_zero_group_at_zero() -> None:
     # A group of zeros has scale 0 and codes 0: no division by zero, its terms vanish.
     weight, _, prepared = a8_kernel("gptq")
@@ -315,3 +328,58 @@ def test_a8_kernel_keeps_a_zero_group_at_zero() -> None:
     expected = reference(weight, rounded_activations(x, prepared), torch.zeros(OUT))
     assert torch.isfinite(y).all()
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("weight_name", INT4_CODE_WEIGHTS)
+def test_cpu_4bit_products_multiply_int16_activations(weight_name: str) -> None:
+    # cpu's native 4-bit products round x to int16 per group: the dequantized weight times
+    # the rounded x (float rounding apart); each output within half an activation step
+    # (largest |x| / 32767) times the group's |w|, summed over groups, of x's own product.
+    # One large feature makes its group's step coarse enough for the rounding to show.
+    native_kernels()
+    weight = WEIGHTS[weight_name]()
+    kernel = CpuQuantLinear(packed_ops=False)
+    prepared = kernel.prepare(weight)
+    group_weight = sorted_groups(weight.dequantize().double().abs(), prepared).sum(-1)
+    for rows in (1, 4, 7):
+        x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(20 + rows)) * 3
+        x[:, 5] = 1000.0
+        y = kernel.apply(prepared, x).double()
+        exact = reference(weight, x, torch.zeros(weight.out_features))
+        expected = reference(weight, rounded_activations(x, prepared, INT16_LEVELS),
+                             torch.zeros(weight.out_features))
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=2e-3)
+        assert (expected - exact).abs().max() > 1e-2
+        bound = (sorted_groups(x, prepared).abs().amax(-1).double() / (2 * INT16_LEVELS)
+                 ) @ group_weight.t()
+        assert ((y - exact).abs() <= bound + 2e-3).all()
+
+
+def test_int16_activations_keep_a_zero_group_at_zero_and_take_large_groups() -> None:
+    # A group of zeros has scale 0 and codes 0; a group of K features (one per row) sums
+    # in int32 without overflow at the largest codes.
+    ops = native_kernels()
+    for weight_name in ("gptq", "gptq-one-group"):
+        weight = WEIGHTS[weight_name]()
+        prepared = CpuQuantLinear(packed_ops=False).prepare(weight)
+        x = torch.randn(2, IN, generator=torch.Generator().manual_seed(4))
+        x[:, :32] = 0
+        x[1, 40] = 1e4  # the rest of its group rounds to few codes
+        y = ops.int4_rows_a16(x, prepared.tensors["nibbles"], prepared.tensors["scales"],
+                              prepared.tensors["zero_scales"])
+        expected = reference(weight, rounded_activations(x, prepared, INT16_LEVELS),
+                             torch.zeros(OUT))
+        assert torch.isfinite(y).all()
+        # Outputs near zero sum terms of 1e4: float32 keeps them to about 1e-3.
+        torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-2)
+
+
+def test_groups_of_16_run_float_activations() -> None:
+    # 4-bit groups of 16 run int4_rows on float32 activations, in cpu and cpu_a8 alike.
+    native_kernels()
+    weight = GptqWeight.from_checkpoint(quantize_gptq(float_weight(), 16), 16)
+    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(3))
+    for kernel in (CpuQuantLinear(packed_ops=False), CpuInt8ActivationLinear(packed_ops=False)):
+        y = kernel.apply(kernel.prepare(weight), x)
+        torch.testing.assert_close(y.double(), reference(weight, x, torch.zeros(OUT)),
+                                   rtol=1e-5, atol=1e-4)

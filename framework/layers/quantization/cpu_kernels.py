@@ -2,9 +2,12 @@
 
 ``prepare`` repacks a loaded weight once; ``apply`` multiplies by it. A product of up to
 ``NATIVE_ROWS`` rows (``NATIVE_INT8_ROWS`` for int8: a decode step, a short prefill) runs
-the native kernels (``int8_rows``, ``int4_rows``, ``fp8_rows`` in
+the native kernels (``int8_rows``, ``int4_rows_a16``, ``fp8_rows`` in
 ``framework/layers/attention/csrc/quant_rows.cpp``), which read the weight in its quantized
-bytes and widen it in registers. A product of a few rows is bound by reading the weight, so
+bytes and widen it in registers; 4-bit codes (in groups of a multiple of 32 features)
+multiply ``x`` rounded to int16 per group in integers, at 1.5x the rate of widening them to
+float32, the rounding 2^-16 of a group's largest ``|x|`` (groups of 16 take ``int4_rows``
+on float32). A product of a few rows is bound by reading the weight, so
 it takes about the time of reading a quarter (8-bit) or an eighth (4-bit) of the float32
 bytes: on a 2-core AVX2 core, one row by a 4096 x 1024 weight took 0.4x (int8) and 0.2x
 (4-bit) a float32 ``F.linear``'s time. With more rows (or no C++ compiler) each call widens
@@ -57,8 +60,9 @@ NATIVE_ROWS = 32
 NATIVE_INT8_ROWS = 8
 #: The native kernels take input features (and 4-bit groups) in multiples of this.
 NATIVE_K_MULTIPLE = 16
-#: ``int4_rows_a8`` takes 4-bit groups in multiples of this (others take ``int4_rows``).
-A8_GROUP_MULTIPLE = 32
+#: ``int4_rows_a16`` and ``int4_rows_a8`` take 4-bit groups in multiples of this (others
+#: take ``int4_rows``, on float32 activations).
+INT4_CODES_GROUP_MULTIPLE = 32
 #: Most weight elements widened to float32 at once (16 MiB).
 UPCAST_ELEMENTS = 1 << 22
 #: Group sizes ``_weight_int4pack_mm_for_cpu`` takes, largest first.
@@ -205,7 +209,8 @@ def _blocked_linear(x: torch.Tensor, weight: QuantizedWeight,
 
 
 class CpuQuantLinear:
-    """Weight-only quantized products on a CPU, in float32 (see the module's notes)."""
+    """Weight-only quantized products on a CPU (see the module's notes): float32
+    activations, rounded to int16 next to 4-bit codes."""
 
     #: Whether 4-bit and int8 products of a few rows round ``x`` to int8
     #: (``CpuInt8ActivationLinear``).
@@ -269,8 +274,8 @@ class CpuQuantLinear:
             if perm is not None:
                 x = x.index_select(1, perm)
             rows = self.ops.int4_rows
-            if self.int8_activations and weight.group_size % A8_GROUP_MULTIPLE == 0:
-                rows = self.ops.int4_rows_a8
+            if weight.group_size % INT4_CODES_GROUP_MULTIPLE == 0:
+                rows = self.ops.int4_rows_a8 if self.int8_activations else self.ops.int4_rows_a16
             return rows(x, tensors["nibbles"], tensors["scales"], tensors["zero_scales"])
         if isinstance(weight, CpuFp8Weight):
             return self.ops.fp8_rows(x, tensors["bits"], tensors["scale"])
