@@ -252,6 +252,12 @@ void weighted_sum(const float* __restrict w, const float* __restrict v, int64_t 
 
 struct Shapes {
   int64_t heads, kv_heads, dim, context;
+  // [heads]: where query head h's key/value head starts in a pool row, (h / group) * dim;
+  // looked up rather than divided per pool row, where an integer division costs as much
+  // as a small head's multiply-adds (the default model's 4 heads of 32, bfloat16, one
+  // thread on the Zen 4 EPYC: six decode tokens of a request over 250 rows 47 -> 43 us,
+  // one token over 500 rows 25.8 -> 23.6 us).
+  const int64_t* kv_at;
 };
 
 // A layer's variant of causal attention: window (0: none) and cap (0: none).
@@ -275,19 +281,19 @@ inline void weights(float* s, int64_t n, const Variant& var) {
 template <typename T>
 void row_scores(const Shapes& sh, const float* __restrict q, const T* __restrict k,
                 float scale, int64_t len, float* __restrict s) {
-  const int64_t dim = sh.dim, group = sh.heads / sh.kv_heads;
+  const int64_t dim = sh.dim;
   if (dim % 8 != 0) {
-    for (int64_t h = 0; h < sh.heads; ++h) scores(q + h * dim, k + (h / group) * dim, 1, dim,
+    for (int64_t h = 0; h < sh.heads; ++h) scores(q + h * dim, k + sh.kv_at[h], 1, dim,
                                                   scale, s + h * len);
     return;
   }
   int64_t h0 = 0;
   for (; h0 + 4 <= sh.heads; h0 += 4) {
     const float* q0 = q + h0 * dim;
-    const T* k0 = k + (h0 / group) * dim;
-    const T* k1 = k + ((h0 + 1) / group) * dim;
-    const T* k2 = k + ((h0 + 2) / group) * dim;
-    const T* k3 = k + ((h0 + 3) / group) * dim;
+    const T* k0 = k + sh.kv_at[h0];
+    const T* k1 = k + sh.kv_at[h0 + 1];
+    const T* k2 = k + sh.kv_at[h0 + 2];
+    const T* k3 = k + sh.kv_at[h0 + 3];
     float8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
     for (int64_t d = 0; d < dim; d += 8) {
       a0 += load8(q0 + d) * load8(k0 + d);
@@ -300,7 +306,7 @@ void row_scores(const Shapes& sh, const float* __restrict q, const T* __restrict
     s[(h0 + 2) * len] = sum8(a2) * scale;
     s[(h0 + 3) * len] = sum8(a3) * scale;
   }
-  for (; h0 < sh.heads; ++h0) scores(q + h0 * dim, k + (h0 / group) * dim, 1, dim, scale,
+  for (; h0 < sh.heads; ++h0) scores(q + h0 * dim, k + sh.kv_at[h0], 1, dim, scale,
                                      s + h0 * len);
 }
 
@@ -317,10 +323,10 @@ template <typename T>
 void block_values(const Shapes& sh, const float* __restrict w,
                   const T* const* __restrict v, int64_t n, int64_t len,
                   float* __restrict out) {
-  const int64_t dim = sh.dim, group = sh.heads / sh.kv_heads;
+  const int64_t dim = sh.dim;
   for (int64_t h = 0; h < sh.heads; ++h) {
     const float* wh = w + h * len;
-    const int64_t at = (h / group) * dim;
+    const int64_t at = sh.kv_at[h];
     float* oh = out + h * dim;
     if (dim % 8 != 0) {
       for (int64_t j = 0; j < n; ++j)
@@ -786,7 +792,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buffer,
   check_inputs(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
                extend_seq_lens, window, cap);
   check_scales(k_buffer, k_scale, v_scale);
-  const Shapes sh{q.size(1), k_buffer.size(1), q.size(2), req_to_token.size(1)};
+  const int64_t heads = q.size(1), kv_heads = k_buffer.size(1), dim = q.size(2);
+  std::vector<int64_t> kv_at(static_cast<size_t>(heads));
+  for (int64_t h = 0; h < heads; ++h) kv_at[h] = h / (heads / kv_heads) * dim;
+  const Shapes sh{heads, kv_heads, dim, req_to_token.size(1), kv_at.data()};
   const Variant var{window, static_cast<float>(cap)};
   const Requests reqs{req_to_token.const_data_ptr<int64_t>(),
                       req_pool_indices.const_data_ptr<int64_t>(),
