@@ -96,11 +96,22 @@ def describe_failures(failures: dict[int, str], world_size: int) -> str:
     return "; ".join(f"rank {rank}: {failure}" for rank, failure in sorted(failures.items()))
 
 
-def batch_to(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
-    """A copy of ``batch`` with every tensor on ``device``."""
-    changes = {f.name: value.to(device) for f in dataclasses.fields(batch)
+def batch_to(batch: ForwardBatch, device: torch.device, *, compact: bool = False
+             ) -> ForwardBatch:
+    """A copy of ``batch`` with every tensor on ``device``; with ``compact``, each tensor
+    that is a view of a larger one (the scheduler packs a step's index tensors into one)
+    copied out on its own, since a pickled view carries its whole storage."""
+    changes = {f.name: _compacted(value.to(device)) if compact else value.to(device)
+               for f in dataclasses.fields(batch)
                if isinstance(value := getattr(batch, f.name), torch.Tensor)}
     return dataclasses.replace(batch, **changes)
+
+
+def _compacted(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy of it when its storage holds more than its elements."""
+    if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+        return tensor.clone()
+    return tensor
 
 
 def announce_forward(control: GroupCoordinator, batch: ForwardBatch,
@@ -108,7 +119,8 @@ def announce_forward(control: GroupCoordinator, batch: ForwardBatch,
     """Tell the other ranks to run ``batch`` (and sample it as ``sampling`` says)."""
     longest = int(batch.seq_lens.max()) if batch.batch_size else 0
     rows = req_to_token[batch.req_pool_indices, :longest]
-    _announce(control, ForwardStep(batch_to(batch, torch.device("cpu")), rows.cpu(), sampling))
+    _announce(control, ForwardStep(batch_to(batch, torch.device("cpu"), compact=True), rows.cpu(),
+                                   sampling))
 
 
 def announce_weight_update(control: GroupCoordinator, model_path: str, load_format: str) -> None:

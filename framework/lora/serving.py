@@ -152,7 +152,9 @@ class LoraServing:
 
 def _output_rows(batch: ForwardBatch, new_tokens: list[int]) -> list[int] | None:
     """The packed rows the model keeps after its last layer's attention, on the host:
-    each request's last new token, then the prompt-logprob rows (``logits_rows``)."""
+    each request's last new token, then the prompt-logprob rows (``logits_rows``); None
+    where they are as many as the rows, which the last layer then keeps all
+    (``LlamaForCausalLM.forward``)."""
     if not batch.forward_mode.is_extend():
         return None
     rows, end = [], 0
@@ -161,4 +163,4 @@ def _output_rows(batch: ForwardBatch, new_tokens: list[int]) -> list[int] | None
         rows.append(end - 1)
     if batch.prompt_logprob_rows is not None:
         rows.extend(batch.prompt_logprob_rows.tolist())
-    return rows
+    return None if len(rows) == end else rows

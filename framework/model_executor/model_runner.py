@@ -561,10 +561,16 @@ class ModelRunner:
         return_logprob: bool = True,
     ) -> SampleOutput:
         """Pick each request's next token (and its logprobs, when asked) with the ``Sampler``."""
+        return self.sampler(logits, sampling_info, top_logprobs_nums, return_logprob)
+
+    @property
+    def sampler(self) -> Sampler:
+        """The runner's ``Sampler`` (its greedy rows through the native ``argmax_rows`` where
+        the CPU kernels are bound), made at first use."""
         if self._sampler is None:
             ops = self._cpu_ops
             self._sampler = Sampler(argmax_rows=None if ops is None else ops.argmax_rows)
-        return self._sampler(logits, sampling_info, top_logprobs_nums, return_logprob)
+        return self._sampler
 
     def update_weights_from_disk(
         self, model_path: str, load_format: str = "auto"

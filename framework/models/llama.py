@@ -405,12 +405,18 @@ class LlamaForCausalLM(nn.Module):
         request's last token ``[B, hidden]`` instead (last-token pooling).
         A pipeline stage but the last returns ``(hidden, residual)`` instead.
         """
-        rows = None
+        rows = order = None
         if self.model.is_last_stage:
             rows = forward_batch.last_token_rows() if get_embedding else forward_batch.logits_rows()
+            if rows is not None and rows.shape[0] == input_ids.shape[0]:
+                # Every row makes logits (a verify step's): the last layer runs them all,
+                # and they are put in order after it, rather than picked row by row inside.
+                rows, order = None, rows
         hidden_states = self.model(input_ids, positions, forward_batch, intermediate, rows)
         if isinstance(hidden_states, tuple):
             return hidden_states
+        if order is not None:
+            hidden_states = hidden_states.index_select(0, order)
         if get_embedding:
             return F.normalize(hidden_states.float(), p=2.0, dim=-1)
         assert self.lm_head is not None  # the last stage holds the head

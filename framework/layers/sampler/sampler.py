@@ -146,7 +146,7 @@ class Sampler:
 
         logits = logits.float()
         processed = self.process_logits(logits, info)
-        next_token_ids = self._argmax(processed)
+        next_token_ids = self.argmax(processed)
         if not info.all_greedy:
             self._sample_rows(processed, info, next_token_ids)
         self._calls += 1
@@ -163,8 +163,8 @@ class Sampler:
             top_logprobs_idx=top_ids,
         )
 
-    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """Each row's first largest index (its first NaN's, if any)."""
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's first largest index (its first NaN's, if any): the greedy token."""
         if self.argmax_rows is not None and logits.device.type == "cpu" \
                 and logits.is_contiguous() and logits.shape[-1] > 0:
             return self.argmax_rows(logits)

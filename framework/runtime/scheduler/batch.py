@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -135,33 +136,38 @@ class ScheduledBatch:
             prefix_lens.append(start)
             seq_lens.append(start + n)
 
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
-        positions_tensor = tensor(positions)
-        # One scatter for the whole batch (an indexed assignment per request costs more
-        # than the rest of this function): each new slot at its request's row and position.
-        req_to_token[tensor(token_rows).to(req_to_token.device),
-                     positions_tensor.to(req_to_token.device)] = out_cache_loc.to(
-                         req_to_token.device)
         rows = [r.req_pool_idx for r in self.reqs]
         logprob_rows = self.prompt_logprob_rows() + self.draft_rows() if extend else []
+        # The batch's index tensors as views of one, made by one call: a tensor made from a
+        # list costs a few microseconds however short, and a step has up to eight.
+        lists = [input_ids, positions, token_rows, rows, seq_lens]
+        if extend:
+            lists += [prefix_lens, self.extend_lens, logprob_rows]
+        packed = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64,
+                              device=device).split([len(values) for values in lists])
+        input_ids_tensor, positions_tensor, token_rows_tensor, rows_tensor, seq_lens_tensor = \
+            packed[:5]
+        # One scatter for the whole batch (an indexed assignment per request costs more
+        # than the rest of this function): each new slot at its request's row and position.
+        req_to_token[token_rows_tensor.to(req_to_token.device),
+                     positions_tensor.to(req_to_token.device)] = out_cache_loc.to(
+                         req_to_token.device)
 
         return ForwardBatch(
             forward_mode=self.mode,
             batch_size=len(self.reqs),
-            input_ids=tensor(input_ids),
+            input_ids=input_ids_tensor,
             positions=positions_tensor,
-            req_pool_indices=tensor(rows),
-            seq_lens=tensor(seq_lens),
+            req_pool_indices=rows_tensor,
+            seq_lens=seq_lens_tensor,
             out_cache_loc=out_cache_loc.to(device),
-            extend_prefix_lens=tensor(prefix_lens) if extend else None,
-            extend_seq_lens=tensor(self.extend_lens) if extend else None,
+            extend_prefix_lens=packed[5] if extend else None,
+            extend_seq_lens=packed[6] if extend else None,
             seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=prefix_lens if extend else None,
             extend_seq_lens_cpu=list(self.extend_lens) if extend else None,
             req_pool_indices_cpu=rows,
-            prompt_logprob_rows=tensor(logprob_rows) if logprob_rows else None,
+            prompt_logprob_rows=packed[7] if logprob_rows else None,
             decode_tail=self.decode_tail if extend else 0,
             lora_names=[r.lora_name for r in self.reqs]
             if any(r.lora_name is not None for r in self.reqs) else None,

@@ -125,7 +125,7 @@ class ResultProcessor:
         end = req.kv_len
         req.kv_len -= count
         slots = pool.req_to_token[req.req_pool_idx, req.kv_len:end]
-        self.tree_cache.allocator.free(slots.clone())
+        self.tree_cache.allocator.free(slots)  # it copies them
 
     def finish_embeddings(self, batch: ScheduledBatch, embeddings: torch.Tensor) -> None:
         """Send pooled embeddings to the TokenizerManager and free the requests."""

@@ -168,7 +168,7 @@ class ModelRunnerWorker(ModelWorker):
         if self._verifier is None:
             from framework.speculative.verifier import DraftVerifier
 
-            self._verifier = DraftVerifier()
+            self._verifier = DraftVerifier(runner.sampler.argmax)
         return self._verifier.result(output.next_token_logits, output.prompt_logits,
                                      batch.sampling, batch.drafts, sample, forward_seconds)
 
