@@ -7,7 +7,9 @@ Three PEFT adapters of different ranks and targets (random A and B:
 ``init_lora_weights=False``) are served at once. The greedy tokens of a batch
 mixing them with base-model requests must equal each adapter served alone and
 transformers + peft with the adapter merged (float64); under TP=2 as well.
-Selecting adapter 0 for every row instead must change the tokens.
+Selecting adapter 0 for every row instead must change the tokens. The mixed batch's
+prompt logprobs over whole prompts (every row of the prefill makes logits, so the last
+layer runs them all and orders them after it) equal the merged models' too.
 """
 
 from __future__ import annotations
@@ -97,6 +99,25 @@ def reference(lora_dirs: dict[str, Path], prompt_ids: list[list[int]]
     return tokens
 
 
+@pytest.fixture(scope="module")
+def reference_prompt_logprobs(lora_dirs: dict[str, Path], prompt_ids: list[list[int]]
+                              ) -> list[list[float]]:
+    """Each prompt's logprobs of its tokens after the first, under its adapter in the mixed
+    batch, from transformers (+ peft, merged), float64."""
+    import peft
+
+    logprobs = []
+    for ids, name in zip(prompt_ids, MIXED, strict=True):
+        model = reference_model(lora_dirs["base"])
+        if name is not None:
+            model = peft.PeftModel.from_pretrained(model, lora_dirs[name]).merge_and_unload()
+        with torch.no_grad():
+            logits = model.double()(torch.tensor([ids])).logits[0]
+        chosen = logits[:-1].log_softmax(-1).gather(1, torch.tensor(ids[1:]).unsqueeze(1))
+        logprobs.append(chosen.squeeze(1).tolist())
+    return logprobs
+
+
 def _lora_paths(lora_dirs: dict[str, Path]) -> list[str]:
     return [f"{name}={lora_dirs[name]}" for name in ADAPTERS]
 
@@ -120,9 +141,12 @@ def test_adapters_change_the_base_model_s_tokens(
 @pytest.mark.timeout(300)
 def test_mixed_batch_equals_each_alone_and_peft(
         lora_dirs: dict[str, Path], prompt_ids: list[list[int]],
-        reference: dict[str | None, list[list[int]]]) -> None:
+        reference: dict[str | None, list[list[int]]],
+        reference_prompt_logprobs: list[list[float]]) -> None:
     with Engine(model_path=str(lora_dirs["base"]), lora_paths=_lora_paths(lora_dirs),
                 **ENGINE_ARGS) as engine:
+        scored = engine.generate(input_ids=prompt_ids, sampling_params={"max_new_tokens": 0},
+                                 lora_path=MIXED, return_logprob=True, logprob_start_len=0)
         mixed = _mixed(engine, prompt_ids)
         alone = {name: [o["output_ids"] for o in engine.generate(
             input_ids=prompt_ids, sampling_params=GREEDY, lora_path=name)]
@@ -133,6 +157,9 @@ def test_mixed_batch_equals_each_alone_and_peft(
     assert mixed == _expected(reference)
     for name in (None, *ADAPTERS):
         assert alone[name] == reference[name], name
+    for out, expected in zip(scored, reference_prompt_logprobs, strict=True):
+        got = [entry[0] for entry in out["meta_info"]["input_token_logprobs"][1:]]
+        assert got == pytest.approx(expected, abs=1e-4)
 
 
 @pytest.mark.timeout(300)

@@ -339,3 +339,23 @@ def test_weight_update_failures_are_described_by_rank() -> None:
     assert describe_failures({0: "no file"}, 1) == "no file"
     assert describe_failures({0: "no file", 1: "no file"}, 2) == "on every rank: no file"
     assert describe_failures({3: "bad", 1: "worse"}, 4) == "rank 1: worse; rank 3: bad"
+
+
+def test_the_batch_announced_to_other_ranks_carries_each_tensor_alone() -> None:
+    """The scheduler makes a step's index tensors as views of one; a pickled view carries
+    its whole storage, so the copy announced to the other ranks holds each on its own."""
+    from framework.distributed.step_sync import batch_to
+    from framework.forward_batch import ForwardBatch, ForwardMode
+
+    packed = torch.arange(4096)
+    ids, positions, rows, lens = packed[:3], packed[3:6], packed[6:7], packed[7:8]
+    batch = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=1, input_ids=ids,
+                         positions=positions, req_pool_indices=rows, seq_lens=lens,
+                         out_cache_loc=torch.tensor([5, 6, 7]))
+    as_is = batch_to(batch, torch.device("cpu"))
+    compact = batch_to(batch, torch.device("cpu"), compact=True)
+    for field in ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc"):
+        mine, theirs = getattr(compact, field), getattr(batch, field)
+        assert torch.equal(mine, theirs)
+        assert mine.untyped_storage().nbytes() == mine.numel() * mine.element_size(), field
+    assert as_is.input_ids.untyped_storage().nbytes() == packed.numel() * 8
