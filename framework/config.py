@@ -25,10 +25,11 @@ def _opt(default: Any, help: str, group: str, **extra: Any) -> Any:
 
 
 #: ``--speculative-num-draft-tokens`` by algorithm when not given: prompt lookup drafts
-#: cost no forward, so a longer draft costs only its rows in the verify step; a draft
-#: model's cost a forward each (bench speculative on the default model:
-#: docs/speculative_decoding.md).
-DEFAULT_NUM_DRAFT_TOKENS = {"ngram": 5, "draft": 3}
+#: cost no forward, so a longer draft costs only its rows in the verify step, and each
+#: request's draft grows to this many while its drafts are accepted whole
+#: (``DraftLength``); a draft model's cost a forward each (bench speculative on the
+#: default model: docs/speculative_decoding.md).
+DEFAULT_NUM_DRAFT_TOKENS = {"ngram": 12, "draft": 3}
 
 
 @dataclass(frozen=True)
@@ -145,9 +146,9 @@ class ServerArgs:
         None, "the draft model of --speculative-algorithm draft: a checkpoint with the served "
         "model's tokenizer (the embedded default model's is `default-draft`)", "runtime")
     speculative_num_draft_tokens: int | None = _opt(
-        None, "most tokens drafted per request and step (default: 5 for ngram, whose drafts "
-        "cost no forward, 3 for draft, whose drafts cost one draft-model forward each; "
-        "docs/speculative_decoding.md)", "runtime")
+        None, "most tokens drafted per request and step (default: 12 for ngram, whose drafts "
+        "cost no forward and grow to it while accepted whole, 3 for draft, whose drafts cost "
+        "one draft-model forward each; docs/speculative_decoding.md)", "runtime")
     speculative_disable_by_batch_size: int | None = _opt(
         None, "decode without drafts while more than N requests are running (a verify step "
         "costs more than a decode step when many requests share it; default: always draft)",

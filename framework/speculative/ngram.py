@@ -61,6 +61,36 @@ class NgramProposer:
         return [tokens[end + 1 + i % period] for i in range(budget)]
 
 
+#: The draft length a request starts from, and the least it falls to (``DraftLength``).
+DRAFT_LENGTH_FLOOR = 4
+
+
+@dataclass
+class DraftLength:
+    """How many tokens one request drafts at its next step, from how its last draft fared.
+
+    A prompt-lookup draft costs no forward, only its rows in the verify step, so its length
+    can follow the request: it starts at ``DRAFT_LENGTH_FLOOR``; after a step that accepted
+    the whole draft, the next is twice as long, up to ``most``; after one that did not, one
+    token longer than the part accepted, and never under the floor. A request re-emitting
+    a long run drafts far ahead while it lasts, one writing new text drafts a few tokens.
+    """
+
+    most: int
+    current: int = 0
+
+    def __post_init__(self) -> None:
+        self.current = min(DRAFT_LENGTH_FLOOR, self.most)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Take in the outcome of a step that drafted ``drafted`` tokens and kept
+        ``accepted`` of them."""
+        if accepted >= drafted:
+            self.current = min(self.most, 2 * drafted)
+        else:
+            self.current = min(self.most, max(DRAFT_LENGTH_FLOOR, accepted + 1))
+
+
 class NgramIndex:
     """Where the latest occurrence of each n-gram (``min_ngram`` to ``max_ngram`` tokens) of
     a growing sequence ends, among those ending before its last token."""

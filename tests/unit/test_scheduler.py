@@ -80,6 +80,22 @@ def test_speculative_steps_match_the_reference_and_free_rejected_drafts(
     h.assert_idle_invariant()
 
 
+def test_prompt_lookup_drafts_double_while_accepted_whole_and_shrink_after_a_rejection(
+        harness_factory) -> None:
+    """A request's n-gram drafts start at the floor (4 tokens), double after a step that
+    accepted the whole draft, and fall to one more than the part kept after one that did
+    not: here drafts right for six tokens run 4 (all kept), 8 (six kept), then 7."""
+    h = harness_factory(speculative_algorithm="ngram", speculative_num_draft_tokens=12)
+    h.scheduler.drafter.proposer = FakeModelProposer(right=6, wrong=10)
+    ids = prompt(0, 5)
+    h.submit("r0", ids, max_new_tokens=40, ignore_eos=True, **GREEDY)
+    outcomes = h.run()
+    assert outcomes["r0"].output_ids == reference_output(ids, 40, True)
+    drafted = [call.extend_lens[0] - 1 for call in h.worker.calls[1:]]
+    assert drafted[:4] == [4, 8, 7, 7]
+    h.assert_idle_invariant()
+
+
 def test_no_step_drafts_while_more_requests_run_than_the_batch_size_limit(
         harness_factory) -> None:
     h = harness_factory(speculative_algorithm="ngram", speculative_num_draft_tokens=3,

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from framework.speculative import NgramProposer, accept_greedy, verify_sampled
+from framework.speculative.ngram import DRAFT_LENGTH_FLOOR, DraftLength
 
 # Chi-square critical values at p = 0.001 by degrees of freedom.
 CHI2_999 = {3: 16.27, 4: 18.47}
@@ -153,3 +154,19 @@ def test_ngram_refuses_bad_settings() -> None:
         NgramProposer(num_draft_tokens=0)
     with pytest.raises(ValueError, match="min_ngram"):
         NgramProposer(num_draft_tokens=2, min_ngram=3, max_ngram=2)
+
+
+def test_a_draft_length_doubles_when_kept_whole_and_shrinks_to_what_was_kept() -> None:
+    length = DraftLength(most=12)
+    assert length.current == DRAFT_LENGTH_FLOOR == 4
+    length.update(drafted=4, accepted=4)
+    assert length.current == 8
+    length.update(drafted=8, accepted=8)
+    assert length.current == 12  # at most `most`
+    length.update(drafted=12, accepted=9)
+    assert length.current == 10  # one more than the part kept
+    length.update(drafted=10, accepted=0)
+    assert length.current == DRAFT_LENGTH_FLOOR  # never under the floor
+    length.update(drafted=2, accepted=2)  # a draft cut short by the room left
+    assert length.current == 4
+    assert DraftLength(most=2).current == 2

@@ -13,11 +13,12 @@ sizes each request's draft and the step carries ``WORKER_DRAFTS`` in its places.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from framework.runtime.request import Req
 from framework.runtime.scheduler.batch import ScheduledBatch
-from framework.speculative.ngram import NgramIndex, NgramProposer
+from framework.speculative.ngram import DraftLength, NgramIndex, NgramProposer
 
 if TYPE_CHECKING:
     from framework.config import ServerArgs
@@ -25,6 +26,30 @@ if TYPE_CHECKING:
 
 #: The token a verify step carries in a draft's place until the worker drafts it.
 WORKER_DRAFTS = -1
+
+
+@dataclass
+class _Lookup:
+    """What the planner keeps of one running request for prompt lookup: its n-gram index,
+    its draft length, and its last draft's size with the request's verify steps and
+    accepted drafts counted then (so that the next step reads how that draft fared)."""
+
+    index: NgramIndex
+    length: DraftLength
+    drafted: int = 0
+    verify_ct: int = 0
+    accepted: int = 0
+
+    def learn(self, req: Req) -> None:
+        """Take in the outcome of the request's last draft, if one step verified it."""
+        if self.drafted and req.spec_verify_ct == self.verify_ct + 1:
+            self.length.update(self.drafted, req.spec_accepted_tokens - self.accepted)
+        self.drafted = 0
+
+    def drafting(self, req: Req, count: int) -> None:
+        """Note that the request drafts ``count`` tokens at this step."""
+        self.drafted, self.verify_ct, self.accepted = \
+            count, req.spec_verify_ct, req.spec_accepted_tokens
 
 
 class DraftPlanner:
@@ -40,8 +65,8 @@ class DraftPlanner:
         self.disable_by_batch_size = disable_by_batch_size
         self.tree_cache = tree_cache
         self.context_len = context_len
-        # Each running request's n-gram index (``ngram``), by request id.
-        self._indexes: dict[str, NgramIndex] = {}
+        # Each running request's n-gram index and draft length (``ngram``), by request id.
+        self._lookups: dict[str, _Lookup] = {}
 
     @classmethod
     def create(cls, server_args: ServerArgs, tree_cache: PrefixCache,
@@ -66,9 +91,9 @@ class DraftPlanner:
             draft = self.draft(req, spare) if spare > 0 else []
             spare -= len(draft)
             drafts.append(draft)
-        if len(self._indexes) > len(running):  # requests that ended or left the batch
+        if len(self._lookups) > len(running):  # requests that ended or left the batch
             ids = {req.rid for req in running}
-            self._indexes = {rid: index for rid, index in self._indexes.items() if rid in ids}
+            self._lookups = {rid: kept for rid, kept in self._lookups.items() if rid in ids}
         if not any(drafts):
             return ScheduledBatch.decode(running)
         return ScheduledBatch.verify(running, drafts)
@@ -84,8 +109,12 @@ class DraftPlanner:
             return []
         if self.proposer is None:
             return [WORKER_DRAFTS] * min(room, self.num_draft_tokens)
-        index = self._indexes.get(req.rid)
-        if index is None:
-            index = self._indexes[req.rid] = self.proposer.index()
-        index.sync(req.origin_input_ids, req.output_ids)
-        return self.proposer.draft(index, room)
+        lookup = self._lookups.get(req.rid)
+        if lookup is None:
+            lookup = self._lookups[req.rid] = _Lookup(self.proposer.index(),
+                                                      DraftLength(self.num_draft_tokens))
+        lookup.learn(req)
+        lookup.index.sync(req.origin_input_ids, req.output_ids)
+        draft = self.proposer.draft(lookup.index, min(room, lookup.length.current))
+        lookup.drafting(req, len(draft))
+        return draft
