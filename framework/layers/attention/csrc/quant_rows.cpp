@@ -466,6 +466,26 @@ struct Int8ByA8 {
   float zero(int64_t, int64_t) const { return 0.f; }
 };
 
+// The steps of [k0, k1) of a walk through F features' codes, kStep weights (kStepBytes
+// bytes of each feature's codes) a step: each step asks for the codes kPrefetchBlocks
+// blocks of features ahead (`ahead`: where those blocks' codes start), then hands each
+// feature's `load(f, k)` and every row to `body(m, f, loaded, k)`.
+template <int M, int F, int64_t kStep, int64_t kStepBytes, typename Load, typename Body>
+__attribute__((always_inline)) inline void walk_steps(const char* ahead, int64_t k0,
+                                                      int64_t k1, Load&& load, Body&& body) {
+  for (int64_t k = k0; k < k1; k += kStep) {
+    const char* next = ahead + (k / kStep) * F * kStepBytes;
+    for (int64_t b = 0; b < F * kStepBytes; b += 64)
+      __builtin_prefetch(next + b, 0, framework_cpu::kWeightPrefetchLocality);
+#pragma GCC unroll 4
+    for (int f = 0; f < F; ++f) {
+      const auto loaded = load(f, k);
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) body(m, f, loaded, k);
+    }
+  }
+}
+
 // y[m][n] for output features [n0, n0 + F) of the M rows of x's codes: per group, int32
 // sums of codes times codes (without VNNI, in int16 for Weights::kInt16Steps steps at a
 // time), then scaled by both scales into float totals; the zero terms from x's scaled code
@@ -482,20 +502,14 @@ void features_a8(const int8_t* __restrict x, const float* __restrict x_scales,
   float zero_total[M][F] = {};
   const char* ahead =
       reinterpret_cast<const char*>(w.bytes(n0, 0)) + kPrefetchBlocks * F * w.stride();
-  // The steps of [k0, k1): each prefetches, then hands every feature's codes and every
-  // row's activation codes to `body(m, f, step, x_codes)`.
+  // The steps of [k0, k1), each feature's codes and every row's activation codes handed
+  // to `body(m, f, step, x_codes)`.
   const auto over_steps = [&](int64_t k0, int64_t k1, auto&& body) {
-    for (int64_t k = k0; k < k1; k += kStep) {
-      const char* next = ahead + (k / kStep) * F * kStepBytes;
-      for (int64_t b = 0; b < F * kStepBytes; b += 64)
-        __builtin_prefetch(next + b, 0, framework_cpu::kWeightPrefetchLocality);
-#pragma GCC unroll 4
-      for (int f = 0; f < F; ++f) {
-        const typename Weights::Step step = w.load(n0 + f, k);
-#pragma GCC unroll 4
-        for (int m = 0; m < M; ++m) body(m, f, step, x + m * k_size + k);
-      }
-    }
+    walk_steps<M, F, kStep, kStepBytes>(
+        ahead, k0, k1, [&](int f, int64_t k) { return w.load(n0 + f, k); },
+        [&](int m, int f, const typename Weights::Step& step, int64_t k) {
+          body(m, f, step, x + m * k_size + k);
+        });
   };
   using Step = typename Weights::Step;
   for (int64_t g = 0; g < groups; ++g) {
@@ -624,20 +638,13 @@ void features_a16(const int16_t* __restrict x, const float* __restrict x_scales,
     for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += kA16RunSteps * kA16Step) {
       const int64_t k1 = std::min(k0 + kA16RunSteps * kA16Step, (g + 1) * group);
       int32x8 acc[M][F] = {};
-      for (int64_t k = k0; k < k1; k += kA16Step) {
-        const char* next = ahead + (k / kA16Step) * F * kStepBytes;
-        for (int64_t b = 0; b < F * kStepBytes; b += 64)
-          __builtin_prefetch(next + b, 0, framework_cpu::kWeightPrefetchLocality);
-#pragma GCC unroll 4
-        for (int f = 0; f < F; ++f) {
-          const Int4Words words = int4_words(rows + f * w.row_bytes + k / 2);
-#pragma GCC unroll 4
-          for (int m = 0; m < M; ++m) {
+      walk_steps<M, F, kA16Step, kStepBytes>(
+          ahead, k0, k1,
+          [&](int f, int64_t k) { return int4_words(rows + f * w.row_bytes + k / 2); },
+          [&](int m, int f, const Int4Words& words, int64_t k) {
             const int16_t* xm = x + m * k_size + k;
             acc[m][f] = madd_words(madd_words(acc[m][f], words.low, xm), words.high, xm + 16);
-          }
-        }
-      }
+          });
       for (int f = 0; f < F; ++f) {
         const float scale = w.scales[(n0 + f) * groups + g];
         for (int m = 0; m < M; ++m)
