@@ -84,35 +84,36 @@ def prompt_ids() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(lora_dirs: dict[str, Path], prompt_ids: list[list[int]]
-              ) -> dict[str | None, list[list[int]]]:
-    """Greedy tokens of every prompt from transformers (+ peft, merged), float64."""
+def merged_models(lora_dirs: dict[str, Path]) -> dict[str | None, Any]:
+    """transformers' base model and each adapter merged into it (peft), float64."""
     import peft
 
-    tokens: dict[str | None, list[list[int]]] = {}
+    models: dict[str | None, Any] = {}
     for name in (None, *ADAPTERS):
         model = reference_model(lora_dirs["base"])
         if name is not None:
             model = peft.PeftModel.from_pretrained(model, lora_dirs[name]).merge_and_unload()
-        tokens[name] = [transformers_greedy(model.double(), ids, NEW_TOKENS)[0]
-                        for ids in prompt_ids]
-    return tokens
+        models[name] = model.double()
+    return models
 
 
 @pytest.fixture(scope="module")
-def reference_prompt_logprobs(lora_dirs: dict[str, Path], prompt_ids: list[list[int]]
-                              ) -> list[list[float]]:
+def reference(merged_models: dict[str | None, Any], prompt_ids: list[list[int]]
+              ) -> dict[str | None, list[list[int]]]:
+    """Greedy tokens of every prompt from transformers (+ peft, merged), float64."""
+    return {name: [transformers_greedy(model, ids, NEW_TOKENS)[0] for ids in prompt_ids]
+            for name, model in merged_models.items()}
+
+
+@pytest.fixture(scope="module")
+def reference_prompt_logprobs(merged_models: dict[str | None, Any],
+                              prompt_ids: list[list[int]]) -> list[list[float]]:
     """Each prompt's logprobs of its tokens after the first, under its adapter in the mixed
     batch, from transformers (+ peft, merged), float64."""
-    import peft
-
     logprobs = []
     for ids, name in zip(prompt_ids, MIXED, strict=True):
-        model = reference_model(lora_dirs["base"])
-        if name is not None:
-            model = peft.PeftModel.from_pretrained(model, lora_dirs[name]).merge_and_unload()
         with torch.no_grad():
-            logits = model.double()(torch.tensor([ids])).logits[0]
+            logits = merged_models[name](torch.tensor([ids])).logits[0]
         chosen = logits[:-1].log_softmax(-1).gather(1, torch.tensor(ids[1:]).unsqueeze(1))
         logprobs.append(chosen.squeeze(1).tolist())
     return logprobs
