@@ -167,6 +167,6 @@ def test_a_draft_length_doubles_when_kept_whole_and_shrinks_to_what_was_kept() -
     assert length.current == 10  # one more than the part kept
     length.update(drafted=10, accepted=0)
     assert length.current == DRAFT_LENGTH_FLOOR  # never under the floor
-    length.update(drafted=2, accepted=2)  # a draft cut short by the room left
-    assert length.current == 4
+    length.update(drafted=1, accepted=1)  # a draft cut short by the room left
+    assert length.current == DRAFT_LENGTH_FLOOR
     assert DraftLength(most=2).current == 2
