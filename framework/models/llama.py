@@ -410,7 +410,8 @@ class LlamaForCausalLM(nn.Module):
             rows = forward_batch.last_token_rows() if get_embedding else forward_batch.logits_rows()
             if rows is not None and rows.shape[0] == input_ids.shape[0]:
                 # Every row makes logits (a verify step's): the last layer runs them all,
-                # and they are put in order after it, rather than picked row by row inside.
+                # and they are put in order after it, rather than picked row by row inside
+                # (LoRA's output rows follow the same rule: lora/serving.py _output_rows).
                 rows, order = None, rows
         hidden_states = self.model(input_ids, positions, forward_batch, intermediate, rows)
         if isinstance(hidden_states, tuple):
