@@ -5,7 +5,9 @@ embedded default model in float32 with ``--linear-backend torch`` (the reference
 with int8 and FP8 quantized online and from GPTQ and AWQ checkpoints that
 ``framework quantize`` writes (round to nearest, group ``--group-size``; int8, GPTQ and
 AWQ also on the ``cpu_a8`` quantized-linear kernel; int8 with the embedding table, which
-the default model's LM head is tied to, in int8 too): how many
+the default model's LM head is tied to, in int8 too; and every format written by
+``framework quantize --calibration-data`` on the standard library's top-level modules,
+the default model's training text, at calibration seeds ``--seeds``): how many
 prompts give the reference's tokens exactly; and each one's perplexity on a held-out
 code file (``HELD_OUT``: this project's own source, which the default model, trained on
 the Python standard library, never saw), scored in windows of ``WINDOW`` tokens through
@@ -21,6 +23,7 @@ import json
 import math
 import random
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -67,10 +70,17 @@ def held_out_windows() -> list[list[int]]:
     return [ids[i:i + WINDOW] for i in range(0, len(ids), WINDOW) if len(ids[i:i + WINDOW]) > 1]
 
 
+def stdlib_modules() -> tuple[Path, ...]:
+    """The standard library's top-level ``.py`` files (the calibration text)."""
+    return tuple(sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure every format; write the results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--group-size", type=int, default=32)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="calibration seeds (each picks other windows)")
     parser.add_argument("--output", type=Path,
                         default=ROOT / "benchmarks/results/quant_agreement")
     args = parser.parse_args(argv)
@@ -78,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     from framework.bench.environment import git_commit, machine_description
     from framework.cli_quantize import quantize_checkpoint
     from framework.default_model import default_model_path
+    from framework.layers.quantization.calibration import CalibrationSettings
 
     texts, windows = prompts(), held_out_windows()
     reference, float_ppl = measure(texts, windows)
@@ -96,6 +107,15 @@ def main(argv: list[str] | None = None) -> int:
                 texts, windows, model_path=str(directory))
             results[f"{fmt} (group {args.group_size}), cpu_a8"] = measure(
                 texts, windows, model_path=str(directory), quantized_linear_backend="cpu_a8")
+        for fmt in ("fp8", "int8", "gptq", "awq"):
+            for seed in args.seeds:
+                directory = Path(tmp) / f"{fmt}-calibrated-{seed}"
+                calibration = CalibrationSettings(stdlib_modules(), seed=seed)
+                quantize_checkpoint(default_model_path(), directory, fmt,
+                                    group_size=args.group_size, calibration=calibration)
+                group = f"group {args.group_size}, " if fmt in ("gptq", "awq") else ""
+                results[f"{fmt} ({group}calibrated, seed {seed})"] = measure(
+                    texts, windows, model_path=str(directory))
     same = {name: sum(a == b for a, b in zip(reference, got, strict=True))
             for name, (got, _) in results.items()}
     ppl = {"float32": float_ppl, **{name: value for name, (_, value) in results.items()}}

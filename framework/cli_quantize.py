@@ -1,6 +1,8 @@
 """``framework quantize``: a GPTQ, AWQ, FP8 or int8 copy of a float checkpoint.
 
-The linear layers' weights are quantized (framework/layers/quantization/checkpoint_writer.py),
+The linear layers' weights are quantized (framework/layers/quantization/checkpoint_writer.py;
+with ``--calibration-data``, rounded with their errors compensated on that text:
+framework/layers/quantization/calibration.py),
 ``config.json`` gains the format's ``quantization_config``, and the tokenizer's and every
 other file are copied, so that the copy serves with ``framework serve --model-path DST``.
 """
@@ -11,7 +13,13 @@ import argparse
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from framework.layers.quantization.calibration import CalibrationSettings
+    from framework.layers.quantization.grid import QuantGrid
 
 #: The formats written (as ``checkpoint_writer.WRITE_FORMATS``, without importing torch).
 FORMATS = ("gptq", "awq", "fp8", "int8")
@@ -27,24 +35,48 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=128,
                         help="input features per scale, gptq and awq (-1: one group)")
     parser.add_argument("--act-order", action="store_true",
-                        help="gptq: group input features by descending weight norm (desc_act)")
+                        help="gptq: group input features by descending weight norm, or with "
+                             "--calibration-data by descending input energy (desc_act)")
+    parser.add_argument("--calibration-data", nargs="+", default=None, metavar="PATH",
+                        help="text files or directories: round each layer with its errors "
+                             "compensated on this text (GPTQ's method, every format) instead "
+                             "of to nearest")
+    parser.add_argument("--calibration-samples", type=int, default=128,
+                        help="windows of tokens cut from the calibration data")
+    parser.add_argument("--calibration-seq-len", type=int, default=512,
+                        help="tokens per calibration window")
+    parser.add_argument("--dampening", type=float, default=0.01,
+                        help="added to each layer's input Gram matrix's diagonal, as a "
+                             "fraction of its mean")
 
 
 def run_from_cli(args: argparse.Namespace) -> int:
     """Run ``framework quantize``; one line on success."""
+    calibration = None
+    if args.calibration_data:
+        from framework.layers.quantization.calibration import CalibrationSettings
+
+        calibration = CalibrationSettings(
+            tuple(Path(p) for p in args.calibration_data), samples=args.calibration_samples,
+            seq_len=args.calibration_seq_len, damp=args.dampening)
     count = quantize_checkpoint(args.model_path, args.output, args.format,
-                                group_size=args.group_size, act_order=args.act_order)
-    print(f"wrote {args.output}: {count} linear weights in {args.format}")
+                                group_size=args.group_size, act_order=args.act_order,
+                                calibration=calibration)
+    how = "calibrated" if calibration else "rounded to nearest"
+    print(f"wrote {args.output}: {count} linear weights in {args.format} ({how})")
     return 0
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, *, group_size: int = 128,
-                        act_order: bool = False) -> int:
+                        act_order: bool = False, calibration: CalibrationSettings | None = None
+                        ) -> int:
     """Write a copy of the checkpoint at ``src`` to ``dst`` with its linear layers' weights
-    in ``fmt``; returns how many weights were quantized.
+    in ``fmt`` (with ``calibration``, rounded with their errors compensated on its text);
+    returns how many weights were quantized.
 
     Raises:
-        ValueError: bad arguments (``check_arguments``) or a weight ``fmt`` cannot hold.
+        ValueError: bad arguments (``check_arguments``), bad calibration data, or a weight
+            ``fmt`` cannot hold.
     """
     from framework.layers.quantization.checkpoint_writer import (
         INDEX_FILE,
@@ -55,12 +87,17 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, *, group_siz
 
     src, dst = Path(src), Path(dst)
     config = check_arguments(src, dst, fmt, group_size, act_order)
+    if calibration is not None:
+        check_calibration(calibration)
     files = find_safetensors_files(src)
+    calibrated = None if calibration is None else calibrate_weights(
+        src, files, fmt, group_size, act_order, calibration)
     created = not dst.exists()
     dst.mkdir(parents=True, exist_ok=True)
     try:
         count = write_quantized_shards(files, dst, fmt, group_size=group_size,
-                                       act_order=act_order, index=(src / INDEX_FILE).is_file())
+                                       act_order=act_order, index=(src / INDEX_FILE).is_file(),
+                                       calibrated=calibrated)
     except BaseException:
         # No half-written copy: the output is as it was (absent, or empty).
         shutil.rmtree(dst)
@@ -74,6 +111,31 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, *, group_siz
                 and path.name not in ("config.json", INDEX_FILE):
             shutil.copy2(path, dst / path.name)
     return count
+
+
+def calibrate_weights(src: Path, files: list[Path], fmt: str, group_size: int,
+                      act_order: bool, calibration: CalibrationSettings
+                      ) -> dict[str, tuple[torch.Tensor, QuantGrid]]:
+    """Every target weight of the checkpoint rounded onto its ``fmt`` grid on the
+    calibration text (act-order: the inputs by descending energy, as GPTQ orders them)."""
+    from framework.layers.quantization.calibration import calibrate
+    from framework.layers.quantization.checkpoint_writer import format_grid, target_names
+
+    def fit(name: str, weight: torch.Tensor, order: torch.Tensor) -> QuantGrid:
+        return format_grid(name, weight, fmt, group_size, order if act_order else None)
+
+    return calibrate(src, target_names(files), fit, calibration)
+
+
+def check_calibration(calibration: CalibrationSettings) -> None:
+    """Raises ValueError: calibration settings out of range, or data that does not exist."""
+    from framework.layers.quantization.calibration import text_files
+
+    text_files(calibration.paths)
+    if calibration.samples <= 0 or calibration.seq_len <= 0:
+        raise ValueError("--calibration-samples and --calibration-seq-len must be positive")
+    if not 0 < calibration.damp < 1:
+        raise ValueError(f"--dampening must lie in (0, 1), got {calibration.damp}")
 
 
 def check_arguments(src: Path, dst: Path, fmt: str, group_size: int, act_order: bool

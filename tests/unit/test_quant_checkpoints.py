@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from framework.cli import main
 from framework.cli_quantize import check_arguments, quantize_checkpoint
 from framework.layers.quantization import (
     AwqWeight,
@@ -200,6 +201,25 @@ def test_quantize_refuses_bad_arguments(tmp_path: Path, fmt: str, group: int, ac
     src = _model_dir(tmp_path, None)
     with pytest.raises(ValueError, match=message):
         check_arguments(src, tmp_path / "out", fmt, group, act_order)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--calibration-data", "{tmp}/missing"], "calibration data {tmp}/missing does not exist"),
+    (["--calibration-data", "{tmp}", "--dampening", "1.5"],
+     "--dampening must lie in (0, 1), got 1.5"),
+    (["--calibration-data", "{tmp}", "--calibration-seq-len", "0"],
+     "--calibration-samples and --calibration-seq-len must be positive"),
+])
+def test_quantize_refuses_bad_calibration_in_one_line(
+        tmp_path: Path, flags: list[str], message: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    src = _model_dir(tmp_path, None)
+    argv = ["quantize", "--model-path", str(src), "--output", str(tmp_path / "out"),
+            "--format", "fp8", *(flag.format(tmp=tmp_path) for flag in flags)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"framework: error: {message.format(tmp=tmp_path)}"]
+    assert not (tmp_path / "out").exists()
 
 
 def test_quantize_refuses_a_quantized_source_and_a_used_output(tmp_path: Path) -> None:

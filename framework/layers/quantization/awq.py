@@ -23,6 +23,7 @@ from typing import ClassVar
 
 import torch
 
+from framework.layers.quantization.grid import QuantGrid
 from framework.layers.quantization.weights import (
     NIBBLES_PER_INT32,
     QuantizedWeight,
@@ -116,23 +117,31 @@ class AwqWeight(QuantizedWeight):
         return cls(packed, (packed["scales"].shape[1], in_features), parts[0].group_size)
 
 
-def quantize_awq(weight: torch.Tensor, group_size: int = 128) -> dict[str, torch.Tensor]:
-    """Quantize a float ``[out, in]`` weight to AWQ GEMM checkpoint tensors (round to nearest).
+def awq_grid(weight: torch.Tensor, group_size: int = 128) -> QuantGrid:
+    """The asymmetric 4-bit grid of a float ``[out, in]`` weight: each group's float16 scale
+    spans its range widened to include 0, its zero an integer in 0..15."""
+    out_features, in_features = weight.shape
+    size = effective_group_size(group_size, in_features)
+    groups = weight.float().reshape(out_features, in_features // size, size)
+    low = groups.amin(dim=2).clamp(max=0)
+    high = groups.amax(dim=2).clamp(min=0)
+    scale = round_scale_up_to_half(((high - low) / 15).clamp(min=MIN_SCALE)).float()
+    zero = torch.round(-low / scale).clamp(0, 15)
+    return QuantGrid(scale, zero, torch.arange(in_features) // size, low=0, high=15)
+
+
+def quantize_awq(weight: torch.Tensor, group_size: int = 128, grid: QuantGrid | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """Quantize a float ``[out, in]`` weight to AWQ GEMM checkpoint tensors.
 
     Args:
         weight: the float matrix; ``out`` a multiple of 8.
-        group_size: input rows per group, ``-1`` for one group.
+        group_size: input rows per group, ``-1`` for one group (unless ``grid`` is given).
+        grid: the grid to round to (default: ``awq_grid``'s, to nearest).
     """
-    out_features, in_features = weight.shape
-    size = effective_group_size(group_size, in_features)
-    groups = weight.float().t().reshape(in_features // size, size, out_features)
-    low = groups.amin(dim=1).clamp(max=0)
-    high = groups.amax(dim=1).clamp(min=0)
-    scales = round_scale_up_to_half(((high - low) / 15).clamp(min=MIN_SCALE))
-    zeros = torch.round(-low / scales.float()).clamp(0, 15)
-    q = (torch.round(groups / scales.float()[:, None]) + zeros[:, None]).clamp(0, 15)
+    grid = awq_grid(weight, group_size) if grid is None else grid
     return {
-        "qweight": pack_int4(q.reshape(in_features, out_features), AWQ_ORDER),
-        "qzeros": pack_int4(zeros, AWQ_ORDER),
-        "scales": scales,
+        "qweight": pack_int4(grid.codes(weight).to(torch.int32).t().contiguous(), AWQ_ORDER),
+        "qzeros": pack_int4(grid.zero.t().contiguous().to(torch.int32), AWQ_ORDER),
+        "scales": grid.scale.t().to(torch.float16).contiguous(),
     }

@@ -1,10 +1,10 @@
 """Writing the shards of a quantized copy of a float checkpoint (``framework quantize``).
 
 Every weight a linear layer loads (the q/k/v/o, gate/up/down projections; MoE experts
-excepted) is quantized by its format's writer (round to nearest, no calibration data) and
-stored in the layout the hub's checkpoints of that format use, one output shard per input
-shard; every other tensor is copied as it is. ``quantization_config`` is what
-``config.json`` then says.
+excepted) is put on its format's grid (``format_grid``), rounded to nearest or, when
+calibrated (``calibration.py``), with its errors compensated, and stored in the layout
+the hub's checkpoints of that format use, one output shard per input shard; every other
+tensor is copied as it is. ``quantization_config`` is what ``config.json`` then says.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from framework.layers.quantization.awq import quantize_awq
-from framework.layers.quantization.fp8 import quantize_fp8
-from framework.layers.quantization.gptq import quantize_gptq
-from framework.layers.quantization.int8 import quantize_int8
+from framework.layers.quantization.awq import awq_grid, quantize_awq
+from framework.layers.quantization.fp8 import fp8_grid, quantize_fp8
+from framework.layers.quantization.gptq import gptq_grid, quantize_gptq
+from framework.layers.quantization.grid import QuantGrid
+from framework.layers.quantization.int8 import int8_grid, quantize_int8
 
 #: The formats ``framework quantize`` writes.
 WRITE_FORMATS = ("gptq", "awq", "fp8", "int8")
@@ -82,24 +83,43 @@ def act_orders(files: list[Path]) -> dict[str, torch.Tensor]:
     return {key: total.argsort(descending=True, stable=True) for key, total in squares.items()}
 
 
-def quantize_tensor(name: str, weight: torch.Tensor, fmt: str, group_size: int,
-                    perm: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors (full names) of one linear layer's weight in ``fmt``.
+def format_grid(name: str, weight: torch.Tensor, fmt: str, group_size: int,
+                perm: torch.Tensor | None) -> QuantGrid:
+    """The grid ``fmt`` gives checkpoint tensor ``name`` (act-order rows ``perm``, GPTQ).
 
     Raises:
         ValueError: a shape the format cannot hold (e.g. a group size that does not
             divide the input features), naming the tensor.
     """
+    try:
+        if fmt == "gptq":
+            return gptq_grid(weight, group_size, act_order=perm is not None, perm=perm)
+        if fmt == "awq":
+            return awq_grid(weight, group_size)
+        return fp8_grid(weight) if fmt == "fp8" else int8_grid(weight)
+    except ValueError as exc:
+        raise ValueError(f"cannot quantize {name} {tuple(weight.shape)} to {fmt}: {exc}") \
+            from None
+
+
+def encode_tensor(name: str, weight: torch.Tensor, fmt: str, grid: QuantGrid
+                  ) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors (full names) of one linear layer's weight on ``grid``.
+
+    Raises:
+        ValueError: a shape the format cannot pack (e.g. output rows not a multiple of
+            eight), naming the tensor.
+    """
     layer = name.removesuffix(".weight")
     try:
         if fmt == "gptq":
-            parts = quantize_gptq(weight, group_size, act_order=perm is not None, perm=perm)
+            parts = quantize_gptq(weight, grid=grid)
         elif fmt == "awq":
-            parts = quantize_awq(weight, group_size)
+            parts = quantize_awq(weight, grid=grid)
         elif fmt == "fp8":
-            parts = quantize_fp8(weight)
+            parts = quantize_fp8(weight, grid)
         else:
-            int8 = quantize_int8(weight)
+            int8 = quantize_int8(weight, grid)
             parts = {"weight": int8["qweight"], "weight_scale": int8["scale"]}
     except ValueError as exc:
         raise ValueError(f"cannot quantize {name} {tuple(weight.shape)} to {fmt}: {exc}") \
@@ -107,22 +127,49 @@ def quantize_tensor(name: str, weight: torch.Tensor, fmt: str, group_size: int,
     return {f"{layer}.{part}": tensor.contiguous() for part, tensor in parts.items()}
 
 
+def quantize_tensor(name: str, weight: torch.Tensor, fmt: str, group_size: int,
+                    perm: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors (full names) of one linear layer's weight in ``fmt``, rounded
+    to nearest.
+
+    Raises:
+        ValueError: a shape the format cannot hold, naming the tensor.
+    """
+    return encode_tensor(name, weight, fmt, format_grid(name, weight, fmt, group_size, perm))
+
+
+def target_names(files: list[Path]) -> list[str]:
+    """The names of the weights ``framework quantize`` quantizes, in checkpoint order."""
+    return [name for _, tensors in _read(files) for name, tensor in tensors.items()
+            if is_target(name, tensor)]
+
+
 def write_quantized_shards(files: list[Path], dst: Path, fmt: str, *, group_size: int,
-                           act_order: bool, index: bool) -> int:
+                           act_order: bool, index: bool,
+                           calibrated: dict[str, tuple[torch.Tensor, QuantGrid]] | None = None
+                           ) -> int:
     """Write each of ``files`` (a float checkpoint's shards, in order) to ``dst`` under its
     own name, its linear layers' weights in ``fmt``, and with ``index`` the shards'
     ``model.safetensors.index.json``; returns how many weights were quantized.
 
+    ``calibrated`` holds weights already rounded onto their grids (``calibration.py``);
+    the others are rounded to nearest.
+
     Raises:
         ValueError: a weight ``fmt`` cannot hold (``quantize_tensor``).
     """
-    orders = act_orders(files) if act_order else {}
+    calibrated = calibrated or {}
+    orders = act_orders(files) if act_order and not calibrated else {}
     weight_map: dict[str, str] = {}
     total_size = count = 0
     for file, tensors in _read(files):
         out: dict[str, torch.Tensor] = {}
         for name, tensor in tensors.items():
-            if is_target(name, tensor):
+            if name in calibrated:
+                rounded, grid = calibrated[name]
+                out.update(encode_tensor(name, rounded, fmt, grid))
+                count += 1
+            elif is_target(name, tensor):
                 out.update(quantize_tensor(name, tensor, fmt, group_size,
                                            orders.get(_input_key(name))))
                 count += 1

@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import torch
 
+from framework.layers.quantization.grid import FP8_MAX, QuantGrid, channel_grid
 from framework.layers.quantization.weights import (
     QuantizedWeight,
     check_parts,
@@ -25,8 +26,6 @@ from framework.layers.quantization.weights import (
     require_tensors,
 )
 
-#: The largest finite float8_e4m3fn value.
-FP8_MAX = 448.0
 #: The smallest scale written, so an all-zero row still divides.
 MIN_SCALE = 2.0**-30
 
@@ -105,9 +104,17 @@ class Fp8Weight(QuantizedWeight):
         return cls(tensors, (weight.shape[0], in_features))
 
 
-def quantize_fp8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Quantize a float ``[out, in]`` weight to E4M3 with a float32 scale per output channel."""
-    w = weight.float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
-    fp8 = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return {"weight": fp8, "weight_scale": scale}
+def fp8_grid(weight: torch.Tensor) -> QuantGrid:
+    """The E4M3 grid of a float ``[out, in]`` weight: a scale per output channel that puts
+    the channel's largest magnitude at ``FP8_MAX``."""
+    scale = (weight.float().abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)
+    return channel_grid(scale, weight.shape[1], e4m3=True)
+
+
+def quantize_fp8(weight: torch.Tensor, grid: QuantGrid | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """Quantize a float ``[out, in]`` weight to E4M3 with a float32 scale per output channel
+    (``grid``, default ``fp8_grid(weight)``)."""
+    grid = fp8_grid(weight) if grid is None else grid
+    return {"weight": grid.codes(weight).to(torch.float8_e4m3fn),
+            "weight_scale": grid.scale.clone()}

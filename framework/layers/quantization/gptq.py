@@ -28,6 +28,7 @@ from typing import ClassVar
 
 import torch
 
+from framework.layers.quantization.grid import QuantGrid
 from framework.layers.quantization.weights import (
     NIBBLES_PER_INT32,
     QuantizedWeight,
@@ -161,12 +162,13 @@ def act_order_g_idx(perm: torch.Tensor, group_size: int) -> torch.Tensor:
     return (rank // group_size).to(torch.int32)
 
 
-def quantize_gptq(weight: torch.Tensor, group_size: int = 128, act_order: bool = False,
-                  perm: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Quantize a float ``[out, in]`` weight to GPTQ v1 checkpoint tensors (round to nearest).
+def gptq_grid(weight: torch.Tensor, group_size: int = 128, act_order: bool = False,
+              perm: torch.Tensor | None = None) -> QuantGrid:
+    """The symmetric 4-bit grid of a float ``[out, in]`` weight: each group's float16 scale
+    covers its largest magnitude, the zero is 8.
 
     Args:
-        weight: the float matrix; ``out`` and ``in`` multiples of 8.
+        weight: the float matrix.
         group_size: input rows per group, ``-1`` for one group.
         act_order: group the rows in the order ``perm`` instead of their own.
         perm: the act-order row order (default: descending column norm of ``weight``).
@@ -177,18 +179,30 @@ def quantize_gptq(weight: torch.Tensor, group_size: int = 128, act_order: bool =
         perm = torch.arange(in_features)
     elif perm is None:
         perm = weight.float().norm(dim=0).argsort(descending=True, stable=True)
-    g_idx = act_order_g_idx(perm, size)
-    w = weight.float().t()  # [in, out], the checkpoint's orientation
     groups = in_features // size
     # Group k is the rows perm[k * size : (k + 1) * size].
-    amax = w[perm].abs().reshape(groups, size, out_features).amax(dim=1)
-    scales = round_scale_up_to_half((2 * amax / 15).clamp(min=MIN_SCALE))
-    row_scales = scales.float()[g_idx.long()]
-    q = (torch.round(w / row_scales) + SYMMETRIC_ZERO).clamp(0, 15)
-    zeros = torch.full((groups, out_features), SYMMETRIC_ZERO - 1)
+    amax = weight.float()[:, perm].abs().reshape(out_features, groups, size).amax(dim=2)
+    scale = round_scale_up_to_half((2 * amax / 15).clamp(min=MIN_SCALE)).float()
+    return QuantGrid(scale, torch.full_like(scale, SYMMETRIC_ZERO),
+                     act_order_g_idx(perm, size).long(), low=0, high=15)
+
+
+def quantize_gptq(weight: torch.Tensor, group_size: int = 128, act_order: bool = False,
+                  perm: torch.Tensor | None = None, grid: QuantGrid | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """Quantize a float ``[out, in]`` weight to GPTQ v1 checkpoint tensors.
+
+    Args:
+        weight: the float matrix; ``out`` and ``in`` multiples of 8.
+        group_size, act_order, perm: the grid's (``gptq_grid``), unless ``grid`` is given.
+        grid: the grid to round to (default: ``gptq_grid``'s, to nearest).
+    """
+    if grid is None:
+        grid = gptq_grid(weight, group_size, act_order, perm)
+    zeros = grid.zero.t().contiguous().to(torch.int32) - 1
     return {
-        "qweight": pack_int4(q.t().contiguous()).t().contiguous(),
+        "qweight": pack_int4(grid.codes(weight).to(torch.int32)).t().contiguous(),
         "qzeros": pack_int4(zeros),
-        "scales": scales,
-        "g_idx": g_idx,
+        "scales": grid.scale.t().to(torch.float16).contiguous(),
+        "g_idx": grid.group.to(torch.int32),
     }

@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import torch
 
+from framework.layers.quantization.grid import QuantGrid, channel_grid
 from framework.layers.quantization.weights import (
     QuantizedWeight,
     cat_tensors,
@@ -98,10 +99,16 @@ class Int8Weight(QuantizedWeight):
         return cls(tensors, (tensors["qweight"].shape[0], in_features))
 
 
-def quantize_int8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+def int8_grid(weight: torch.Tensor) -> QuantGrid:
+    """The int8 grid of a float ``[out, in]`` weight: ``amax / 127`` per output channel."""
+    scale = (weight.float().abs().amax(dim=1) / INT8_MAX).clamp(min=MIN_SCALE)
+    return channel_grid(scale, weight.shape[1], low=-INT8_MAX, high=INT8_MAX)
+
+
+def quantize_int8(weight: torch.Tensor, grid: QuantGrid | None = None
+                  ) -> dict[str, torch.Tensor]:
     """Quantize a float ``[out, in]`` weight to int8 with a float32 scale per output channel
-    (``qweight``, ``scale``; a checkpoint names them ``weight``, ``weight_scale``)."""
-    w = weight.float()
-    scale = (w.abs().amax(dim=1) / INT8_MAX).clamp(min=MIN_SCALE)
-    qweight = torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return {"qweight": qweight, "scale": scale}
+    (``grid``, default ``int8_grid(weight)``): ``qweight``, ``scale`` (a checkpoint names
+    them ``weight``, ``weight_scale``)."""
+    grid = int8_grid(weight) if grid is None else grid
+    return {"qweight": grid.codes(weight).to(torch.int8), "scale": grid.scale[:, 0].clone()}

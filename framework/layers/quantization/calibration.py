@@ -1,0 +1,286 @@
+"""Calibrating a quantized checkpoint on text (``framework quantize --calibration-data``).
+
+The float checkpoint loads as a transformers model in float32, and windows of tokens cut
+from the calibration text run through it. The decoder layers are then quantized in
+order, keeping a float copy and a quantized copy of each: the inputs reaching a layer
+through the quantized layers below it (``Xq``) and through the float ones (``Xf``) give,
+for each set of projections that read one input (q/k/v, o, gate/up, down, in the order
+the layer calls them), ``H = Xq^T Xq`` and ``C = Xq^T Xf``; each projection's weight is
+corrected towards the float outputs, its grid fitted, and the weight rounded onto the
+grid with its errors compensated (``error_compensation.py``) before the next set is
+measured. The cost is about two forward passes per set of projections over the windows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from framework.layers.quantization.error_compensation import (
+    compensate,
+    corrected_weight,
+    input_order,
+)
+from framework.layers.quantization.grid import QuantGrid
+
+#: Fits a format's grid to a projection's (checkpoint name, corrected weight, input order).
+GridFit = Callable[[str, torch.Tensor, torch.Tensor], QuantGrid]
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """What to calibrate on and how.
+
+    Attributes:
+        paths: text files, or directories whose files that read as UTF-8 are taken.
+        samples: windows of tokens.
+        seq_len: tokens per window.
+        damp: added to each Gram matrix's diagonal, as a fraction of its mean.
+        batch: windows per forward pass.
+        seed: picks the files and the windows' starts.
+    """
+
+    paths: tuple[Path, ...]
+    samples: int = 128
+    seq_len: int = 512
+    damp: float = 0.01
+    batch: int = 8
+    seed: int = 0
+
+
+class _Stop(Exception):
+    """Raised by a hook once it holds what it came for, to skip the rest of a forward."""
+
+
+def text_files(paths: tuple[Path, ...]) -> list[Path]:
+    """The files named, and every file under the directories named, sorted.
+
+    Raises:
+        ValueError: a path that does not exist, or no file at all.
+    """
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            files.extend(sorted(p for p in path.rglob("*") if p.is_file()))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ValueError(f"calibration data {path} does not exist")
+    if not files:
+        raise ValueError("the calibration data holds no file")
+    return files
+
+
+def _read_text(path: Path) -> str | None:
+    """The file's text, or None where it is not UTF-8 (binary files under a directory)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None
+
+
+def calibration_windows(tokenize: Callable[[str], list[int]], files: list[Path],
+                        samples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """``samples`` windows of ``seq_len`` tokens ``[samples, seq_len]``: the files taken in
+    a shuffled order, again and again, one window at a random start from each file long
+    enough.
+
+    Raises:
+        ValueError: no file holds ``seq_len`` tokens.
+    """
+    rng = random.Random(seed)
+    order = list(files)
+    rng.shuffle(order)
+    tokens: dict[Path, list[int]] = {}
+    windows: list[list[int]] = []
+    while len(windows) < samples:
+        before = len(windows)
+        for path in order:
+            if path not in tokens:
+                text = _read_text(path)
+                tokens[path] = tokenize(text) if text else []
+            ids = tokens[path]
+            if len(ids) >= seq_len:
+                start = rng.randrange(len(ids) - seq_len + 1)
+                windows.append(ids[start:start + seq_len])
+                if len(windows) == samples:
+                    break
+        if len(windows) == before:
+            raise ValueError(f"no calibration file holds {seq_len} tokens "
+                             "(lower --calibration-seq-len or add text)")
+    return torch.tensor(windows)
+
+
+@dataclass
+class _Batch:
+    """One batch's hidden states entering the current layer, float and quantized, and the
+    other arguments the model passed its decoder layers."""
+
+    float_x: torch.Tensor
+    quant_x: torch.Tensor
+    kwargs: dict[str, Any]
+
+
+def _decoder_layers(model: torch.nn.Module, names: list[str]
+                    ) -> tuple[str, torch.nn.ModuleList]:
+    """The name and module of the layer list holding every projection in ``names``."""
+    parts = names[0].split(".")
+    digits = [i for i, part in enumerate(parts) if part.isdigit()]
+    prefix = ".".join(parts[:digits[0]]) if digits else ""
+    try:
+        layers = model.get_submodule(prefix)
+    except AttributeError:
+        layers = None
+    if not isinstance(layers, torch.nn.ModuleList) or not all(
+            name.startswith(prefix + ".") for name in names):
+        raise ValueError(f"calibration: cannot find the decoder layers holding {names[0]}")
+    return prefix, layers
+
+
+def _first_layer_inputs(model: torch.nn.Module, layer: torch.nn.Module,
+                        windows: torch.Tensor, batch: int) -> list[_Batch]:
+    """Run the windows up to the first decoder layer, keeping what it is called with."""
+    captured: list[_Batch] = []
+
+    def hook(_module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        kwargs = dict(kwargs)
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        captured.append(_Batch(hidden, hidden, kwargs))
+        raise _Stop
+
+    handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for chunk in windows.split(batch):
+            with contextlib.suppress(_Stop):
+                model(chunk, use_cache=False)
+    finally:
+        handle.remove()
+    return captured
+
+
+def _input_groups(layer: torch.nn.Module, names: list[str], probe: _Batch) -> list[list[str]]:
+    """The layer's projections ``names`` (relative to it) in sets that read one input
+    tensor, in the order the layer calls them."""
+    seen: list[tuple[torch.Tensor, list[str]]] = []
+
+    def record(name: str) -> Callable[..., None]:
+        def hook(_module: torch.nn.Module, args: tuple) -> None:
+            for tensor, group in seen:
+                if tensor is args[0]:
+                    group.append(name)
+                    return
+            seen.append((args[0], [name]))
+        return hook
+
+    handles = [layer.get_submodule(name).register_forward_pre_hook(record(name))
+               for name in names]
+    try:
+        _run(layer, probe.float_x, probe.kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [group for _, group in seen]
+
+
+def _run(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]
+         ) -> torch.Tensor:
+    """The decoder layer's output hidden states (some versions return a tuple)."""
+    out = layer(hidden, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _input_of(layer: torch.nn.Module, name: str, hidden: torch.Tensor,
+              kwargs: dict[str, Any]) -> torch.Tensor:
+    """The input (rows ``[tokens, in]``) projection ``name`` of ``layer`` reads."""
+    got: list[torch.Tensor] = []
+
+    def hook(_module: torch.nn.Module, args: tuple) -> None:
+        got.append(args[0].reshape(-1, args[0].shape[-1]))
+        raise _Stop
+
+    handle = layer.get_submodule(name).register_forward_pre_hook(hook)
+    try:
+        with contextlib.suppress(_Stop):
+            _run(layer, hidden, kwargs)
+    finally:
+        handle.remove()
+    return got[0].double()
+
+
+def _gram(layer: torch.nn.Module, quant_layer: torch.nn.Module, name: str,
+          batches: list[_Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Xq^T Xq`` and ``Xq^T Xf`` of projection ``name``'s input over every batch."""
+    hessian = cross = None
+    for item in batches:
+        xf = _input_of(layer, name, item.float_x, item.kwargs)
+        xq = _input_of(quant_layer, name, item.quant_x, item.kwargs)
+        hessian = xq.t() @ xq if hessian is None else hessian + xq.t() @ xq
+        cross = xq.t() @ xf if cross is None else cross + xq.t() @ xf
+    assert hessian is not None and cross is not None
+    return hessian, cross
+
+
+def _layer_names(names: list[str], prefix: str, count: int) -> Iterator[list[str]]:
+    """For each decoder layer, its projections among ``names``, relative to the layer."""
+    for index in range(count):
+        head = f"{prefix}.{index}."
+        yield [name[len(head):] for name in names if name.startswith(head)]
+
+
+@torch.no_grad()
+def calibrate(model_dir: Path, targets: list[str], fit: GridFit,
+              settings: CalibrationSettings) -> dict[str, tuple[torch.Tensor, QuantGrid]]:
+    """Each target's rounded weight (float32, on its grid) and grid.
+
+    Args:
+        model_dir: the float checkpoint.
+        targets: the checkpoint names of the weights to quantize (``...q_proj.weight``).
+        fit: the format's grid for a corrected weight.
+        settings: the calibration text and its use.
+
+    Raises:
+        ValueError: unreadable calibration data, or a model whose projections do not sit
+            in one list of decoder layers.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from framework.runtime.hf_tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(model_dir))
+    # Whole files are tokenized, then cut into windows: no warning about their length.
+    tokenizer.model_max_length = 2**62
+    windows = calibration_windows(
+        lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
+        text_files(settings.paths), settings.samples, settings.seq_len, settings.seed)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    modules = [name.removesuffix(".weight") for name in targets]
+    prefix, layers = _decoder_layers(model, modules)
+    batches = _first_layer_inputs(model, layers[0], windows, settings.batch)
+    result: dict[str, tuple[torch.Tensor, QuantGrid]] = {}
+    for index, names in enumerate(_layer_names(modules, prefix, len(layers))):
+        layer = layers[index]
+        quant_layer = copy.deepcopy(layer)
+        for group in _input_groups(layer, names, batches[0]) if names else []:
+            hessian, cross = _gram(layer, quant_layer, group[0], batches)
+            for name in group:
+                weight = corrected_weight(layer.get_submodule(name).weight, hessian, cross,
+                                          settings.damp)
+                full = f"{prefix}.{index}.{name}.weight"
+                grid = fit(full, weight, input_order(hessian))
+                rounded = compensate(weight, hessian, grid, settings.damp)
+                quant_layer.get_submodule(name).weight.copy_(rounded)
+                result[full] = (rounded, grid)
+        for item in batches:
+            item.float_x = _run(layer, item.float_x, item.kwargs)
+            item.quant_x = _run(quant_layer, item.quant_x, item.kwargs)
+    missing = sorted(set(targets) - set(result))
+    if missing:
+        raise ValueError(f"calibration: no decoder layer reached {missing[0]}")
+    return result

@@ -1,0 +1,65 @@
+"""The values a quantized format can give one linear weight, apart from how it packs them.
+
+Every format written here (GPTQ, AWQ, FP8, int8) puts a weight ``[out, in]`` on a grid
+``w[o, i] = (code - zero[o, g]) * scale[o, g]`` with ``g = group[i]``: one group for a
+per-channel format, input rows in groups for the 4-bit ones. Only the codes differ:
+integers in ``low..high``, or E4M3 values. A writer fits the grid to a weight and encodes
+the weight's nearest codes; a calibrated writer (``calibration.py``) fits the grid, moves
+the weight column by column onto it, and has the format encode the result, which then
+lies on the grid exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: The largest finite float8_e4m3fn value.
+FP8_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class QuantGrid:
+    """A format's grid for one weight ``[out, in]``.
+
+    Attributes:
+        scale: float32 ``[out, groups]`` (float16 scales held as their exact float32 value).
+        zero: float32 ``[out, groups]``, integers (zero for symmetric and FP8 codes).
+        group: int64 ``[in]``, the group of each input row.
+        e4m3: codes are float8 E4M3 values (``low``/``high`` unused) rather than integers.
+        low: the smallest integer code.
+        high: the largest integer code.
+    """
+
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group: torch.Tensor
+    e4m3: bool = False
+    low: float = 0.0
+    high: float = 0.0
+
+    def codes(self, weight: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The nearest codes (as float32) of ``weight``'s columns (``[out, n]``), which are
+        the input rows ``rows`` (default: all of them, in order)."""
+        group = self.group if rows is None else self.group[rows]
+        scale, zero = self.scale[:, group], self.zero[:, group]
+        w = weight.float()
+        if self.e4m3:
+            return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+        # Rounded before the zero is added: ties go to even in the scaled value, as the
+        # hub's writers round.
+        return (torch.round(w / scale) + zero).clamp(self.low, self.high)
+
+    def snap(self, weight: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``weight``'s columns (input rows ``rows``) moved to their nearest grid values."""
+        group = self.group if rows is None else self.group[rows]
+        scale, zero = self.scale[:, group], self.zero[:, group]
+        return (self.codes(weight, rows) - zero) * scale
+
+
+def channel_grid(scale: torch.Tensor, in_features: int, **codes: float | bool) -> QuantGrid:
+    """A grid of one scale per output channel (``scale`` ``[out]``) and no zero."""
+    column = scale.float().reshape(-1, 1)
+    return QuantGrid(column, torch.zeros_like(column),
+                     torch.zeros(in_features, dtype=torch.long), **codes)  # type: ignore[arg-type]
