@@ -8,7 +8,8 @@ for each set of projections that read one input (q/k/v, o, gate/up, down, in the
 the layer calls them), ``H = Xq^T Xq`` and ``C = Xq^T Xf``; each projection's weight is
 corrected towards the float outputs, its grid fitted, and the weight rounded onto the
 grid with its errors compensated (``error_compensation.py``) before the next set is
-measured. The cost is about two forward passes per set of projections over the windows.
+measured. Each set runs its layer (up to the set) twice over the windows, and each layer
+runs twice more to feed the next: about ten forward passes of the model in all.
 """
 
 from __future__ import annotations
