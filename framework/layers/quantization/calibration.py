@@ -218,13 +218,12 @@ def _input_of(layer: torch.nn.Module, name: str, hidden: torch.Tensor,
 def _gram(layer: torch.nn.Module, quant_layer: torch.nn.Module, name: str,
           batches: list[_Batch]) -> tuple[torch.Tensor, torch.Tensor]:
     """``Xq^T Xq`` and ``Xq^T Xf`` of projection ``name``'s input over every batch."""
-    hessian = cross = None
+    hessian = cross = torch.zeros((), dtype=torch.float64)  # broadcasts to [in, in]
     for item in batches:
         xf = _input_of(layer, name, item.float_x, item.kwargs)
         xq = _input_of(quant_layer, name, item.quant_x, item.kwargs)
-        hessian = xq.t() @ xq if hessian is None else hessian + xq.t() @ xq
-        cross = xq.t() @ xf if cross is None else cross + xq.t() @ xf
-    assert hessian is not None and cross is not None
+        hessian = hessian + xq.t() @ xq
+        cross = cross + xq.t() @ xf
     return hessian, cross
 
 

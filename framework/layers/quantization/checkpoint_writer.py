@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,16 @@ def act_orders(files: list[Path]) -> dict[str, torch.Tensor]:
     return {key: total.argsort(descending=True, stable=True) for key, total in squares.items()}
 
 
+@contextmanager
+def _naming(name: str, weight: torch.Tensor, fmt: str) -> Iterator[None]:
+    """A shape error of a format's writer, raised again naming the checkpoint tensor."""
+    try:
+        yield
+    except ValueError as exc:
+        raise ValueError(f"cannot quantize {name} {tuple(weight.shape)} to {fmt}: {exc}") \
+            from None
+
+
 def format_grid(name: str, weight: torch.Tensor, fmt: str, group_size: int,
                 perm: torch.Tensor | None) -> QuantGrid:
     """The grid ``fmt`` gives checkpoint tensor ``name`` (act-order rows ``perm``, GPTQ).
@@ -91,15 +102,12 @@ def format_grid(name: str, weight: torch.Tensor, fmt: str, group_size: int,
         ValueError: a shape the format cannot hold (e.g. a group size that does not
             divide the input features), naming the tensor.
     """
-    try:
+    with _naming(name, weight, fmt):
         if fmt == "gptq":
             return gptq_grid(weight, group_size, act_order=perm is not None, perm=perm)
         if fmt == "awq":
             return awq_grid(weight, group_size)
         return fp8_grid(weight) if fmt == "fp8" else int8_grid(weight)
-    except ValueError as exc:
-        raise ValueError(f"cannot quantize {name} {tuple(weight.shape)} to {fmt}: {exc}") \
-            from None
 
 
 def encode_tensor(name: str, weight: torch.Tensor, fmt: str, grid: QuantGrid
@@ -111,7 +119,7 @@ def encode_tensor(name: str, weight: torch.Tensor, fmt: str, grid: QuantGrid
             eight), naming the tensor.
     """
     layer = name.removesuffix(".weight")
-    try:
+    with _naming(name, weight, fmt):
         if fmt == "gptq":
             parts = quantize_gptq(weight, grid=grid)
         elif fmt == "awq":
@@ -121,9 +129,6 @@ def encode_tensor(name: str, weight: torch.Tensor, fmt: str, grid: QuantGrid
         else:
             int8 = quantize_int8(weight, grid)
             parts = {"weight": int8["qweight"], "weight_scale": int8["scale"]}
-    except ValueError as exc:
-        raise ValueError(f"cannot quantize {name} {tuple(weight.shape)} to {fmt}: {exc}") \
-            from None
     return {f"{layer}.{part}": tensor.contiguous() for part, tensor in parts.items()}
 
 

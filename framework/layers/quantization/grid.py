@@ -39,11 +39,17 @@ class QuantGrid:
     low: float = 0.0
     high: float = 0.0
 
-    def codes(self, weight: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The nearest codes (as float32) of ``weight``'s columns (``[out, n]``), which are
-        the input rows ``rows`` (default: all of them, in order)."""
+    def _columns(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scale and zero of input rows ``rows`` (all by default), broadcastable
+        against them: a per-channel grid's single column is not gathered per row."""
+        if self.scale.shape[1] == 1:
+            return self.scale, self.zero
         group = self.group if rows is None else self.group[rows]
-        scale, zero = self.scale[:, group], self.zero[:, group]
+        return self.scale[:, group], self.zero[:, group]
+
+    def _codes(self, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+               ) -> torch.Tensor:
+        """The nearest codes of ``weight`` on columns of ``scale`` and ``zero``."""
         w = weight.float()
         if self.e4m3:
             return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
@@ -51,11 +57,15 @@ class QuantGrid:
         # hub's writers round.
         return (torch.round(w / scale) + zero).clamp(self.low, self.high)
 
+    def codes(self, weight: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The nearest codes (as float32) of ``weight``'s columns (``[out, n]``), which are
+        the input rows ``rows`` (default: all of them, in order)."""
+        return self._codes(weight, *self._columns(rows))
+
     def snap(self, weight: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``weight``'s columns (input rows ``rows``) moved to their nearest grid values."""
-        group = self.group if rows is None else self.group[rows]
-        scale, zero = self.scale[:, group], self.zero[:, group]
-        return (self.codes(weight, rows) - zero) * scale
+        scale, zero = self._columns(rows)
+        return (self._codes(weight, scale, zero) - zero) * scale
 
 
 def channel_grid(scale: torch.Tensor, in_features: int, **codes: float | bool) -> QuantGrid:
