@@ -1,14 +1,16 @@
 """Greedy agreement and perplexity of the quantized default model against the float32 one.
 
-64 prompts of 4 to 30 code words, 16 greedy tokens each, through the Engine on the
+8 sets of 64 prompts of 4 to 30 code words, 16 greedy tokens each, through the Engine on the
 embedded default model in float32 with ``--linear-backend torch`` (the reference), then
 with int8 and FP8 quantized online and from GPTQ and AWQ checkpoints that
 ``framework quantize`` writes (round to nearest, group ``--group-size``; int8, GPTQ and
 AWQ also on the ``cpu_a8`` quantized-linear kernel; int8 with the embedding table, which
 the default model's LM head is tied to, in int8 too; and every format written by
 ``framework quantize --calibration-data`` on the standard library's top-level modules,
-the default model's training text, at calibration seeds ``--seeds``): how many
-prompts give the reference's tokens exactly; and each one's perplexity on a held-out
+the default model's training text, at calibration seeds ``--seeds``; and with
+``--rounding-steps`` of learned rounding, FP8 at every seed, the other formats at the
+first): how many prompts of each set of 64 give the reference's tokens exactly (their mean
+over the sets, and the fewest and most); and each one's perplexity on a held-out
 code file (``HELD_OUT``: this project's own source, which the default model, trained on
 the Python standard library, never saw), scored in windows of ``WINDOW`` tokens through
 prompt logprobs. Writes ``agreement.md`` and ``agreement.json`` (machine, commit) to
@@ -34,14 +36,20 @@ WORDS = ("def return class import for while if else print self value list dict d
 GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
 HELD_OUT = ROOT / "framework/mem_cache/radix_cache.py"
 WINDOW = 512
+#: Prompts per set: the goal counts identical outputs of 64.
+SET = 64
 
 
-def prompts(count: int = 64) -> list[str]:
-    """The prompts: random code words, fixed by the seed."""
-    rng = random.Random(0)
+def prompts(count: int = 64, sets: int = 8) -> list[str]:
+    """``sets`` sets of ``count`` prompts of random code words, each set fixed by its
+    index as seed."""
     words = WORDS.split()
-    return [" ".join(rng.choice(words) for _ in range(rng.randint(4, 30)))
-            for _ in range(count)]
+    texts = []
+    for seed in range(sets):
+        rng = random.Random(seed)
+        texts += [" ".join(rng.choice(words) for _ in range(rng.randint(4, 30)))
+                  for _ in range(count)]
+    return texts
 
 
 def measure(texts: list[str], windows: list[list[int]], **engine_args: Any
@@ -81,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=32)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="calibration seeds (each picks other windows)")
+    parser.add_argument("--rounding-steps", type=int, default=200,
+                        help="learned rounding's steps in the learned copies")
     parser.add_argument("--output", type=Path,
                         default=ROOT / "benchmarks/results/quant_agreement")
     args = parser.parse_args(argv)
@@ -116,11 +126,24 @@ def main(argv: list[str] | None = None) -> int:
                 group = f"group {args.group_size}, " if fmt in ("gptq", "awq") else ""
                 results[f"{fmt} ({group}calibrated, seed {seed})"] = measure(
                     texts, windows, model_path=str(directory))
-    same = {name: sum(a == b for a, b in zip(reference, got, strict=True))
+        for fmt, seed in [("fp8", seed) for seed in args.seeds] + [
+                (fmt, args.seeds[0]) for fmt in ("int8", "gptq", "awq")]:
+            directory = Path(tmp) / f"{fmt}-learned-{seed}"
+            calibration = CalibrationSettings(stdlib_modules(), seed=seed,
+                                              rounding_steps=args.rounding_steps)
+            quantize_checkpoint(default_model_path(), directory, fmt,
+                                group_size=args.group_size, calibration=calibration)
+            group = f"group {args.group_size}, " if fmt in ("gptq", "awq") else ""
+            results[f"{fmt} ({group}calibrated, learned rounding, seed {seed})"] = measure(
+                texts, windows, model_path=str(directory))
+    same = {name: [sum(a == b for a, b in zip(reference[i:i + SET], got[i:i + SET],
+                                              strict=True))
+                   for i in range(0, len(texts), SET)]
             for name, (got, _) in results.items()}
     ppl = {"float32": float_ppl, **{name: value for name, (_, value) in results.items()}}
     meta = {"machine": machine_description(), "commit": git_commit(),
-            "prompts": len(texts), "new_tokens": GREEDY["max_new_tokens"],
+            "prompts": len(texts), "set": SET, "new_tokens": GREEDY["max_new_tokens"],
+            "rounding_steps": args.rounding_steps,
             "held_out": str(HELD_OUT.relative_to(ROOT)),
             "held_out_tokens": sum(len(w) for w in windows)}
     args.output.mkdir(parents=True, exist_ok=True)
@@ -128,13 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     (args.output / "agreement.json").write_text(json.dumps(record, indent=2) + "\n")
     lines = ["# Greedy agreement and perplexity against float32 (default model)", "",
              f"- Machine: {meta['machine']}", f"- Commit: {meta['commit']}",
-             f"- {len(texts)} prompts, {GREEDY['max_new_tokens']} greedy tokens each",
+             f"- {len(texts) // SET} sets of {SET} prompts, {GREEDY['max_new_tokens']} "
+             "greedy tokens each; learned rounding: "
+             f"{args.rounding_steps} steps",
              f"- Perplexity on {meta['held_out']} ({meta['held_out_tokens']} tokens, "
              f"windows of {WINDOW})", "",
-             "| format | identical outputs | perplexity |", "|---|---:|---:|",
-             f"| float32 | {len(texts)} of {len(texts)} | {float_ppl:.3f} |",
-             *(f"| {name} | {count} of {len(texts)} | {ppl[name]:.3f} |"
-               for name, count in same.items())]
+             f"| format | identical of {SET} (mean) | fewest-most | first set | perplexity |",
+             "|---|---:|---:|---:|---:|",
+             f"| float32 | {SET} | {SET}-{SET} | {SET} | {float_ppl:.3f} |",
+             *(f"| {name} | {sum(counts) / len(counts):.1f} | {min(counts)}-{max(counts)} | "
+               f"{counts[0]} | {ppl[name]:.3f} |" for name, counts in same.items())]
     (args.output / "agreement.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

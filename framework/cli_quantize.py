@@ -48,17 +48,24 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dampening", type=float, default=0.01,
                         help="added to each layer's input Gram matrix's diagonal, as a "
                              "fraction of its mean")
+    parser.add_argument("--rounding-steps", type=int, default=0,
+                        help="with --calibration-data: then learn each weight's rounding (to "
+                             "a neighbouring code) over this many batches of the windows, "
+                             "towards the float model's next-token distributions (0: off)")
 
 
 def run_from_cli(args: argparse.Namespace) -> int:
     """Run ``framework quantize``; one line on success."""
     calibration = None
+    if args.rounding_steps and not args.calibration_data:
+        raise ValueError("--rounding-steps needs --calibration-data")
     if args.calibration_data:
         from framework.layers.quantization.calibration import CalibrationSettings
 
         calibration = CalibrationSettings(
             tuple(Path(p) for p in args.calibration_data), samples=args.calibration_samples,
-            seq_len=args.calibration_seq_len, damp=args.dampening)
+            seq_len=args.calibration_seq_len, damp=args.dampening,
+            rounding_steps=args.rounding_steps)
     count = quantize_checkpoint(args.model_path, args.output, args.format,
                                 group_size=args.group_size, act_order=args.act_order,
                                 calibration=calibration)
@@ -136,6 +143,8 @@ def check_calibration(calibration: CalibrationSettings) -> None:
         raise ValueError("--calibration-samples and --calibration-seq-len must be positive")
     if not 0 < calibration.damp < 1:
         raise ValueError(f"--dampening must lie in (0, 1), got {calibration.damp}")
+    if calibration.rounding_steps < 0:
+        raise ValueError(f"--rounding-steps must be 0 or more, got {calibration.rounding_steps}")
 
 
 def check_arguments(src: Path, dst: Path, fmt: str, group_size: int, act_order: bool

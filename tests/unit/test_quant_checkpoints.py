@@ -209,6 +209,9 @@ def test_quantize_refuses_bad_arguments(tmp_path: Path, fmt: str, group: int, ac
      "--dampening must lie in (0, 1), got 1.5"),
     (["--calibration-data", "{tmp}", "--calibration-seq-len", "0"],
      "--calibration-samples and --calibration-seq-len must be positive"),
+    (["--calibration-data", "{tmp}", "--rounding-steps", "-1"],
+     "--rounding-steps must be 0 or more, got -1"),
+    (["--rounding-steps", "10"], "--rounding-steps needs --calibration-data"),
 ])
 def test_quantize_refuses_bad_calibration_in_one_line(
         tmp_path: Path, flags: list[str], message: str,

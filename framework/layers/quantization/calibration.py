@@ -9,7 +9,9 @@ the layer calls them), ``H = Xq^T Xq`` and ``C = Xq^T Xf``; each projection's we
 corrected towards the float outputs, its grid fitted, and the weight rounded onto the
 grid with its errors compensated (``error_compensation.py``) before the next set is
 measured. Each set runs its layer (up to the set) twice over the windows, and each layer
-runs twice more to feed the next: about ten forward passes of the model in all.
+runs twice more to feed the next: about ten forward passes of the model in all. With
+``rounding_steps``, the rounding is then learned on the same windows, end to end
+(``learned_rounding.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from framework.layers.quantization.error_compensation import (
     input_order,
 )
 from framework.layers.quantization.grid import QuantGrid
+from framework.layers.quantization.learned_rounding import learn_rounding
 
 #: Fits a format's grid to a projection's (checkpoint name, corrected weight, input order).
 GridFit = Callable[[str, torch.Tensor, torch.Tensor], QuantGrid]
@@ -45,7 +48,10 @@ class CalibrationSettings:
         seq_len: tokens per window.
         damp: added to each Gram matrix's diagonal, as a fraction of its mean.
         batch: windows per forward pass.
-        seed: picks the files and the windows' starts.
+        seed: picks the files and the windows' starts (and the batches of learned
+            rounding).
+        rounding_steps: batches of learned rounding after error compensation
+            (``learned_rounding.py``; 0: none).
     """
 
     paths: tuple[Path, ...]
@@ -54,6 +60,7 @@ class CalibrationSettings:
     damp: float = 0.01
     batch: int = 8
     seed: int = 0
+    rounding_steps: int = 0
 
 
 class _Stop(Exception):
@@ -283,4 +290,7 @@ def calibrate(model_dir: Path, targets: list[str], fit: GridFit,
     missing = sorted(set(targets) - set(result))
     if missing:
         raise ValueError(f"calibration: no decoder layer reached {missing[0]}")
+    if settings.rounding_steps:
+        result = learn_rounding(model, result, windows, settings.rounding_steps,
+                                settings.batch, settings.seed)
     return result

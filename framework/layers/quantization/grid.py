@@ -17,6 +17,10 @@ import torch
 
 #: The largest finite float8_e4m3fn value.
 FP8_MAX = 448.0
+#: The smallest normal float8_e4m3fn magnitude: below it the codes are evenly spaced.
+FP8_MIN_NORMAL = 2.0**-6
+#: E4M3's mantissa bits: each binade holds 2**3 codes.
+FP8_MANTISSA_BITS = 3
 
 
 @dataclass(frozen=True)
@@ -50,12 +54,29 @@ class QuantGrid:
     def _codes(self, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
                ) -> torch.Tensor:
         """The nearest codes of ``weight`` on columns of ``scale`` and ``zero``."""
-        w = weight.float()
+        scaled = weight.float() / scale
+        # Integers are rounded before the zero is added: ties go to even in the scaled
+        # value, as the hub's writers round.
+        return self.nearest(scaled if self.e4m3 else torch.round(scaled) + zero)
+
+    def nearest(self, values: torch.Tensor) -> torch.Tensor:
+        """The nearest codes (as float32) of ``values`` given in code units."""
         if self.e4m3:
-            return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-        # Rounded before the zero is added: ties go to even in the scaled value, as the
-        # hub's writers round.
-        return (torch.round(w / scale) + zero).clamp(self.low, self.high)
+            return values.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+        return torch.round(values).clamp(self.low, self.high)
+
+    def code_step(self, codes: torch.Tensor) -> torch.Tensor:
+        """The distance from each code to the next one away from zero: 1 for integers;
+        for E4M3 it grows with the code's binade."""
+        if not self.e4m3:
+            return torch.ones_like(codes)
+        binade = torch.floor(torch.log2(codes.abs().clamp(min=FP8_MIN_NORMAL)))
+        return torch.exp2(binade - FP8_MANTISSA_BITS)
+
+    def values(self, codes: torch.Tensor) -> torch.Tensor:
+        """The weight ``[out, in]`` that codes ``[out, in]`` stand for."""
+        scale, zero = self._columns(None)
+        return (codes - zero) * scale
 
     def codes(self, weight: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The nearest codes (as float32) of ``weight``'s columns (``[out, n]``), which are
