@@ -131,7 +131,7 @@ def calibrate_weights(src: Path, files: list[Path], fmt: str, group_size: int,
     def fit(name: str, weight: torch.Tensor, order: torch.Tensor) -> QuantGrid:
         return format_grid(name, weight, fmt, group_size, order if act_order else None)
 
-    return calibrate(src, target_names(files), fit, calibration)
+    return calibrate(src, target_names(files, fmt, group_size), fit, calibration)
 
 
 def check_calibration(calibration: CalibrationSettings) -> None:

@@ -28,6 +28,7 @@ from framework.layers.quantization import (
     quantize_gptq,
     quantize_int8,
 )
+from framework.layers.quantization.calibration import CalibrationSettings
 from framework.layers.quantization.checkpoint import (
     CheckpointQuantization,
     checkpoint_quantization,
@@ -243,4 +244,15 @@ def test_a_group_size_a_layer_cannot_hold_fails_and_writes_nothing(
     with pytest.raises(ValueError, match=r"cannot quantize model\.layers\.0\..*group size 128 "
                                          r"does not divide 64 input features"):
         quantize_checkpoint(tiny_checkpoint("llama"), tmp_path / "out", "gptq")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_group_size_a_layer_cannot_hold_fails_before_calibration(
+        tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """Calibration text too short to calibrate on: the shapes are checked first."""
+    (tmp_path / "short.txt").write_text("x = 1")
+    calibration = CalibrationSettings((tmp_path / "short.txt",))
+    with pytest.raises(ValueError, match=r"cannot quantize model\.layers\.0\..*group size 128"):
+        quantize_checkpoint(tiny_checkpoint("llama"), tmp_path / "out", "gptq",
+                            calibration=calibration)
     assert not (tmp_path / "out").exists()

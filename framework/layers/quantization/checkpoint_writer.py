@@ -143,10 +143,20 @@ def quantize_tensor(name: str, weight: torch.Tensor, fmt: str, group_size: int,
     return encode_tensor(name, weight, fmt, format_grid(name, weight, fmt, group_size, perm))
 
 
-def target_names(files: list[Path]) -> list[str]:
-    """The names of the weights ``framework quantize`` quantizes, in checkpoint order."""
-    return [name for _, tensors in _read(files) for name, tensor in tensors.items()
-            if is_target(name, tensor)]
+def target_names(files: list[Path], fmt: str, group_size: int) -> list[str]:
+    """The names of the weights ``framework quantize`` quantizes, in checkpoint order.
+
+    Raises:
+        ValueError: a weight ``fmt`` cannot hold, naming it (found before any
+            calibration runs).
+    """
+    names = []
+    for _, tensors in _read(files):
+        for name, tensor in tensors.items():
+            if is_target(name, tensor):
+                format_grid(name, tensor, fmt, group_size, None)
+                names.append(name)
+    return names
 
 
 def write_quantized_shards(files: list[Path], dst: Path, fmt: str, *, group_size: int,
