@@ -73,9 +73,11 @@ def learn_rounding(model: torch.nn.Module,
     generator = torch.Generator().manual_seed(seed)
     with torch.enable_grad():
         for step in range(steps):
-            ids = windows[torch.randint(len(windows), (batch,), generator=generator)]
-            weights = {name: item.weight() for name, item in offsets.items()}
-            divergence(model, weights, ids).backward()
+            # One window at a time: only one window's logits are held for the backward
+            # pass; the gradients add up over the batch before the step.
+            for index in torch.randint(len(windows), (batch,), generator=generator):
+                weights = {name: item.weight() for name, item in offsets.items()}
+                divergence(model, weights, windows[index:index + 1]).backward()
             for item in offsets.values():
                 item.descend(LEARNING_RATE * (1 - step / steps))
     return {name: (item.rounded(), item.grid) for name, item in offsets.items()}
