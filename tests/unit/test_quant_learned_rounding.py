@@ -74,7 +74,6 @@ def tiny_model(tiny_checkpoint: Callable[..., Path]) -> torch.nn.Module:
 
 
 def test_learning_brings_the_model_closer_to_the_float_one(tiny_model: torch.nn.Module) -> None:
-    torch.manual_seed(0)
     projections = {name: param for name, param in tiny_model.named_parameters()
                    if name.endswith("proj.weight")}
     grids = {name: fp8_grid(param.detach()) for name, param in projections.items()}
@@ -88,7 +87,8 @@ def test_learning_brings_the_model_closer_to_the_float_one(tiny_model: torch.nn.
             return float(divergence(
                 tiny_model, {name: w for name, (w, _) in calibrated.items()}, windows))
 
-    assert learn_rounding(tiny_model, nearest, windows, 0, 2, seed=0).keys() == nearest.keys()
+    unmoved = learn_rounding(tiny_model, nearest, windows, 0, 2, seed=0)
+    assert all(torch.equal(unmoved[name][0], weight) for name, (weight, _) in nearest.items())
     learned = learn_rounding(tiny_model, nearest, windows, 80, 2, seed=0)
     changed = 0
     for name, (weight, grid) in learned.items():
