@@ -67,7 +67,8 @@ def learn_rounding(model: torch.nn.Module,
                    ) -> dict[str, tuple[torch.Tensor, QuantGrid]]:
     """``calibrated``'s weights (by parameter name of the float ``model``, each on its
     grid) with their rounding learned over ``steps`` batches of ``batch`` of ``windows``
-    (``[samples, seq_len]`` token ids), drawn by ``seed``."""
+    (``[samples, seq_len]`` token ids), drawn by ``seed``. ``model``'s own parameters
+    are frozen (``requires_grad`` off): only the offsets learn."""
     model.requires_grad_(False)
     offsets = {name: RoundingOffsets(*item) for name, item in calibrated.items()}
     generator = torch.Generator().manual_seed(seed)
