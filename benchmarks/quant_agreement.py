@@ -117,24 +117,19 @@ def main(argv: list[str] | None = None) -> int:
                 texts, windows, model_path=str(directory))
             results[f"{fmt} (group {args.group_size}), cpu_a8"] = measure(
                 texts, windows, model_path=str(directory), quantized_linear_backend="cpu_a8")
-        for fmt in ("fp8", "int8", "gptq", "awq"):
-            for seed in args.seeds:
-                directory = Path(tmp) / f"{fmt}-calibrated-{seed}"
-                calibration = CalibrationSettings(stdlib_modules(), seed=seed)
-                quantize_checkpoint(default_model_path(), directory, fmt,
-                                    group_size=args.group_size, calibration=calibration)
-                group = f"group {args.group_size}, " if fmt in ("gptq", "awq") else ""
-                results[f"{fmt} ({group}calibrated, seed {seed})"] = measure(
-                    texts, windows, model_path=str(directory))
-        for fmt, seed in [("fp8", seed) for seed in args.seeds] + [
-                (fmt, args.seeds[0]) for fmt in ("int8", "gptq", "awq")]:
-            directory = Path(tmp) / f"{fmt}-learned-{seed}"
-            calibration = CalibrationSettings(stdlib_modules(), seed=seed,
-                                              rounding_steps=args.rounding_steps)
+        learned = [("fp8", seed) for seed in args.seeds] + [
+            (fmt, args.seeds[0]) for fmt in ("int8", "gptq", "awq")]
+        copies = [(fmt, seed, 0) for fmt in ("fp8", "int8", "gptq", "awq")
+                  for seed in args.seeds] + [
+            (fmt, seed, args.rounding_steps) for fmt, seed in learned]
+        for fmt, seed, steps in copies:
+            directory = Path(tmp) / f"{fmt}-calibrated-{seed}-{steps}"
+            calibration = CalibrationSettings(stdlib_modules(), seed=seed, rounding_steps=steps)
             quantize_checkpoint(default_model_path(), directory, fmt,
                                 group_size=args.group_size, calibration=calibration)
             group = f"group {args.group_size}, " if fmt in ("gptq", "awq") else ""
-            results[f"{fmt} ({group}calibrated, learned rounding, seed {seed})"] = measure(
+            how = "calibrated, learned rounding" if steps else "calibrated"
+            results[f"{fmt} ({group}{how}, seed {seed})"] = measure(
                 texts, windows, model_path=str(directory))
     same = {name: [sum(a == b for a, b in zip(reference[i:i + SET], got[i:i + SET],
                                               strict=True))

@@ -147,14 +147,14 @@ def target_names(files: list[Path], fmt: str, group_size: int) -> list[str]:
     """The names of the weights ``framework quantize`` quantizes, in checkpoint order.
 
     Raises:
-        ValueError: a weight ``fmt`` cannot hold, naming it (found before any
-            calibration runs).
+        ValueError: a weight ``fmt`` cannot hold or pack, naming it (found before any
+            calibration runs: each is rounded to nearest once).
     """
     names = []
     for _, tensors in _read(files):
         for name, tensor in tensors.items():
             if is_target(name, tensor):
-                format_grid(name, tensor, fmt, group_size, None)
+                quantize_tensor(name, tensor, fmt, group_size, None)
                 names.append(name)
     return names
 

@@ -31,16 +31,19 @@ class RoundingOffsets:
         self.step = grid.code_step(self.codes)
         self.offset = torch.zeros_like(self.codes, requires_grad=True)
 
+    def _moved(self) -> torch.Tensor:
+        """The codes moved by their offsets, not yet rounded."""
+        return self.codes + self.offset * self.step
+
     def weight(self) -> torch.Tensor:
         """The weight the offsets give, its gradient passed straight through rounding."""
-        moved = self.codes + self.offset * self.step
-        codes = self.grid.nearest(moved)
-        return self.grid.values(moved + (codes - moved).detach())
+        moved = self._moved()
+        return self.grid.values(moved + (self.grid.nearest(moved) - moved).detach())
 
     def rounded(self) -> torch.Tensor:
         """The weight the offsets give, on the grid."""
         with torch.no_grad():
-            return self.grid.values(self.grid.nearest(self.codes + self.offset * self.step))
+            return self.grid.values(self.grid.nearest(self._moved()))
 
     def descend(self, rate: float) -> None:
         """One signed gradient step of ``rate`` code steps, offsets kept within one step."""
