@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from framework.layers.quantization.calibration import CalibrationSettings
+    from framework.layers.quantization.checkpoint_writer import WriteFormat
     from framework.layers.quantization.grid import QuantGrid
 
 #: The formats written (as ``checkpoint_writer.WRITE_FORMATS``, without importing torch).
@@ -31,9 +32,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="directory to write (new or empty)")
     parser.add_argument("--format", required=True, choices=FORMATS,
                         help="gptq, awq: 4-bit with group scales; fp8: E4M3 with per-channel "
-                             "scales; int8: weight-only with per-channel scales")
+                             "(or --block-size) scales; int8: weight-only with per-channel "
+                             "scales")
     parser.add_argument("--group-size", type=int, default=128,
                         help="input features per scale, gptq and awq (-1: one group)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="fp8: one scale per block of this many rows and columns of a "
+                             "weight (weight_block_size, e.g. 128) instead of one per output "
+                             "channel")
     parser.add_argument("--act-order", action="store_true",
                         help="gptq: group input features by descending weight norm, or with "
                              "--calibration-data by descending input energy (desc_act)")
@@ -68,18 +74,19 @@ def run_from_cli(args: argparse.Namespace) -> int:
             rounding_steps=args.rounding_steps)
     count = quantize_checkpoint(args.model_path, args.output, args.format,
                                 group_size=args.group_size, act_order=args.act_order,
-                                calibration=calibration)
+                                block_size=args.block_size, calibration=calibration)
     how = "calibrated" if calibration else "rounded to nearest"
     print(f"wrote {args.output}: {count} linear weights in {args.format} ({how})")
     return 0
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, *, group_size: int = 128,
-                        act_order: bool = False, calibration: CalibrationSettings | None = None
-                        ) -> int:
+                        act_order: bool = False, block_size: int | None = None,
+                        calibration: CalibrationSettings | None = None) -> int:
     """Write a copy of the checkpoint at ``src`` to ``dst`` with its linear layers' weights
     in ``fmt`` (with ``calibration``, rounded with their errors compensated on its text);
-    returns how many weights were quantized.
+    returns how many weights were quantized. ``group_size``, ``act_order`` and
+    ``block_size`` are ``WriteFormat``'s options.
 
     Raises:
         ValueError: bad arguments (``check_arguments``), bad calibration data, or a weight
@@ -87,23 +94,23 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, *, group_siz
     """
     from framework.layers.quantization.checkpoint_writer import (
         INDEX_FILE,
-        quantization_config,
+        WriteFormat,
         write_quantized_shards,
     )
     from framework.model_executor.weight_loader import find_safetensors_files
 
     src, dst = Path(src), Path(dst)
-    config = check_arguments(src, dst, fmt, group_size, act_order)
+    target = WriteFormat(fmt, group_size, act_order, block_size)
+    config = check_arguments(src, dst, target)
     if calibration is not None:
         check_calibration(calibration)
     files = find_safetensors_files(src)
     calibrated = None if calibration is None else calibrate_weights(
-        src, files, fmt, group_size, act_order, calibration)
+        src, files, target, calibration)
     created = not dst.exists()
     dst.mkdir(parents=True, exist_ok=True)
     try:
-        count = write_quantized_shards(files, dst, fmt, group_size=group_size,
-                                       act_order=act_order, index=(src / INDEX_FILE).is_file(),
+        count = write_quantized_shards(files, dst, target, index=(src / INDEX_FILE).is_file(),
                                        calibrated=calibrated)
     except BaseException:
         # No half-written copy: the output is as it was (absent, or empty).
@@ -111,7 +118,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, *, group_siz
         if not created:
             dst.mkdir()
         raise
-    config["quantization_config"] = quantization_config(fmt, group_size, act_order)
+    config["quantization_config"] = target.quantization_config()
     (dst / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     for path in src.iterdir():  # tokenizer, generation config, chat template, ...
         if path.is_file() and path.suffix != ".safetensors" \
@@ -120,18 +127,18 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, *, group_siz
     return count
 
 
-def calibrate_weights(src: Path, files: list[Path], fmt: str, group_size: int,
-                      act_order: bool, calibration: CalibrationSettings
+def calibrate_weights(src: Path, files: list[Path], fmt: WriteFormat,
+                      calibration: CalibrationSettings
                       ) -> dict[str, tuple[torch.Tensor, QuantGrid]]:
     """Every target weight of the checkpoint rounded onto its ``fmt`` grid on the
     calibration text (act-order: the inputs by descending energy, as GPTQ orders them)."""
     from framework.layers.quantization.calibration import calibrate
-    from framework.layers.quantization.checkpoint_writer import format_grid, target_names
+    from framework.layers.quantization.checkpoint_writer import target_names
 
     def fit(name: str, weight: torch.Tensor, order: torch.Tensor) -> QuantGrid:
-        return format_grid(name, weight, fmt, group_size, order if act_order else None)
+        return fmt.grid(name, weight, order if fmt.act_order else None)
 
-    return calibrate(src, target_names(files, fmt, group_size), fit, calibration)
+    return calibrate(src, target_names(files, fmt), fit, calibration)
 
 
 def check_calibration(calibration: CalibrationSettings) -> None:
@@ -147,20 +154,24 @@ def check_calibration(calibration: CalibrationSettings) -> None:
         raise ValueError(f"--rounding-steps must be 0 or more, got {calibration.rounding_steps}")
 
 
-def check_arguments(src: Path, dst: Path, fmt: str, group_size: int, act_order: bool
-                    ) -> dict[str, Any]:
+def check_arguments(src: Path, dst: Path, fmt: WriteFormat) -> dict[str, Any]:
     """The source's ``config.json``, once the arguments are checked.
 
     Raises:
-        ValueError: an unknown format, act-order with another format than GPTQ, a bad
-            group size, a source that is not a float checkpoint, or a destination in use.
+        ValueError: an unknown format, act-order with another format than GPTQ, a block
+            size with another than FP8, a bad group or block size, a source that is not a
+            float checkpoint, or a destination in use.
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if act_order and fmt != "gptq":
-        raise ValueError(f"--act-order is a gptq option, not one of {fmt}")
-    if group_size != -1 and group_size <= 0:
-        raise ValueError(f"group size must be positive or -1, got {group_size}")
+    if fmt.name not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt.name!r}")
+    if fmt.act_order and fmt.name != "gptq":
+        raise ValueError(f"--act-order is a gptq option, not one of {fmt.name}")
+    if fmt.block is not None and fmt.name != "fp8":
+        raise ValueError(f"--block-size is an fp8 option, not one of {fmt.name}")
+    if fmt.block is not None and fmt.block <= 0:
+        raise ValueError(f"block size must be positive, got {fmt.block}")
+    if fmt.group_size != -1 and fmt.group_size <= 0:
+        raise ValueError(f"group size must be positive or -1, got {fmt.group_size}")
     config_path = src / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{src} is not a model directory (no config.json)")

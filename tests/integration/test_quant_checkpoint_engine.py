@@ -1,12 +1,13 @@
 """Pre-quantized checkpoints through the Engine: ``framework quantize``, then serving.
 
 A tiny float Llama is quantized to each format (GPTQ with and without act-order, AWQ,
-FP8, int8; the AWQ copy through the CLI in a subprocess; GPTQ with act-order and FP8
-also calibrated on text, whose logits must lie closer to the float model's than those of
-the copies rounded to nearest). The Engine on each copy, which
-finds the format in ``config.json``, must give the greedy tokens of transformers (float64)
+FP8 per channel and in blocks, int8; the AWQ copy through the CLI in a subprocess; GPTQ
+with act-order and FP8 also calibrated on text, whose logits must lie closer to the float
+model's than those of the copies rounded to nearest). The Engine on each copy, which finds
+the format in ``config.json``, must give the greedy tokens of transformers (float64)
 running the float model with every quantized layer's weight replaced by its dequantized
-one; with ``--tp-size 2`` (int8 and GPTQ), those of one rank, each rank holding its part.
+one; with ``--tp-size 2`` (int8, GPTQ and block-wise FP8), those of one rank, each rank
+holding its part.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ from safetensors.torch import load_file
 from framework import Engine
 from framework.cli import main
 from framework.cli_quantize import quantize_checkpoint
-from framework.layers.quantization import AwqWeight, Fp8Weight, GptqWeight, Int8Weight
 from framework.layers.quantization.calibration import CalibrationSettings
-from framework.layers.quantization.weights import QuantizedWeight
+from framework.layers.quantization.checkpoint import CheckpointQuantization
 from tests.model_fixtures import (
     make_tiny_checkpoint,
     make_tiny_tokenizer,
@@ -46,6 +46,7 @@ COPIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gptq_act_order": ("gptq", {"group_size": 16, "act_order": True}),
     "awq": ("awq", {"group_size": 32}),
     "fp8": ("fp8", {}),
+    "fp8_block": ("fp8", {"block_size": 16}),
     "int8": ("int8", {}),
     "gptq_act_order_calibrated": ("gptq", {"group_size": 16, "act_order": True,
                                            "calibration": True}),
@@ -53,15 +54,6 @@ COPIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 #: Calibration text: sentences of the tiny tokenizer's words.
 CALIBRATION_TEXT = " ".join(PROMPTS * 40)
-#: A layer's weight from its checkpoint tensors, per format (group size from the config).
-BUILDERS: dict[str, Callable[[dict[str, torch.Tensor], int], QuantizedWeight]] = {
-    "gptq": GptqWeight.from_checkpoint,
-    "awq": AwqWeight.from_checkpoint,
-    "fp8": lambda tensors, _: Fp8Weight.from_checkpoint(tensors),
-    "int8": lambda tensors, _: Int8Weight.from_checkpoint(tensors),
-}
-#: The tensor that marks a quantized layer, per format.
-MARKERS = {"gptq": "qweight", "awq": "qweight", "fp8": "weight_scale", "int8": "weight_scale"}
 # The quantized copies are made once, in the first test's setup.
 pytestmark = pytest.mark.timeout(300)
 
@@ -99,18 +91,18 @@ def dequantized_reference(float_dir: Path, quant_dir: Path) -> Any:
     """transformers' float64 model of ``float_dir`` with each layer quantized in
     ``quant_dir`` holding that layer's dequantized weight."""
     config = json.loads((quant_dir / "config.json").read_text())["quantization_config"]
-    method = config["quant_method"]
+    quantization = CheckpointQuantization.from_config(config)
     tensors = load_file(str(quant_dir / "model.safetensors"))
     model = reference_model(float_dir)
     params = dict(model.named_parameters())
     replaced = 0
     for name in tensors:
         layer, _, part = name.rpartition(".")
-        if part != MARKERS[method]:
+        if part != quantization.layout.marker:
             continue
         own = {key.rpartition(".")[2]: value for key, value in tensors.items()
                if key.rpartition(".")[0] == layer}
-        weight = BUILDERS[method](own, config.get("group_size", -1))
+        weight = quantization.build(own)
         with torch.no_grad():
             params[f"{layer}.weight"].copy_(weight.dequantize().double())
         replaced += 1
@@ -165,6 +157,26 @@ def test_engine_on_quantized_checkpoint_matches_dequantized_transformers(
     assert rest < held < rest + linear // 2, (held, rest, linear)
 
 
+def test_transformers_reads_the_block_fp8_copy_as_the_engine_does(
+        checkpoints: dict[str, Path], prompt_ids: list[list[int]],
+        one_rank: Callable[[str], dict[str, Any]]) -> None:
+    """transformers' own reader of block-wise FP8 checkpoints (``FineGrainedFP8Config``,
+    dequantized as it loads) on the copy ``framework quantize --block-size`` wrote."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoints["fp8_block"], dtype=torch.float64,
+        quantization_config=transformers.FineGrainedFP8Config(weight_block_size=(16, 16),
+                                                              dequantize=True)).eval()
+    reference = dequantized_reference(checkpoints["float"], checkpoints["fp8_block"])
+    ours, theirs = dict(reference.named_parameters()), dict(model.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, param in ours.items():
+        assert torch.equal(theirs[name], param), name
+    expected = [transformers_greedy(model, ids, NEW_TOKENS)[0] for ids in prompt_ids]
+    assert one_rank("fp8_block")["tokens"] == expected
+
+
 @pytest.mark.parametrize("fmt", ["gptq_act_order", "fp8"])
 def test_calibrated_copies_are_closer_to_the_float_model(
         fmt: str, checkpoints: dict[str, Path]) -> None:
@@ -181,7 +193,7 @@ def test_calibrated_copies_are_closer_to_the_float_model(
         assert error(f"{fmt}_calibrated") < 0.3 * error(fmt)
 
 
-@pytest.mark.parametrize("name", ["int8", "gptq"])
+@pytest.mark.parametrize("name", ["int8", "gptq", "fp8_block"])
 def test_two_ranks_give_one_rank_s_tokens(
         name: str, checkpoints: dict[str, Path], prompt_ids: list[list[int]],
         one_rank: Callable[[str], dict[str, Any]]) -> None:

@@ -20,11 +20,13 @@ from framework.cli import main
 from framework.cli_quantize import check_arguments, quantize_checkpoint
 from framework.layers.quantization import (
     AwqWeight,
+    Fp8BlockWeight,
     Fp8Weight,
     GptqWeight,
     Int8Weight,
     quantize_awq,
     quantize_fp8,
+    quantize_fp8_block,
     quantize_gptq,
     quantize_int8,
 )
@@ -34,6 +36,7 @@ from framework.layers.quantization.checkpoint import (
     checkpoint_quantization,
     stack_parts,
 )
+from framework.layers.quantization.checkpoint_writer import WriteFormat
 from framework.layers.quantization.weights import QuantizedWeight
 
 OUT, IN = 48, 64
@@ -60,6 +63,7 @@ MAKERS: dict[str, Callable[[torch.Tensor], QuantizedWeight]] = {
     "fp8_per_tensor": lambda w: Fp8Weight.from_checkpoint(
         {"weight": (w / 0.01).to(torch.float8_e4m3fn), "weight_scale": torch.tensor(0.01)}),
     "int8": lambda w: Int8Weight.from_checkpoint(_int8_checkpoint(w)),
+    "fp8_block": lambda w: Fp8BlockWeight.from_checkpoint(quantize_fp8_block(w, 16), (16, 16)),
 }
 
 
@@ -117,11 +121,29 @@ def test_concat_out_of_act_order_parts_needs_one_g_idx() -> None:
     ("awq", "narrow_out", 12, 16, "splits a 8-wide unit"),
     ("awq", "narrow_in", 8, 8, "splits a 16-wide unit"),
     ("int8", "narrow_out", 40, 16, "outside 0:48"),
+    ("fp8_block", "narrow_out", 8, 16, "cut a block of 16"),
+    ("fp8_block", "narrow_in", 16, 8, "cut a block of 16"),
 ])
 def test_a_boundary_inside_a_packed_int32_or_a_group_is_refused(
         name: str, method: str, start: int, length: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         getattr(_weight(name), method)(start, length)
+
+
+def test_block_fp8_parts_end_in_a_short_last_block() -> None:
+    """Blocks cut short by the weight's edges: a part may end there, and only the last
+    part of a stack may hold a short block."""
+    torch.manual_seed(5)
+    w = torch.randn(40, 56)
+    weight = Fp8BlockWeight.from_checkpoint(quantize_fp8_block(w, 16), (16, 16))
+    assert weight.tensors["weight_scale_inv"].shape == (3, 4)
+    assert torch.equal(weight.narrow_out(32, 8).dequantize(), weight.dequantize()[32:])
+    assert torch.equal(weight.narrow_in(48, 8).dequantize(), weight.dequantize()[:, 48:])
+    full = Fp8BlockWeight.from_checkpoint(quantize_fp8_block(w[:16], 16), (16, 16))
+    stacked = Fp8BlockWeight.concat_out([full, weight])
+    assert torch.equal(stacked.dequantize(), torch.cat([full.dequantize(), weight.dequantize()]))
+    with pytest.raises(ValueError, match="must fill its blocks"):
+        Fp8BlockWeight.concat_out([weight, full])
 
 
 def test_stack_parts_refuses_missing_rows() -> None:
@@ -148,6 +170,8 @@ def _model_dir(tmp_path: Path, quantization_config: dict | None) -> Path:
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, None,
      CheckpointQuantization("fp8")),
     ({"quant_method": "int8"}, "int8", CheckpointQuantization("int8")),
+    ({"quant_method": "fp8", "weight_block_size": [128, 64]}, "fp8",
+     CheckpointQuantization("fp8", block=(128, 64))),
     (None, "int8", None),  # a float checkpoint, quantized online
     (None, None, None),
 ])
@@ -165,7 +189,8 @@ def test_format_is_detected_from_config_json(tmp_path: Path, config: dict | None
     (None, "gptq", "has no quantization_config"),
     ({"quant_method": "gptq", "bits": 8}, None, "only 4-bit"),
     ({"quant_method": "awq", "version": "gemv"}, None, "GEMM"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, None, "block-wise"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, None,
+     r"weight_block_size must be two positive integers \[rows, columns\], got \[128\]"),
     ({"quant_method": "bitsandbytes"}, None, "'bitsandbytes' is not supported"),
 ])
 def test_contradictions_and_unsupported_configs_are_errors(
@@ -192,16 +217,17 @@ def test_group_gathers_a_layer_s_tensors_wherever_they_lie() -> None:
                        GptqWeight.from_checkpoint(tensors, 16).dequantize())
 
 
-@pytest.mark.parametrize(("fmt", "group", "act_order", "message"), [
-    ("awq", 128, True, "--act-order is a gptq option"),
-    ("gptq", 0, False, "group size must be positive or -1"),
-    ("nf4", 128, False, "format must be one of"),
+@pytest.mark.parametrize(("fmt", "message"), [
+    (WriteFormat("awq", 128, act_order=True), "--act-order is a gptq option"),
+    (WriteFormat("gptq", 0), "group size must be positive or -1"),
+    (WriteFormat("nf4"), "format must be one of"),
+    (WriteFormat("int8", block=128), "--block-size is an fp8 option, not one of int8"),
+    (WriteFormat("fp8", block=0), "block size must be positive, got 0"),
 ])
-def test_quantize_refuses_bad_arguments(tmp_path: Path, fmt: str, group: int, act_order: bool,
-                                        message: str) -> None:
+def test_quantize_refuses_bad_arguments(tmp_path: Path, fmt: WriteFormat, message: str) -> None:
     src = _model_dir(tmp_path, None)
     with pytest.raises(ValueError, match=message):
-        check_arguments(src, tmp_path / "out", fmt, group, act_order)
+        check_arguments(src, tmp_path / "out", fmt)
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -230,11 +256,11 @@ def test_quantize_refuses_a_quantized_source_and_a_used_output(tmp_path: Path) -
     (tmp_path / "q").mkdir()
     quantized = _model_dir(tmp_path / "q", {"quant_method": "awq"})
     with pytest.raises(ValueError, match=r"already quantized \(awq\)"):
-        check_arguments(quantized, tmp_path / "out", "int8", 128, False)
+        check_arguments(quantized, tmp_path / "out", WriteFormat("int8"))
     (tmp_path / "f").mkdir()
     src = _model_dir(tmp_path / "f", None)
     with pytest.raises(ValueError, match="not an empty directory"):
-        check_arguments(src, tmp_path / "q", "int8", 128, False)
+        check_arguments(src, tmp_path / "q", WriteFormat("int8"))
 
 
 def test_a_group_size_a_layer_cannot_hold_fails_and_writes_nothing(

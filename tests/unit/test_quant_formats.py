@@ -3,8 +3,8 @@
 The tests pack and unpack bits themselves, with plain loops over Python ints written
 from the layouts' descriptions (not with the package's packing), so a loader and the
 dequantizer cannot share a misreading: GPTQ v1 (AutoGPTQ), AWQ GEMM (AutoAWQ), FP8 E4M3
-and int8 weight-only. Writers are read back the same way and must land within their
-format's rounding bound.
+(per tensor, per channel, block-wise) and int8 weight-only. Writers are read back the same
+way and must land within their format's rounding bound.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ import torch
 
 from framework.layers.quantization import (
     AwqWeight,
+    Fp8BlockWeight,
     Fp8Weight,
     GptqWeight,
     Int8Weight,
     quantize_awq,
     quantize_fp8,
+    quantize_fp8_block,
     quantize_gptq,
     quantize_int8,
 )
@@ -173,6 +175,23 @@ def test_fp8_known_answer(per_channel: bool) -> None:
     assert torch.equal(weight.dequantize().double(), expected)
 
 
+def test_fp8_block_known_answer() -> None:
+    """weight_block_size [8, 12] on a 16 x 32 weight: 2 x 3 blocks, the last column of
+    blocks 8 wide; element (o, i) takes the scale of block (o // 8, i // 12)."""
+    raw = fp8_bytes(OUT, IN, seed=15)
+    weight_bytes = torch.tensor(raw, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scale = torch.tensor([[1, 2, 3], [5, 6, 7]]) / 16  # few significant bits: exact products
+    weight = Fp8BlockWeight.from_checkpoint({"weight": weight_bytes, "weight_scale_inv": scale},
+                                            (8, 12))
+    scales = scale.double().tolist()
+    expected = torch.tensor([[e4m3_value(b) * scales[o // 8][i // 12] for i, b in enumerate(row)]
+                             for o, row in enumerate(raw)], dtype=torch.float64)
+    assert torch.equal(weight.dequantize().double(), expected)
+    with pytest.raises(ValueError, match=r"must be \[2, 3\], got \[2, 2\]"):
+        Fp8BlockWeight.from_checkpoint({"weight": weight_bytes,
+                                        "weight_scale_inv": scale[:, :2]}, (8, 12))
+
+
 def test_int8_known_answer() -> None:
     q = random_ints(OUT, IN, -127, 127, seed=12)
     scale = torch.arange(1, OUT + 1) / 128  # few significant bits: exact float32 products
@@ -248,6 +267,26 @@ def test_fp8_writer_round_trip() -> None:
     bound = torch.maximum(w.double().abs() * 2.0**-4, scale * 2.0**-10) * (1 + 1e-5)
     assert bool(((dequantized - w.double()).abs() <= bound).all())
     assert torch.allclose(Fp8Weight.from_float(w).dequantize().double(), dequantized)
+
+
+def test_fp8_block_writer_round_trip() -> None:
+    # Rows of magnitudes 10^-3..10: each 16 x 16 block gets a scale of its own.
+    w = float_weight() * torch.logspace(-3, 1, OUT)[:, None]
+    tensors = quantize_fp8_block(w, 16)
+    assert tensors["weight"].dtype == torch.float8_e4m3fn
+    scale = tensors["weight_scale_inv"].double()
+    assert scale.shape == (1, 4)
+    raw = tensors["weight"].view(torch.uint8).tolist()
+    element_scales = scale.repeat_interleave(16, 1)
+    dequantized = torch.tensor([[e4m3_value(b) for b in row] for row in raw],
+                               dtype=torch.float64) * element_scales
+    # Each block's largest magnitude lands on E4M3's maximum.
+    codes = tensors["weight"].float().abs().reshape(OUT, 4, 16)
+    assert torch.equal(codes.amax(dim=(0, 2)), torch.full((4,), 448.0))
+    bound = torch.maximum(w.double().abs() * 2.0**-4, element_scales * 2.0**-10) * (1 + 1e-5)
+    assert bool(((dequantized - w.double()).abs() <= bound).all())
+    loaded = Fp8BlockWeight.from_checkpoint(tensors, (16, 16)).dequantize().double()
+    assert torch.allclose(loaded, dequantized)  # the loader multiplies in float32
 
 
 def test_int8_writer_round_trip() -> None:

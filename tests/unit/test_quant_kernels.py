@@ -15,12 +15,14 @@ import torch
 
 from framework.layers.quantization import (
     AwqWeight,
+    Fp8BlockWeight,
     Fp8Weight,
     GptqWeight,
     Int8Weight,
     QuantizedWeight,
     cpu_kernels,
     quantize_awq,
+    quantize_fp8_block,
     quantize_gptq,
 )
 from framework.layers.quantization.cpu_kernels import (
@@ -41,6 +43,15 @@ def float_weight(out_features: int = OUT) -> torch.Tensor:
     return torch.randn(out_features, IN, generator=torch.Generator().manual_seed(0))
 
 
+def fp8_blocks(rows: int, cols: int) -> Fp8BlockWeight:
+    """A block-wise FP8 weight of ``rows x cols`` blocks with random block scales."""
+    generator = torch.Generator().manual_seed(2)
+    scale = torch.rand(-(-OUT // rows), -(-IN // cols), generator=generator) / 100 + 0.001
+    codes = (float_weight() * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return Fp8BlockWeight.from_checkpoint({"weight": codes, "weight_scale_inv": scale},
+                                          (rows, cols))
+
+
 WEIGHTS: dict[str, Callable[[], QuantizedWeight]] = {
     "gptq": lambda: GptqWeight.from_checkpoint(quantize_gptq(float_weight(), 32), 32),
     "gptq-act-order": lambda: GptqWeight.from_checkpoint(
@@ -53,6 +64,12 @@ WEIGHTS: dict[str, Callable[[], QuantizedWeight]] = {
     "fp8-per-tensor": lambda: Fp8Weight.from_checkpoint({
         "weight": (float_weight() * 50).to(torch.float8_e4m3fn),
         "weight_scale": torch.tensor(0.02)}),
+    "fp8-block": lambda: Fp8BlockWeight.from_checkpoint(
+        quantize_fp8_block(float_weight(), 32), (32, 32)),
+    # Blocks of 48 columns (the last one short: 32) and of 40 (not a multiple of the native
+    # kernels' 16, so widened instead).
+    "fp8-block-48": lambda: fp8_blocks(24, 48),
+    "fp8-block-40": lambda: fp8_blocks(16, 40),
     "int8": lambda: Int8Weight.from_float(float_weight()),
     # 30 outputs: the native kernels' last features outside their blocks of 2 and 4.
     "int8-30-out": lambda: Int8Weight.from_float(float_weight(30)),
@@ -111,7 +128,8 @@ def test_kernel_matches_float64_reference(kernel_name: str, weight_name: str) ->
                                    rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("weight_name", ["gptq-act-order", "awq", "fp8-per-tensor", "int8"])
+@pytest.mark.parametrize("weight_name", ["gptq-act-order", "awq", "fp8-per-tensor", "fp8-block",
+                                         "fp8-block-48", "int8"])
 def test_few_rows_run_the_native_kernels(monkeypatch: pytest.MonkeyPatch,
                                          weight_name: str) -> None:
     # The other paths refused: up to the native kernels' limit, rows must not need them.

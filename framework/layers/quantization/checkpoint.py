@@ -4,7 +4,8 @@ A checkpoint says it is quantized in ``config.json``'s ``quantization_config``
 (``quant_method``: ``gptq``, ``awq``, ``fp8`` or ``int8``); ``--quantization`` may name the
 same method, never another. While the weights load, each quantized layer's tensors
 (``<layer>.qweight``, ``.qzeros``, ``.scales``, ``.g_idx`` for GPTQ and AWQ;
-``<layer>.weight`` with ``.weight_scale`` for FP8 and int8) are gathered into one
+``<layer>.weight`` with ``.weight_scale`` for FP8 and int8, with ``.weight_scale_inv`` for
+block-wise FP8) are gathered into one
 ``QuantizedWeight`` and handed to the model as ``<layer>.weight``, so that each model's
 ``load_weights`` maps and stacks it as it does a float weight. The linear layer's loader
 keeps this rank's part of it (``narrow_out`` / ``narrow_in``); once every weight is in,
@@ -26,7 +27,7 @@ from torch import nn
 
 from framework.layers.linear import CheckpointWeight, LinearBase
 from framework.layers.quantization.awq import AwqWeight
-from framework.layers.quantization.fp8 import Fp8Weight
+from framework.layers.quantization.fp8 import Fp8BlockWeight, Fp8Weight
 from framework.layers.quantization.gptq import GptqWeight
 from framework.layers.quantization.int8 import Int8Weight
 from framework.layers.quantization.linear_method import attach_quantized_weight
@@ -53,16 +54,20 @@ LAYOUTS: dict[str, TensorLayout] = {
     "fp8": TensorLayout("weight_scale", ("weight", "weight_scale", "input_scale")),
     "int8": TensorLayout("weight_scale", ("weight", "weight_scale")),
 }
+#: Block-wise FP8's tensor names (``quant_method: fp8`` with ``weight_block_size``).
+FP8_BLOCK_LAYOUT = TensorLayout("weight_scale_inv", ("weight", "weight_scale_inv", "input_scale"))
 #: The methods whose checkpoints load (``quantization_config.quant_method``).
 CHECKPOINT_METHODS = tuple(LAYOUTS)
 
 
 @dataclass(frozen=True)
 class CheckpointQuantization:
-    """A checkpoint's quantization: its method and, for the 4-bit ones, the group size."""
+    """A checkpoint's quantization: its method and, for the 4-bit ones, the group size; for
+    block-wise FP8, the block (rows, columns)."""
 
     method: str
     group_size: int = -1
+    block: tuple[int, int] | None = None
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> CheckpointQuantization:
@@ -70,7 +75,8 @@ class CheckpointQuantization:
 
         Raises:
             ValueError: an unknown method, or options of a known one that are not loaded
-                (bits other than 4, AWQ other than GEMM, GPTQ v2 zeros, FP8 blocks).
+                (bits other than 4, AWQ other than GEMM, GPTQ v2 zeros, FP8 blocks that are
+                not two positive integers).
         """
         method = str(config.get("quant_method", "")).lower()
         if method not in LAYOUTS:
@@ -79,12 +85,14 @@ class CheckpointQuantization:
         problem = _unsupported_option(method, config)
         if problem:
             raise ValueError(f"{method} checkpoint: {problem}")
-        return cls(method, int(config.get("group_size", -1)))
+        block = config.get("weight_block_size") if method == "fp8" else None
+        return cls(method, int(config.get("group_size", -1)),
+                   None if block is None else (int(block[0]), int(block[1])))
 
     @property
     def layout(self) -> TensorLayout:
         """The names of a quantized layer's tensors in this checkpoint."""
-        return LAYOUTS[self.method]
+        return FP8_BLOCK_LAYOUT if self.block else LAYOUTS[self.method]
 
     def build(self, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
         """One layer's quantized weight from its checkpoint tensors (short names).
@@ -95,7 +103,8 @@ class CheckpointQuantization:
         builders: dict[str, Callable[[], QuantizedWeight]] = {
             "gptq": lambda: GptqWeight.from_checkpoint(tensors, self.group_size),
             "awq": lambda: AwqWeight.from_checkpoint(tensors, self.group_size),
-            "fp8": lambda: Fp8Weight.from_checkpoint(tensors),
+            "fp8": lambda: Fp8Weight.from_checkpoint(tensors) if self.block is None
+            else Fp8BlockWeight.from_checkpoint(tensors, self.block),
             "int8": lambda: Int8Weight.from_checkpoint(tensors),
         }
         return builders[self.method]()
@@ -149,9 +158,11 @@ def _unsupported_option(method: str, config: dict[str, Any]) -> str | None:
                f"{config.get('checkpoint_format')!r}"
     if method == "awq" and str(config.get("version", "gemm")).lower() != "gemm":
         return f"only the GEMM layout (version gemm) loads, got {config.get('version')!r}"
-    if method == "fp8" and config.get("weight_block_size"):
-        return "block-wise FP8 scales (weight_block_size) do not load; per-tensor or " \
-               "per-channel ones do"
+    block = config.get("weight_block_size")
+    if method == "fp8" and block is not None and not (
+            isinstance(block, list) and len(block) == 2
+            and all(isinstance(side, int) and side > 0 for side in block)):
+        return f"weight_block_size must be two positive integers [rows, columns], got {block!r}"
     return None
 
 

@@ -1,7 +1,7 @@
 """Writing the shards of a quantized copy of a float checkpoint (``framework quantize``).
 
 Every weight a linear layer loads (the q/k/v/o, gate/up/down projections; MoE experts
-excepted) is put on its format's grid (``format_grid``), rounded to nearest or, when
+excepted) is put on its format's grid (``WriteFormat.grid``), rounded to nearest or, when
 calibrated (``calibration.py``), with its errors compensated, and stored in the layout
 the hub's checkpoints of that format use, one output shard per input shard; every other
 tensor is copied as it is. ``quantization_config`` is what ``config.json`` then says.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from framework.layers.quantization.awq import awq_grid, quantize_awq
-from framework.layers.quantization.fp8 import fp8_grid, quantize_fp8
+from framework.layers.quantization.fp8 import (
+    fp8_block_grid,
+    fp8_grid,
+    quantize_fp8,
+    quantize_fp8_block,
+)
 from framework.layers.quantization.gptq import gptq_grid, quantize_gptq
 from framework.layers.quantization.grid import QuantGrid
 from framework.layers.quantization.int8 import int8_grid, quantize_int8
@@ -37,19 +43,6 @@ SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
                 "gate_proj": "gate_up", "up_proj": "gate_up"}
 #: The shards' index, written when the source has one.
 INDEX_FILE = "model.safetensors.index.json"
-
-
-def quantization_config(fmt: str, group_size: int, act_order: bool) -> dict[str, Any]:
-    """The ``quantization_config`` the hub's checkpoints of ``fmt`` carry."""
-    if fmt == "gptq":
-        return {"quant_method": "gptq", "bits": 4, "group_size": group_size,
-                "desc_act": act_order, "sym": True, "checkpoint_format": "gptq"}
-    if fmt == "awq":
-        return {"quant_method": "awq", "bits": 4, "group_size": group_size,
-                "zero_point": True, "version": "gemm"}
-    if fmt == "fp8":
-        return {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    return {"quant_method": "int8"}
 
 
 def is_target(name: str, tensor: torch.Tensor) -> bool:
@@ -94,56 +87,91 @@ def _naming(name: str, weight: torch.Tensor, fmt: str) -> Iterator[None]:
             from None
 
 
-def format_grid(name: str, weight: torch.Tensor, fmt: str, group_size: int,
-                perm: torch.Tensor | None) -> QuantGrid:
-    """The grid ``fmt`` gives checkpoint tensor ``name`` (act-order rows ``perm``, GPTQ).
+@dataclass(frozen=True)
+class WriteFormat:
+    """A format ``framework quantize`` writes, with its options.
 
-    Raises:
-        ValueError: a shape the format cannot hold (e.g. a group size that does not
-            divide the input features), naming the tensor.
+    Attributes:
+        name: ``gptq``, ``awq``, ``fp8`` or ``int8``.
+        group_size: input features per scale, GPTQ and AWQ (-1: one group).
+        act_order: GPTQ's ``desc_act``.
+        block: FP8: one scale per ``block x block`` block of a weight
+            (``weight_block_size``) instead of one per output channel.
     """
-    with _naming(name, weight, fmt):
-        if fmt == "gptq":
-            return gptq_grid(weight, group_size, act_order=perm is not None, perm=perm)
-        if fmt == "awq":
-            return awq_grid(weight, group_size)
-        return fp8_grid(weight) if fmt == "fp8" else int8_grid(weight)
+
+    name: str
+    group_size: int = 128
+    act_order: bool = False
+    block: int | None = None
+
+    def quantization_config(self) -> dict[str, Any]:
+        """The ``quantization_config`` the hub's checkpoints of this format carry."""
+        if self.name == "gptq":
+            return {"quant_method": "gptq", "bits": 4, "group_size": self.group_size,
+                    "desc_act": self.act_order, "sym": True, "checkpoint_format": "gptq"}
+        if self.name == "awq":
+            return {"quant_method": "awq", "bits": 4, "group_size": self.group_size,
+                    "zero_point": True, "version": "gemm"}
+        if self.name == "fp8":
+            config: dict[str, Any] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+            if self.block is not None:
+                config["weight_block_size"] = [self.block, self.block]
+            return config
+        return {"quant_method": "int8"}
+
+    def grid(self, name: str, weight: torch.Tensor, perm: torch.Tensor | None) -> QuantGrid:
+        """The grid this format gives checkpoint tensor ``name`` (act-order rows ``perm``,
+        GPTQ).
+
+        Raises:
+            ValueError: a shape the format cannot hold (e.g. a group size that does not
+                divide the input features), naming the tensor.
+        """
+        with _naming(name, weight, self.name):
+            if self.name == "gptq":
+                return gptq_grid(weight, self.group_size, act_order=perm is not None,
+                                 perm=perm)
+            if self.name == "awq":
+                return awq_grid(weight, self.group_size)
+            if self.name == "fp8":
+                return fp8_grid(weight) if self.block is None \
+                    else fp8_block_grid(weight, self.block)
+            return int8_grid(weight)
+
+    def encode(self, name: str, weight: torch.Tensor, grid: QuantGrid
+               ) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors (full names) of one linear layer's weight on ``grid``.
+
+        Raises:
+            ValueError: a shape the format cannot pack (e.g. output rows not a multiple of
+                eight), naming the tensor.
+        """
+        layer = name.removesuffix(".weight")
+        with _naming(name, weight, self.name):
+            if self.name == "gptq":
+                parts = quantize_gptq(weight, grid=grid)
+            elif self.name == "awq":
+                parts = quantize_awq(weight, grid=grid)
+            elif self.name == "fp8":
+                parts = quantize_fp8(weight, grid) if self.block is None \
+                    else quantize_fp8_block(weight, self.block, grid)
+            else:
+                int8 = quantize_int8(weight, grid)
+                parts = {"weight": int8["qweight"], "weight_scale": int8["scale"]}
+        return {f"{layer}.{part}": tensor.contiguous() for part, tensor in parts.items()}
+
+    def quantize(self, name: str, weight: torch.Tensor, perm: torch.Tensor | None
+                 ) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors (full names) of one linear layer's weight, rounded to
+        nearest.
+
+        Raises:
+            ValueError: a shape the format cannot hold, naming the tensor.
+        """
+        return self.encode(name, weight, self.grid(name, weight, perm))
 
 
-def encode_tensor(name: str, weight: torch.Tensor, fmt: str, grid: QuantGrid
-                  ) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors (full names) of one linear layer's weight on ``grid``.
-
-    Raises:
-        ValueError: a shape the format cannot pack (e.g. output rows not a multiple of
-            eight), naming the tensor.
-    """
-    layer = name.removesuffix(".weight")
-    with _naming(name, weight, fmt):
-        if fmt == "gptq":
-            parts = quantize_gptq(weight, grid=grid)
-        elif fmt == "awq":
-            parts = quantize_awq(weight, grid=grid)
-        elif fmt == "fp8":
-            parts = quantize_fp8(weight, grid)
-        else:
-            int8 = quantize_int8(weight, grid)
-            parts = {"weight": int8["qweight"], "weight_scale": int8["scale"]}
-    return {f"{layer}.{part}": tensor.contiguous() for part, tensor in parts.items()}
-
-
-def quantize_tensor(name: str, weight: torch.Tensor, fmt: str, group_size: int,
-                    perm: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors (full names) of one linear layer's weight in ``fmt``, rounded
-    to nearest.
-
-    Raises:
-        ValueError: a shape the format cannot hold, naming the tensor.
-    """
-    return encode_tensor(name, weight, fmt, format_grid(name, weight, fmt, group_size, perm))
-
-
-def target_names(files: list[Path], fmt: str, group_size: int) -> list[str]:
+def target_names(files: list[Path], fmt: WriteFormat) -> list[str]:
     """The names of the weights ``framework quantize`` quantizes, in checkpoint order.
 
     Raises:
@@ -154,13 +182,12 @@ def target_names(files: list[Path], fmt: str, group_size: int) -> list[str]:
     for _, tensors in _read(files):
         for name, tensor in tensors.items():
             if is_target(name, tensor):
-                quantize_tensor(name, tensor, fmt, group_size, None)
+                fmt.quantize(name, tensor, None)
                 names.append(name)
     return names
 
 
-def write_quantized_shards(files: list[Path], dst: Path, fmt: str, *, group_size: int,
-                           act_order: bool, index: bool,
+def write_quantized_shards(files: list[Path], dst: Path, fmt: WriteFormat, *, index: bool,
                            calibrated: dict[str, tuple[torch.Tensor, QuantGrid]] | None = None
                            ) -> int:
     """Write each of ``files`` (a float checkpoint's shards, in order) to ``dst`` under its
@@ -171,10 +198,10 @@ def write_quantized_shards(files: list[Path], dst: Path, fmt: str, *, group_size
     the others are rounded to nearest.
 
     Raises:
-        ValueError: a weight ``fmt`` cannot hold (``quantize_tensor``).
+        ValueError: a weight ``fmt`` cannot hold (``WriteFormat.quantize``).
     """
     calibrated = calibrated or {}
-    orders = act_orders(files) if act_order and not calibrated else {}
+    orders = act_orders(files) if fmt.act_order and not calibrated else {}
     weight_map: dict[str, str] = {}
     total_size = count = 0
     for file, tensors in _read(files):
@@ -182,11 +209,10 @@ def write_quantized_shards(files: list[Path], dst: Path, fmt: str, *, group_size
         for name, tensor in tensors.items():
             if name in calibrated:
                 rounded, grid = calibrated[name]
-                out.update(encode_tensor(name, rounded, fmt, grid))
+                out.update(fmt.encode(name, rounded, grid))
                 count += 1
             elif is_target(name, tensor):
-                out.update(quantize_tensor(name, tensor, fmt, group_size,
-                                           orders.get(_input_key(name))))
+                out.update(fmt.quantize(name, tensor, orders.get(_input_key(name))))
                 count += 1
             else:
                 out[name] = tensor.contiguous()

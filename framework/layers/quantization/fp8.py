@@ -1,12 +1,20 @@
-"""FP8 (E4M3) weights, as the hub's FP8 checkpoints store them (compressed-tensors, fbgemm).
+"""FP8 (E4M3) weights, as the hub's FP8 checkpoints store them.
 
-A layer ``[out, in]`` is stored as ``weight`` ``torch.float8_e4m3fn`` ``[out, in]`` and
-``weight_scale``: one float for the tensor (a scalar, or ``[1]``) or one per output channel
-(``[out, 1]``). ``w = weight.float() * weight_scale``. Checkpoints quantized for FP8
-activations also carry an ``input_scale``; weight-only kernels leave it unused.
+Per tensor or per channel (compressed-tensors, fbgemm): a layer ``[out, in]`` is stored as
+``weight`` ``torch.float8_e4m3fn`` ``[out, in]`` and ``weight_scale``: one float for the
+tensor (a scalar, or ``[1]``) or one per output channel (``[out, 1]``).
+``w = weight.float() * weight_scale``. Checkpoints quantized for FP8 activations also carry
+an ``input_scale``; weight-only kernels leave it unused.
 
-The writer quantizes per channel: ``weight_scale = amax / 448`` (448 is E4M3's largest
-finite value) and ``weight = (w / weight_scale)`` rounded to E4M3.
+Block-wise (``quantization_config.weight_block_size: [rows, cols]``, as DeepSeek-V3's and
+Qwen3's FP8 checkpoints): ``weight`` as above and ``weight_scale_inv`` float32
+``[ceil(out / rows), ceil(in / cols)]``, one scale per block of the weight (the last ones
+cut short where the block does not divide the shape):
+``w[o, i] = weight[o, i] * weight_scale_inv[o // rows, i // cols]`` (despite its name, the
+tensor multiplies).
+
+The writer sets each scale (a channel's or a block's) to ``amax / 448`` (448 is E4M3's
+largest finite value) and rounds ``w / scale`` to E4M3.
 """
 
 from __future__ import annotations
@@ -16,10 +24,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from framework.layers.quantization.grid import FP8_MAX, QuantGrid, channel_grid
 from framework.layers.quantization.weights import (
     QuantizedWeight,
+    cat_tensors,
     check_parts,
     check_span,
     narrowed,
@@ -118,3 +128,120 @@ def quantize_fp8(weight: torch.Tensor, grid: QuantGrid | None = None
     grid = fp8_grid(weight) if grid is None else grid
     return {"weight": grid.codes(weight).to(torch.float8_e4m3fn),
             "weight_scale": grid.scale.clone()}
+
+
+def _blocks(size: int, block: int) -> int:
+    """How many blocks of ``block`` cover ``size`` (the last one may be short)."""
+    return -(-size // block)
+
+
+@dataclass
+class Fp8BlockWeight(QuantizedWeight):
+    """A block-wise FP8 checkpoint's ``weight`` and ``weight_scale_inv`` (module notes);
+    ``block`` is ``weight_block_size``: rows, then columns, of a block."""
+
+    format: ClassVar[str] = "fp8_block"
+    block: tuple[int, int] = (128, 128)
+
+    @classmethod
+    def from_checkpoint(cls, tensors: dict[str, torch.Tensor], block: tuple[int, int]
+                        ) -> Fp8BlockWeight:
+        """Check a layer's checkpoint tensors against ``block`` and wrap them.
+
+        Raises:
+            ValueError: a missing tensor, a weight that is not E4M3, or scales that are not
+                one per block.
+        """
+        require_tensors(tensors, ("weight", "weight_scale_inv"), "block-wise FP8")
+        weight, scale = tensors["weight"], tensors["weight_scale_inv"]
+        if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+            raise ValueError(f"FP8 weight must be a 2-D float8_e4m3fn, got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        out_features, in_features = weight.shape
+        expected = (_blocks(out_features, block[0]), _blocks(in_features, block[1]))
+        if tuple(scale.shape) != expected:
+            raise ValueError(f"FP8 weight_scale_inv of a {tuple(weight.shape)} weight in "
+                             f"{block[0]}x{block[1]} blocks must be {list(expected)}, got "
+                             f"{list(scale.shape)}")
+        return cls({"weight": weight, "weight_scale_inv": scale},
+                   (out_features, in_features), block=block)
+
+    def element_scales(self, rows: slice = slice(None)) -> torch.Tensor:
+        """Each element's scale, float32 ``[rows, in]`` (all rows by default)."""
+        block_rows, block_cols = self.block
+        scale = self.tensors["weight_scale_inv"].float()
+        scale = scale.repeat_interleave(block_rows, 0)[:self.out_features][rows]
+        return scale.repeat_interleave(block_cols, 1)[:, :self.in_features]
+
+    def dequantize(self) -> torch.Tensor:
+        """``weight * weight_scale_inv`` (each block's) as float32 ``[out, in]``."""
+        return self.tensors["weight"].float() * self.element_scales()
+
+    def _narrowed(self, dim: int, start: int, length: int) -> Fp8BlockWeight:
+        """Rows (``dim`` 0) or columns (1) ``start:start+length``, with their blocks' scales.
+
+        Raises:
+            ValueError: a span outside the weight, or one that cuts a block.
+        """
+        size, block = self.shape[dim], self.block[dim]
+        what = ("output rows", "input columns")[dim]
+        check_span(start, length, size, f"block-wise FP8 {what}")
+        if start % block or (length % block and start + length != size):
+            raise ValueError(f"block-wise FP8 {what} {start}:{start + length} cut a block of "
+                             f"{block}; a part must start and end on block boundaries")
+        first = start // block
+        count = _blocks(start + length, block) - first
+        weight = narrowed(self.tensors["weight"], dim, start, length)
+        scale = narrowed(self.tensors["weight_scale_inv"], dim, first, count)
+        return Fp8BlockWeight({"weight": weight, "weight_scale_inv": scale},
+                              (weight.shape[0], weight.shape[1]), block=self.block)
+
+    def narrow_out(self, start: int, length: int) -> Fp8BlockWeight:
+        """Output rows ``start:start+length``, on block boundaries."""
+        return self._narrowed(0, start, length)
+
+    def narrow_in(self, start: int, length: int) -> Fp8BlockWeight:
+        """Input columns ``start:start+length``, on block boundaries."""
+        return self._narrowed(1, start, length)
+
+    @classmethod
+    def concat_out(cls, parts: Sequence[QuantizedWeight]) -> Fp8BlockWeight:
+        """``parts`` stacked along the output; each but the last must fill its blocks.
+
+        Raises:
+            ValueError: parts of other blocks, or one whose rows end inside a block.
+        """
+        in_features = check_parts(cls, parts)
+        blocks = [part for part in parts if isinstance(part, Fp8BlockWeight)]
+        block = blocks[0].block
+        for part in blocks:
+            if part.block != block or (part is not blocks[-1] and part.out_features % block[0]):
+                raise ValueError(f"cannot stack a block-wise FP8 weight {part.shape} "
+                                 f"({part.block[0]}x{part.block[1]} blocks) on "
+                                 f"{block[0]}x{block[1]} blocks: a part must fill its blocks")
+        weight = cat_tensors(blocks, "weight", 0)
+        scale = cat_tensors(blocks, "weight_scale_inv", 0)
+        return cls({"weight": weight, "weight_scale_inv": scale}, (weight.shape[0], in_features),
+                   block=block)
+
+
+def fp8_block_grid(weight: torch.Tensor, block: int) -> QuantGrid:
+    """The block-wise E4M3 grid of a float ``[out, in]`` weight: each ``block x block`` block
+    (cut short at the edges) shares a scale that puts its largest magnitude at ``FP8_MAX``."""
+    out_features, in_features = weight.shape
+    rows, cols = _blocks(out_features, block), _blocks(in_features, block)
+    padded = F.pad(weight.float().abs(), (0, cols * block - in_features,
+                                           0, rows * block - out_features))
+    amax = padded.reshape(rows, block, cols, block).amax(dim=(1, 3))
+    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE).repeat_interleave(block, 0)[:out_features]
+    group = torch.arange(in_features) // block
+    return QuantGrid(scale, torch.zeros_like(scale), group, e4m3=True)
+
+
+def quantize_fp8_block(weight: torch.Tensor, block: int, grid: QuantGrid | None = None
+                       ) -> dict[str, torch.Tensor]:
+    """Quantize a float ``[out, in]`` weight to E4M3 with a float32 scale per
+    ``block x block`` block (``grid``, default ``fp8_block_grid(weight, block)``)."""
+    grid = fp8_block_grid(weight, block) if grid is None else grid
+    return {"weight": grid.codes(weight).to(torch.float8_e4m3fn),
+            "weight_scale_inv": grid.scale[::block].contiguous()}

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from framework.layers.quantization.weights import QuantizedWeight
 
 #: The checkpoint formats this kernel multiplies by.
-SUPPORTED_FORMATS = ("gptq", "awq", "fp8", "int8")
+SUPPORTED_FORMATS = ("gptq", "awq", "fp8", "fp8_block", "int8")
 
 
 def check_format(kernel: str, weight: QuantizedWeight, formats: tuple[str, ...]) -> None:

@@ -31,7 +31,7 @@ from framework.layers.quantization.awq import AwqWeight
 from framework.layers.quantization.fp8 import Fp8Weight
 from framework.layers.quantization.gptq import GptqWeight
 from framework.layers.quantization.int8 import Int8Weight
-from framework.layers.quantization.torch_kernels import SUPPORTED_FORMATS, check_format
+from framework.layers.quantization.torch_kernels import check_format
 from framework.layers.quantization.weights import QuantizedWeight, pack_int4, unpack_int4
 from framework_triton_kernels.quant_gemm import (
     MIN_DOT,
@@ -41,6 +41,8 @@ from framework_triton_kernels.quant_gemm import (
     w8_gemm,
 )
 
+#: The checkpoint formats these GEMMs multiply by (block-wise FP8 goes to the torch kernel).
+SUPPORTED_FORMATS = ("gptq", "awq", "fp8", "int8")
 #: Activation dtypes the GEMMs take.
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
