@@ -97,7 +97,8 @@ def quant_arg_types(dtype: torch.dtype, weight: str) -> Callable[[str], str]:
 
 def quant_configurations() -> list[KernelConfig]:
     """Both quantized GEMMs at each of ``gemm_config``'s tiles (1, 64 and 4,096 rows), in
-    every dtype: int4 at group size 128, the 8-bit one with int8 and E4M3 weights."""
+    every dtype: int4 at group size 128, the 8-bit one with int8 and E4M3 weights (E4M3
+    also in blocks of 128 input rows)."""
     out = []
     for dtype in DTYPES:
         regimes: dict[quant_gemm.GemmConfig, str] = {}
@@ -111,11 +112,14 @@ def quant_configurations() -> list[KernelConfig]:
                 {**tiles, "GROUP_SIZE": 128,
                  "BLOCK_K": quant_gemm.int4_block_k(128, config.block_k)},
                 config.num_warps, config.num_stages, quant_arg_types(dtype, "*i8"), dtype))
-            for weight in ("*i8", "*fp8e4nv"):
+            for weight, scale_cols in (("*i8", 0), ("*fp8e4nv", 0), ("*fp8e4nv", 128)):
+                w8 = quant_gemm.w8_config(config, scale_cols)
                 out.append(KernelConfig(
-                    f"quant/w8 {regime} {weight[1:]}", quant_gemm._w8_gemm_kernel,
-                    {**tiles, "BLOCK_K": config.block_k}, config.num_warps,
-                    config.num_stages, quant_arg_types(dtype, weight), dtype))
+                    f"quant/w8 {regime} {weight[1:]} scale_cols={scale_cols}",
+                    quant_gemm._w8_gemm_kernel,
+                    {**tiles, "BLOCK_N": w8.block_n, "SCALE_COLS": scale_cols,
+                     "BLOCK_K": w8.block_k}, w8.num_warps, w8.num_stages,
+                    quant_arg_types(dtype, weight), dtype))
     return out
 
 

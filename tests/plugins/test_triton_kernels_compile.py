@@ -5,7 +5,8 @@ Runs ``compile_kernels_for_gpu.py`` (Triton's compiler and the ``ptxas`` bundled
 in a subprocess without ``TRITON_INTERPRET``: both fused-MoE kernels, at the tiles
 ``moe_config`` picks for a decode step and for a prefill, in float32, float16 and
 bfloat16, the gate/up kernel with each gated activation; the quantized GEMMs (int4, and
-8-bit with int8 and E4M3 weights) at each of ``gemm_config``'s tiles; the segmented LoRA
+8-bit with int8 and E4M3 weights, E4M3 also with block scales) at each of
+``gemm_config``'s tiles; the segmented LoRA
 shrink and expand.
 """
 
@@ -61,10 +62,11 @@ def test_moe_kernels_compile_for_sm90_without_spilling(compiled: dict[str, list[
 @needs_cuda_tools
 def test_quantized_gemms_compile_for_sm90_without_spilling(
         compiled: dict[str, list[dict]]) -> None:
-    """The int4 and 8-bit (int8, E4M3) GEMMs at ``gemm_config``'s tiles."""
+    """The int4 and 8-bit (int8, E4M3, E4M3 in blocks) GEMMs at ``gemm_config``'s tiles."""
     rows = compiled["quant/"]
-    # float16 and bfloat16: 3 tile regimes x (int4 + int8 + E4M3); float32: 1 regime x 3
-    assert len(rows) == 21
+    # float16 and bfloat16: 3 tile regimes x (int4 + int8 + E4M3 + E4M3 blocks); float32:
+    # 1 regime x 4
+    assert len(rows) == 28
     assert {row["dtype"] for row in rows} == DTYPES
     assert {row["kernel"].split()[0] for row in rows} == {"quant/int4", "quant/w8"}
     spilled = [row for row in rows if row["stack_bytes"]]

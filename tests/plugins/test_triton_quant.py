@@ -19,7 +19,7 @@ import torch
 from framework import Engine
 from framework.cli_quantize import quantize_checkpoint
 from framework.layers.quantization.awq import AwqWeight, quantize_awq
-from framework.layers.quantization.fp8 import FP8_MAX, Fp8Weight
+from framework.layers.quantization.fp8 import FP8_MAX, Fp8BlockWeight, Fp8Weight, quantize_fp8_block
 from framework.layers.quantization.gptq import GptqWeight, quantize_gptq
 from framework.layers.quantization.int8 import Int8Weight
 from framework.layers.quantization.torch_kernels import TorchQuantLinear
@@ -73,6 +73,11 @@ FORMATS: dict[str, Callable[[torch.Tensor], QuantizedWeight]] = {
         GptqWeight.from_checkpoint(quantize_gptq(w, 32, act_order=True), 32)),
     "fp8-channel": Fp8Weight.from_float,
     "fp8-tensor": _fp8_per_tensor,
+    # Blocks of 32 (one per K step), and of 48 (K steps of 16; the last block 32 wide).
+    "fp8-block-32": lambda w: Fp8BlockWeight.from_checkpoint(quantize_fp8_block(w, 32),
+                                                             (32, 32)),
+    "fp8-block-48": lambda w: Fp8BlockWeight.from_checkpoint(quantize_fp8_block(w, 48),
+                                                             (48, 48)),
     "int8": Int8Weight.from_float,
 }
 
@@ -123,6 +128,8 @@ FORMAT_DTYPES = {
     "gptq-act-order-uneven-groups": (torch.float32,),
     "fp8-channel": (torch.float32,),
     "fp8-tensor": (torch.float16,),
+    "fp8-block-32": (torch.float16,),
+    "fp8-block-48": (torch.float32,),
     "int8": (torch.float32, torch.float16),
 }
 
@@ -181,11 +188,20 @@ def test_refusals(weights: dict[str, QuantizedWeight]) -> None:
         kernel.apply(kernel.prepare(weights["int8"]), torch.randn(2, IN, dtype=torch.float64))
     with pytest.raises(ValueError, match="prepare"):
         kernel.apply(weights["int8"], torch.randn(2, IN))
+    narrow_blocks = Fp8BlockWeight.from_checkpoint(
+        quantize_fp8_block(torch.randn(OUT, IN), 24), (24, 24))
+    with pytest.raises(ValueError, match="a multiple of 16 input rows wide, got 24x24"):
+        kernel.prepare(narrow_blocks)
 
 
 def test_tile_choices() -> None:
     assert [int4_block_k(g, 128) for g in (32, 48, 128, 4096)] == [32, 16, 128, 128]
     assert int4_block_k(128, 32) == 32
+    prefill = gemm_config(4096, torch.float16)
+    assert quant_gemm.w8_config(prefill, 0) == prefill
+    scaled = quant_gemm.w8_config(prefill, 128)  # block-wise FP8: a smaller tile
+    assert scaled.block_m * scaled.block_n <= quant_gemm.SCALED_TILE_ELEMENTS
+    assert 128 % scaled.block_k == 0 and quant_gemm.w8_config(SMALL, 48).block_k == 16
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for rows in (1, 16, 17, 64, 65, 4096):
             config = gemm_config(rows, dtype)
@@ -218,13 +234,15 @@ def test_engine_greedy_tokens_match_the_torch_kernel(tiny_checkpoint: Callable[.
         assert_same_greedy(got, ref, FLOAT16_NEAR_TIE, FLOAT16_LOGPROB_TOLERANCE)
 
 
-def test_engine_on_an_act_order_gptq_checkpoint(tiny_checkpoint: Callable[..., Path],
-                                                tmp_path: Path) -> None:
-    """A GPTQ checkpoint with act-order (``framework quantize``): the int4 kernel, its rows
-    sorted by group and ``x``'s columns gathered alike, gives the torch kernel's tokens."""
-    model_dir = tmp_path / "gptq"
-    quantize_checkpoint(tiny_checkpoint("llama"), model_dir, "gptq", group_size=32,
-                        act_order=True)
+@pytest.mark.parametrize(("fmt", "options"), [
+    ("gptq", {"group_size": 32, "act_order": True}), ("fp8", {"block_size": 32})])
+def test_engine_on_a_quantized_checkpoint(tiny_checkpoint: Callable[..., Path], tmp_path: Path,
+                                          fmt: str, options: dict[str, Any]) -> None:
+    """Checkpoints from ``framework quantize``: GPTQ with act-order (the int4 kernel, its
+    rows sorted by group and ``x``'s columns gathered alike) and block-wise FP8 (a scale
+    per K step) give the torch kernel's tokens."""
+    model_dir = tmp_path / fmt
+    quantize_checkpoint(tiny_checkpoint("llama"), model_dir, fmt, **options)
     for got, ref in zip(_generate(model_dir, None, "triton"),
                         _generate(model_dir, None, "torch"), strict=True):
         assert_same_greedy(got, ref, FLOAT16_NEAR_TIE, FLOAT16_LOGPROB_TOLERANCE)

@@ -11,7 +11,11 @@ float32 accumulator; neither ever writes a float copy of the weight to memory.
   which is ``x @ ((q - z) * s)`` without rounding the dequantized weight to ``x``'s dtype.
 * ``w8_gemm``: 8-bit weights ``[out, in]``, int8 or FP8 E4M3 (Triton specialises the kernel
   on the weight pointer's dtype); every int8 and E4M3 value is exact in float16 and
-  bfloat16, and the per-output-channel scale is applied once, after the K loop.
+  bfloat16, and the per-output-channel scale is applied once, after the K loop. With
+  block-wise scales (block-wise FP8: a scale per output row and block of ``scale_cols``
+  input rows), ``BLOCK_K`` divides the block, as for int4's groups, and each K step's
+  partial product takes its block's scale; that partial product is a second float32 tile
+  beside the accumulator, so tiles are at most ``SCALED_TILE_ELEMENTS`` (``w8_config``).
 
 Row and column tails are masked (loads read zeros, stores are skipped); ``w8_gemm`` masks
 the K tail too, while ``int4_gemm`` needs none (``BLOCK_K`` divides the group size, which
@@ -21,12 +25,15 @@ divides ``in``).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+#: The most output elements of a block-scaled 8-bit GEMM's tile: 128 x 128 spills
+#: registers on sm_90 (eight warps: 312 bytes a thread), 128 x 64 does not.
+SCALED_TILE_ELEMENTS = 128 * 64
 #: tl.dot needs every dimension of at least 16.
 MIN_DOT = 16
 
@@ -90,6 +97,21 @@ def int4_block_k(group_size: int, limit: int) -> int:
     return block
 
 
+def w8_config(config: GemmConfig, scale_cols: int) -> GemmConfig:
+    """The tiles ``w8_gemm`` launches with: ``config``, or for block scales of
+    ``scale_cols`` input rows a ``BLOCK_K`` dividing them and a tile of at most
+    ``SCALED_TILE_ELEMENTS``.
+
+    Raises:
+        ValueError: ``scale_cols`` not a multiple of 16.
+    """
+    if not scale_cols:
+        return config
+    block_n = min(config.block_n, max(MIN_DOT, SCALED_TILE_ELEMENTS // config.block_m))
+    return replace(config, block_n=block_n,
+                   block_k=int4_block_k(scale_cols, config.block_k))
+
+
 @triton.jit
 def _int4_gemm_kernel(x_ptr, qweight_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr,
                       M, N, K, stride_xm, stride_qk, stride_zg, stride_sg, stride_om,
@@ -131,11 +153,13 @@ def _int4_gemm_kernel(x_ptr, qweight_ptr, zeros_ptr, scales_ptr, bias_ptr, out_p
 
 @triton.jit
 def _w8_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
-                    M, N, K, stride_xm, stride_wn, stride_om,
-                    HAS_BIAS: tl.constexpr, DOT_FLOAT32: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr,
+                    M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
+                    SCALE_COLS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    DOT_FLOAT32: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One ``[BLOCK_M, BLOCK_N]`` tile of ``(x @ w.T) * scale`` (+ bias), ``w`` int8 or E4M3."""
+    """One ``[BLOCK_M, BLOCK_N]`` tile of ``(x @ w.T) * scale`` (+ bias), ``w`` int8 or E4M3;
+    ``SCALE_COLS`` 0: a scale per output column, else per output column and block of that
+    many input rows."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
@@ -152,8 +176,15 @@ def _w8_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
                     mask=mask_n[None, :] & mask_k[:, None], other=0.0)
         if DOT_FLOAT32:
             xs = xs.to(tl.float32)
-        acc += tl.dot(xs, w.to(xs.dtype), input_precision=DOT_PRECISION)
-    acc *= tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+        part = tl.dot(xs, w.to(xs.dtype), input_precision=DOT_PRECISION)
+        if SCALE_COLS > 0:
+            scales = tl.load(scale_ptr + offs_n * stride_sn + k0 // SCALE_COLS, mask=mask_n,
+                             other=0.0)
+            acc += part * scales[None, :]
+        else:
+            acc += part
+    if SCALE_COLS == 0:
+        acc *= tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :],
@@ -198,19 +229,22 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
 
 def w8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             bias: torch.Tensor | None, config: GemmConfig,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, scale_cols: int = 0) -> torch.Tensor:
     """``(x [m, in] @ weight.T) * scale`` for int8 or E4M3 ``weight [out, in]``: ``[m, out]``.
 
-    ``scale`` is float32 ``[out]``; the result is in ``x``'s dtype, written to ``out``
-    (contiguous ``[m, out]``) when given.
+    ``scale`` is float32 ``[out]``, or with ``scale_cols`` ``[out, ceil(in / scale_cols)]``
+    (a scale per block of ``scale_cols`` input rows, a multiple of 16; the tiles are then
+    ``w8_config``'s); the result is in ``x``'s dtype, written to ``out`` (contiguous
+    ``[m, out]``) when given.
     """
     x = x.contiguous()
     rows, cols = x.shape[0], weight.shape[0]
     out = _output(x, cols, out)
+    config = w8_config(config, scale_cols)
     _w8_gemm_kernel[_grid(rows, cols, config)](
         x, weight, scale, out if bias is None else bias, out,
-        rows, cols, x.shape[1], x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, **dot_args(x.dtype),
+        rows, cols, x.shape[1], x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+        SCALE_COLS=scale_cols, HAS_BIAS=bias is not None, **dot_args(x.dtype),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out

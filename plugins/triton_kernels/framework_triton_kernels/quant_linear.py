@@ -16,7 +16,9 @@
   size that is no multiple of 16 (a K step's least): each group is padded with rows
   that read a zero column of ``x`` to one size, a multiple of 16.
 * FP8 and int8 become ``TritonW8Weight``: the 8-bit ``[out, in]`` weight as stored and a
-  float32 scale per output channel (an FP8 per-tensor scale repeated).
+  float32 scale per output channel (an FP8 per-tensor scale repeated); block-wise FP8 a
+  scale per output channel and block of input rows (each block's scale repeated over its
+  rows), its blocks a multiple of 16 input rows wide.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from framework.layers.quantization.awq import AwqWeight
-from framework.layers.quantization.fp8 import Fp8Weight
+from framework.layers.quantization.fp8 import Fp8BlockWeight, Fp8Weight
 from framework.layers.quantization.gptq import GptqWeight
 from framework.layers.quantization.int8 import Int8Weight
-from framework.layers.quantization.torch_kernels import check_format
+from framework.layers.quantization.torch_kernels import SUPPORTED_FORMATS, check_format
 from framework.layers.quantization.weights import QuantizedWeight, pack_int4, unpack_int4
 from framework_triton_kernels.quant_gemm import (
     MIN_DOT,
@@ -41,8 +43,6 @@ from framework_triton_kernels.quant_gemm import (
     w8_gemm,
 )
 
-#: The checkpoint formats these GEMMs multiply by (block-wise FP8 goes to the torch kernel).
-SUPPORTED_FORMATS = ("gptq", "awq", "fp8", "int8")
 #: Activation dtypes the GEMMs take.
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -76,13 +76,19 @@ class TritonInt4Weight(QuantizedWeight):
 
 @dataclass
 class TritonW8Weight(QuantizedWeight):
-    """An 8-bit ``weight`` ``[out, in]`` (int8 or float8_e4m3fn) and float32 ``scale`` ``[out]``."""
+    """An 8-bit ``weight`` ``[out, in]`` (int8 or float8_e4m3fn) and float32 ``scale``:
+    ``[out]``, or with ``group_size`` (block-wise FP8's block columns)
+    ``[out, ceil(in / group_size)]``."""
 
     format: ClassVar[str] = "triton_w8"
 
     def dequantize(self) -> torch.Tensor:
         """``weight * scale`` as float32 ``[out, in]``."""
-        return self.tensors["weight"].float() * self.tensors["scale"][:, None]
+        scale = self.tensors["scale"]
+        if self.group_size == -1:
+            return self.tensors["weight"].float() * scale[:, None]
+        scale = scale.repeat_interleave(self.group_size, 1)[:, :self.in_features]
+        return self.tensors["weight"].float() * scale
 
 
 def _kernel_rows(g_idx: torch.Tensor, groups: int) -> tuple[torch.Tensor | None, int]:
@@ -138,8 +144,21 @@ def _prepare_int4(weight: GptqWeight | AwqWeight) -> TritonInt4Weight:
     return TritonInt4Weight(tensors, weight.shape, size)
 
 
-def _prepare_w8(weight: Fp8Weight | Int8Weight) -> TritonW8Weight:
-    """The 8-bit weight as stored and its float32 per-channel scale."""
+def _prepare_w8(weight: Fp8Weight | Fp8BlockWeight | Int8Weight) -> TritonW8Weight:
+    """The 8-bit weight as stored and its float32 per-channel (or per-block) scale.
+
+    Raises:
+        ValueError: FP8 blocks that are not a multiple of 16 input rows wide.
+    """
+    if isinstance(weight, Fp8BlockWeight):
+        rows, cols = weight.block
+        if cols % MIN_DOT:
+            raise ValueError(f"the triton GEMM takes FP8 blocks a multiple of {MIN_DOT} input "
+                             f"rows wide, got {rows}x{cols}")
+        scale = weight.tensors["weight_scale_inv"].float().repeat_interleave(rows, 0)
+        return TritonW8Weight({"weight": weight.tensors["weight"].contiguous(),
+                               "scale": scale[:weight.out_features].contiguous()},
+                              weight.shape, cols)
     if isinstance(weight, Fp8Weight):
         bits, scale = weight.tensors["weight"], weight.channel_scales()
     else:
@@ -186,7 +205,8 @@ class TritonQuantLinear:
             y = int4_gemm(rows, weight.tensors["qweight"], weight.tensors["zeros"],
                           weight.tensors["scales"], bias, weight.group_size, config)
         elif isinstance(weight, TritonW8Weight):
-            y = w8_gemm(rows, weight.tensors["weight"], weight.tensors["scale"], bias, config)
+            y = w8_gemm(rows, weight.tensors["weight"], weight.tensors["scale"], bias, config,
+                        scale_cols=max(weight.group_size, 0))
         else:
             raise ValueError(f"the triton quantized-linear kernel multiplies weights from its "
                              f"prepare(), not {weight.format!r} ones")
