@@ -66,8 +66,10 @@ WEIGHTS: dict[str, Callable[[], QuantizedWeight]] = {
         "weight_scale": torch.tensor(0.02)}),
     "fp8-block": lambda: Fp8BlockWeight.from_checkpoint(
         quantize_fp8_block(float_weight(), 32), (32, 32)),
-    # Blocks of 48 columns (the last one short: 32) and of 40 (not a multiple of the native
-    # kernels' 16, so widened instead).
+    # Blocks of 24 rows (the last one short: 8) by 32 columns; of 48 columns (the last one
+    # short: 32, so the native kernels' groups do not split the features evenly) and of 40
+    # (not a multiple of their 16): both widened instead.
+    "fp8-block-24x32": lambda: fp8_blocks(24, 32),
     "fp8-block-48": lambda: fp8_blocks(24, 48),
     "fp8-block-40": lambda: fp8_blocks(16, 40),
     "int8": lambda: Int8Weight.from_float(float_weight()),
@@ -129,7 +131,7 @@ def test_kernel_matches_float64_reference(kernel_name: str, weight_name: str) ->
 
 
 @pytest.mark.parametrize("weight_name", ["gptq-act-order", "awq", "fp8-per-tensor", "fp8-block",
-                                         "fp8-block-48", "int8"])
+                                         "fp8-block-24x32", "int8"])
 def test_few_rows_run_the_native_kernels(monkeypatch: pytest.MonkeyPatch,
                                          weight_name: str) -> None:
     # The other paths refused: up to the native kernels' limit, rows must not need them.

@@ -28,9 +28,9 @@ the bits of a float16 (sign to bit 15, the rest from bit 7) is the same number t
 integer passes and the 2^8 goes into the channel scales. E4M3's NaN encodings (which a
 checkpoint does not hold) would read as ±480.
 
-Block-wise FP8 is held by blocks of input columns (``[blocks, out, cols]``, the last
-zero-padded), each with its rows' scales; the native product runs once per column block
-and sums the blocks' products, so a block's scale multiplies only its own columns.
+Block-wise FP8 keeps its bytes as they are, with each row's scale per block of input
+features: ``fp8_rows`` takes those as groups (the scale applied to each group's sum, as
+for 4-bit groups) where the blocks split the input features evenly into multiples of 16.
 
 4-bit weights with act-order (GPTQ ``desc_act``) have their input rows sorted by group
 once at ``prepare`` (groups then contiguous) and each call reorders ``x``'s columns the
@@ -139,53 +139,40 @@ class CpuInt4Weight(QuantizedWeight):
 
 @dataclass
 class CpuFp8Weight(QuantizedWeight):
-    """E4M3 bytes ``bits`` (int8 view, no copy) and float32 ``scale`` ``[out]`` (times 2^8)."""
+    """E4M3 bytes ``bits`` (int8 view, no copy) and float32 ``scale`` (times 2^8): ``[out]``,
+    or for block-wise FP8 ``[out, ceil(in / group_size)]``, each row's scale in each block
+    of ``group_size`` input features."""
 
     format: ClassVar[str] = "cpu_fp8"
 
     def rows_unscaled(self, rows: slice) -> torch.Tensor:
-        """Float32 rows ``rows`` of the weight without their channel scales."""
-        return _widen_e4m3(self.tensors["bits"][rows])
-
-    def dequantize(self) -> torch.Tensor:
-        """The float32 matrix ``[out, in]``."""
-        return self.rows_unscaled(slice(None)) * self.tensors["scale"][:, None]
-
-
-@dataclass
-class CpuFp8BlockWeight(QuantizedWeight):
-    """Block-wise FP8 by column blocks: E4M3 bytes ``bits`` (int8) ``[blocks, out, cols]``,
-    the last block zero-padded, and float32 ``scale`` ``[blocks, out]``, each row's scale in
-    that block times 2^8."""
-
-    format: ClassVar[str] = "cpu_fp8_block"
+        """Float32 rows ``rows`` of the weight without their scales."""
+        widened = self.tensors["bits"][rows].to(torch.int16)
+        return ((widened << 7) & _CLEAR_BIT_14).view(torch.float16).float()
 
     def rows(self, rows: slice) -> torch.Tensor:
-        """Float32 rows ``rows`` of the weight ``[rows, in]``."""
-        bits, scale = self.tensors["bits"][:, rows], self.tensors["scale"][:, rows]
-        blocks = _widen_e4m3(bits) * scale[:, :, None]
-        return blocks.permute(1, 0, 2).reshape(blocks.shape[1], -1)[:, :self.in_features]
+        """Float32 rows ``rows`` of the weight, scaled."""
+        scale = self.tensors["scale"][rows]
+        if self.group_size == -1:
+            return self.rows_unscaled(rows) * scale[:, None]
+        return self.rows_unscaled(rows) * scale.repeat_interleave(
+            self.group_size, 1)[:, :self.in_features]
 
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix ``[out, in]``."""
         return self.rows(slice(None))
 
 
-def _widen_e4m3(bits: torch.Tensor) -> torch.Tensor:
-    """E4M3 bytes (an int8 view) as float32 values times 2^-8 (module notes)."""
-    return ((bits.to(torch.int16) << 7) & _CLEAR_BIT_14).view(torch.float16).float()
-
-
-def _prepare_fp8_block(weight: Fp8BlockWeight) -> CpuFp8BlockWeight:
-    """Cut a block-wise FP8 weight into column blocks with their rows' scales."""
-    out_features, in_features = weight.shape
-    cols = weight.block[1]
-    blocks = -(-in_features // cols)
-    bits = F.pad(weight.tensors["weight"].view(torch.int8), (0, blocks * cols - in_features))
-    bits = bits.reshape(out_features, blocks, cols).permute(1, 0, 2).contiguous()
-    scale = weight.tensors["weight_scale_inv"].float().repeat_interleave(weight.block[0], 0)
-    scale = (scale[:out_features].t() * FP8_VIA_HALF_FACTOR).contiguous()
-    return CpuFp8BlockWeight({"bits": bits, "scale": scale}, weight.shape)
+def _prepare_fp8(weight: Fp8Weight | Fp8BlockWeight) -> CpuFp8Weight:
+    """An FP8 weight's bytes as they are, with its scales per row (and block) times 2^8."""
+    bits = weight.tensors["weight"].view(torch.int8)
+    if isinstance(weight, Fp8Weight):
+        scale = (weight.channel_scales() * FP8_VIA_HALF_FACTOR).contiguous()
+        return CpuFp8Weight({"bits": bits, "scale": scale}, weight.shape)
+    rows, cols = weight.block
+    scale = weight.tensors["weight_scale_inv"].float().repeat_interleave(rows, 0)
+    scale = (scale[:weight.out_features] * FP8_VIA_HALF_FACTOR).contiguous()
+    return CpuFp8Weight({"bits": bits, "scale": scale}, weight.shape, cols)
 
 
 def _sorted_int4(weight: GptqWeight | AwqWeight) -> tuple[torch.Tensor, ...]:
@@ -266,12 +253,8 @@ class CpuQuantLinear:
         check_format("cpu", weight, SUPPORTED_FORMATS)
         if isinstance(weight, GptqWeight | AwqWeight):
             return _prepare_int4(weight, self.packed_ops)
-        if isinstance(weight, Fp8BlockWeight):
-            return _prepare_fp8_block(weight)
-        if isinstance(weight, Fp8Weight):
-            scale = (weight.channel_scales() * FP8_VIA_HALF_FACTOR).contiguous()
-            bits = weight.tensors["weight"].view(torch.int8)
-            return CpuFp8Weight({"bits": bits, "scale": scale}, weight.shape)
+        if isinstance(weight, Fp8Weight | Fp8BlockWeight):
+            return _prepare_fp8(weight)
         tensors = dict(weight.tensors, scale=weight.tensors["scale"].float().contiguous())
         return Int8Weight(tensors, weight.shape)
 
@@ -294,9 +277,9 @@ class CpuQuantLinear:
         """``x @ w.T`` by torch's packed kernels or on float32 blocks of the weight."""
         if isinstance(weight, CpuInt4Weight):
             return self._apply_int4(weight, x)
-        if isinstance(weight, CpuFp8Weight):
+        if isinstance(weight, CpuFp8Weight) and weight.group_size == -1:
             return _blocked_linear(x, weight, weight.rows_unscaled) * weight.tensors["scale"]
-        if isinstance(weight, CpuFp8BlockWeight):
+        if isinstance(weight, CpuFp8Weight):
             return _blocked_linear(x, weight, weight.rows)
         if isinstance(weight, Int8Weight):
             return self._apply_int8(weight, x)
@@ -321,27 +304,14 @@ class CpuQuantLinear:
                 rows = self.ops.int4_rows_a8 if self.int8_activations else self.ops.int4_rows_a16
             return rows(x, tensors["nibbles"], tensors["scales"], tensors["zero_scales"])
         if isinstance(weight, CpuFp8Weight):
+            block = weight.group_size
+            if block != -1 and (weight.in_features % block or block % NATIVE_K_MULTIPLE):
+                return None
             return self.ops.fp8_rows(x, tensors["bits"], tensors["scale"])
-        if isinstance(weight, CpuFp8BlockWeight):
-            return self._fp8_blocks_native(x, tensors["bits"], tensors["scale"])
         if isinstance(weight, Int8Weight):
             rows = self.ops.int8_rows_a8 if self.int8_activations else self.ops.int8_rows
             return rows(x, tensors["qweight"], tensors["scale"])
         return None
-
-    def _fp8_blocks_native(self, x: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor
-                           ) -> torch.Tensor | None:
-        """The sum of each column block's native product (None: blocks the kernels do not
-        take)."""
-        blocks, _, cols = bits.shape
-        if cols % NATIVE_K_MULTIPLE:
-            return None
-        x = F.pad(x, (0, blocks * cols - x.shape[1]))
-        y = self.ops.fp8_rows(x[:, :cols].contiguous(), bits[0], scale[0])
-        for block in range(1, blocks):
-            columns = x[:, block * cols:(block + 1) * cols].contiguous()
-            y += self.ops.fp8_rows(columns, bits[block], scale[block])
-        return y
 
     def _apply_int8(self, weight: Int8Weight, x: torch.Tensor) -> torch.Tensor:
         qweight, scale = weight.tensors["qweight"], weight.tensors["scale"]

@@ -152,7 +152,7 @@ struct ByteCodes {
   static constexpr bool kPairs = false;  // x in its own order
   const int8_t* codes;
   int64_t row_bytes;
-  const float* scales;  // [N]
+  const float* scales;  // [N, groups]: one group (per channel), or block-wise FP8's blocks
   const float* zeros = nullptr;
   void load16(int64_t n, int64_t k, float8& a, float8& b) const {
     const int8_t* p = codes + n * row_bytes + k;
@@ -705,18 +705,24 @@ void check_scales(const at::Tensor& scales, int64_t n_size, int64_t groups, cons
               name, ": scales must be contiguous float32 with ", n_size * groups, " elements");
 }
 
-// x [rows, K] float32, codes [N, K] int8 (int8 or E4M3 bits), scales [N] float32.
+// x [rows, K] float32, codes [N, K] int8 (int8 or E4M3 bits), scales [N, groups] float32
+// (groups of K / groups features, a multiple of kStep: one per channel, or FP8's blocks).
 template <typename Codes>
 at::Tensor byte_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const char* name) {
   check_x(x, name);
+  const int64_t k_size = x.size(1);
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous() &&
-                  codes.size(1) == x.size(1),
-              name, ": codes must be contiguous int8 [N, ", x.size(1), "]");
+                  codes.size(1) == k_size,
+              name, ": codes must be contiguous int8 [N, ", k_size, "]");
   const int64_t n_size = codes.size(0);
-  check_scales(scales, n_size, 1, name);
-  const Codes w{codes.const_data_ptr<int8_t>(), codes.size(1), scales.const_data_ptr<float>()};
-  return rows_product(x, w, n_size, x.size(1));
+  TORCH_CHECK(n_size > 0 && scales.numel() % n_size == 0, name, ": scales must be [N, groups]");
+  const int64_t groups = scales.numel() / n_size;
+  TORCH_CHECK(groups > 0 && k_size % groups == 0 && (k_size / groups) % kStep == 0,
+              name, ": groups must split K into runs of a multiple of ", kStep, " features");
+  check_scales(scales, n_size, groups, name);
+  const Codes w{codes.const_data_ptr<int8_t>(), k_size, scales.const_data_ptr<float>()};
+  return rows_product(x, w, n_size, k_size / groups);
 }
 
 at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
