@@ -1,8 +1,8 @@
 """Quantized KV cache formats (``--kv-cache-dtype auto|fp8_e4m3|int8``).
 
 * ``fp8_e4m3``: float8 E4M3 codes with one static scale per layer and KV head
-  (``x ≈ code * scale``). The default scale is 1.0, as FP8 checkpoints without
-  ``k_scale``/``v_scale`` assume: E4M3 spans ±448 with a relative step of 2^-3,
+  (``x ≈ code * scale``): a checkpoint's ``k_scale``/``v_scale`` (``kv_scales.py``), or
+  1.0, as FP8 checkpoints without them assume: E4M3 spans ±448 with a relative step of 2^-3,
   and the keys and values of the models served stay far inside that range, so
   rounding, not clipping, sets the error. Half the bytes of bfloat16.
 * ``int8``: int8 codes with one scale per token and KV head (absmax / 127), kept

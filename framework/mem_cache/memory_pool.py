@@ -204,6 +204,25 @@ class MHATokenToKVPool:
         """Whether the buffers hold quantized codes rather than ``dtype`` values."""
         return self.kv_cache_dtype != "auto"
 
+    def set_static_scales(self, layer_id: int, k: torch.Tensor | None,
+                          v: torch.Tensor | None) -> None:
+        """Start one layer's static (FP8) key and value scales, ``[num_kv_heads]`` each, from
+        a checkpoint's (None: keep 1.0), in place, before any token is written.
+
+        Raises:
+            ValueError: a pool without static scales, or scales of another head count.
+        """
+        if self.kv_cache_dtype != "fp8_e4m3":
+            raise ValueError(f"a {self.kv_cache_dtype} KV cache keeps no static scales")
+        for scales, new in ((self.k_scales, k), (self.v_scales, v)):
+            layer_scales = scales[layer_id]
+            assert layer_scales is not None  # FP8 pools keep scales
+            if new is not None:
+                if new.shape != layer_scales.shape:
+                    raise ValueError(f"layer {layer_id}: scales of shape {tuple(new.shape)} "
+                                     f"for {self.num_kv_heads} key/value heads")
+                layer_scales.copy_(new)
+
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value buffers of one layer (codes, when ``quantized``)."""
         return self.k_buffers[layer_id], self.v_buffers[layer_id]

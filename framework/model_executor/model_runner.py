@@ -64,6 +64,7 @@ from framework.layers.quantization.linear_method import (
 )
 from framework.layers.sampler import Sampler, StepSample, sample_step
 from framework.lora.serving import LoraServing
+from framework.mem_cache.kv_scales import CheckpointKVScales
 from framework.mem_cache.memory_pool import (
     KVCachePools,
     decide_max_total_tokens,
@@ -227,6 +228,8 @@ class ModelRunner:
         #: A pre-quantized checkpoint's quantization (``quantization_config``), or None.
         self.checkpoint_quantization = checkpoint_quantization(model_path,
                                                                server_args.quantization)
+        #: The checkpoint's static KV cache scales (an FP8 KV cache starts from them).
+        self.kv_scales = CheckpointKVScales()
         self.model = load_model(
             self.model_config,
             self.device,
@@ -239,6 +242,7 @@ class ModelRunner:
             ep_rank=self.ep_rank,
             ep_size=self.ep_size,
             quantization=self.checkpoint_quantization,
+            kv_scales=self.kv_scales,
         )
         if parallel is not None:
             bind_tp_group(self.model, parallel.tp)
@@ -254,6 +258,7 @@ class ModelRunner:
         self.max_total_num_tokens = self._decide_kv_cache_tokens(kv_bytes_beside) \
             if shared_slots is None else shared_slots.allocator.size
         self.pools = self._build_pools(shared_slots)
+        self._start_kv_scales()
         self.attn_backend = self._build_attention_backend(self.attention_backend)
         bound = bind_attention_backend(self.model, self.attn_backend)
         self._sampler: Sampler | None = None
@@ -373,6 +378,23 @@ class ModelRunner:
             device=self.device,
             kv_cache_dtype=self.server_args.kv_cache_dtype,
         )
+
+    def _start_kv_scales(self) -> None:
+        """An FP8 KV cache's static scales from the checkpoint's, for this stage's layers
+        and this rank's heads; other KV cache dtypes leave them unused."""
+        scales = self.kv_scales
+        if not (scales.keys or scales.values):
+            return
+        kv_cache_dtype = self.server_args.kv_cache_dtype
+        if kv_cache_dtype != "fp8_e4m3":
+            logger.info("the checkpoint's KV cache scales are unused with --kv-cache-dtype %s",
+                        kv_cache_dtype)
+            return
+        pool = self.pools.token_to_kv_pool
+        for local, layer in enumerate(range(self.start_layer, self.end_layer)):
+            k, v = scales.rank_scales(layer, self.model_config.num_kv_heads, self.tp_rank,
+                                      self.tp_size)
+            pool.set_static_scales(local, k, v)
 
     def _build_attention_backend(self, name: str) -> AttentionBackend:
         config = self.model_config

@@ -26,6 +26,7 @@ from torch import nn
 from tqdm import tqdm
 
 from framework.layers.quantization.checkpoint import CheckpointQuantization
+from framework.mem_cache.kv_scales import CheckpointKVScales
 from framework.model_executor.model_config import ModelConfig, check_model_dir
 from framework.models import get_model_class
 
@@ -178,18 +179,22 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
 def load_weights(
     model: nn.Module, model_path: str | Path, load_format: str, *, seed: int = 0,
     quantization: CheckpointQuantization | None = None,
+    kv_scales: CheckpointKVScales | None = None,
 ) -> None:
     """Fill ``model``'s weights from ``model_path`` (or at random for ``dummy``).
 
     With the ``quantization`` of a pre-quantized checkpoint, each quantized layer's
-    tensors reach the model as one weight (``CheckpointQuantization.group``).
+    tensors reach the model as one weight (``CheckpointQuantization.group``). The
+    checkpoint's KV cache scales never reach the model: they go to ``kv_scales`` when
+    given (``mem_cache/kv_scales.py``).
     """
     check_load_format(load_format)
     if load_format == "dummy":
         fill_dummy_weights(model, seed)
         return
     files = find_safetensors_files(model_path)
-    weights = checkpoint_weights(model, files)
+    kv_scales = CheckpointKVScales() if kv_scales is None else kv_scales
+    weights = kv_scales.take(checkpoint_weights(model, files))
     if quantization is not None:
         names = (name for name, _ in iterate_safetensors_shapes(files))
         weights = quantization.group(weights, names)
@@ -202,7 +207,8 @@ def dry_run_load(model_config: ModelConfig, model_path: str | Path) -> None:
     The model is built on the meta device, so this costs no memory.
     """
     meta_model = create_model(model_config, torch.device("meta"))
-    meta_model.load_weights(iterate_safetensors_shapes(find_safetensors_files(model_path)))
+    shapes = iterate_safetensors_shapes(find_safetensors_files(model_path))
+    meta_model.load_weights(CheckpointKVScales().take(shapes))
 
 
 def load_model(
@@ -218,9 +224,11 @@ def load_model(
     ep_rank: int = 0,
     ep_size: int = 1,
     quantization: CheckpointQuantization | None = None,
+    kv_scales: CheckpointKVScales | None = None,
 ) -> nn.Module:
     """Build the model on ``device`` and fill its weights (this pipeline stage's share);
-    ``quantization``: that of a pre-quantized checkpoint (``load_weights``).
+    ``quantization``: that of a pre-quantized checkpoint; ``kv_scales``: receives the
+    checkpoint's KV cache scales (``load_weights``).
 
     Raises:
         ValueError: unknown load format, missing checkpoint files, or weights that
@@ -232,5 +240,5 @@ def load_model(
     model = create_model(model_config, device, tp_rank=tp_rank, tp_size=tp_size,
                          pp_rank=pp_rank, pp_size=pp_size, ep_rank=ep_rank, ep_size=ep_size)
     load_weights(model, model_config.model_path, load_format, seed=seed,
-                 quantization=quantization)
+                 quantization=quantization, kv_scales=kv_scales)
     return model
