@@ -169,10 +169,8 @@ def _prepare_fp8(weight: Fp8Weight | Fp8BlockWeight) -> CpuFp8Weight:
     if isinstance(weight, Fp8Weight):
         scale = (weight.channel_scales() * FP8_VIA_HALF_FACTOR).contiguous()
         return CpuFp8Weight({"bits": bits, "scale": scale}, weight.shape)
-    rows, cols = weight.block
-    scale = weight.tensors["weight_scale_inv"].float().repeat_interleave(rows, 0)
-    scale = (scale[:weight.out_features] * FP8_VIA_HALF_FACTOR).contiguous()
-    return CpuFp8Weight({"bits": bits, "scale": scale}, weight.shape, cols)
+    scale = (weight.row_scales() * FP8_VIA_HALF_FACTOR).contiguous()
+    return CpuFp8Weight({"bits": bits, "scale": scale}, weight.shape, weight.block[1])
 
 
 def _sorted_int4(weight: GptqWeight | AwqWeight) -> tuple[torch.Tensor, ...]:

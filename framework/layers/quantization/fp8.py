@@ -166,16 +166,16 @@ class Fp8BlockWeight(QuantizedWeight):
         return cls({"weight": weight, "weight_scale_inv": scale},
                    (out_features, in_features), block=block)
 
-    def element_scales(self, rows: slice = slice(None)) -> torch.Tensor:
-        """Each element's scale, float32 ``[rows, in]`` (all rows by default)."""
-        block_rows, block_cols = self.block
+    def row_scales(self) -> torch.Tensor:
+        """Each output row's scale in each block of input columns, float32
+        ``[out, ceil(in / cols)]``."""
         scale = self.tensors["weight_scale_inv"].float()
-        scale = scale.repeat_interleave(block_rows, 0)[:self.out_features][rows]
-        return scale.repeat_interleave(block_cols, 1)[:, :self.in_features]
+        return scale.repeat_interleave(self.block[0], 0)[:self.out_features]
 
     def dequantize(self) -> torch.Tensor:
         """``weight * weight_scale_inv`` (each block's) as float32 ``[out, in]``."""
-        return self.tensors["weight"].float() * self.element_scales()
+        scale = self.row_scales().repeat_interleave(self.block[1], 1)[:, :self.in_features]
+        return self.tensors["weight"].float() * scale
 
     def _narrowed(self, dim: int, start: int, length: int) -> Fp8BlockWeight:
         """Rows (``dim`` 0) or columns (1) ``start:start+length``, with their blocks' scales.

@@ -155,10 +155,8 @@ def _prepare_w8(weight: Fp8Weight | Fp8BlockWeight | Int8Weight) -> TritonW8Weig
         if cols % MIN_DOT:
             raise ValueError(f"the triton GEMM takes FP8 blocks a multiple of {MIN_DOT} input "
                              f"rows wide, got {rows}x{cols}")
-        scale = weight.tensors["weight_scale_inv"].float().repeat_interleave(rows, 0)
         return TritonW8Weight({"weight": weight.tensors["weight"].contiguous(),
-                               "scale": scale[:weight.out_features].contiguous()},
-                              weight.shape, cols)
+                               "scale": weight.row_scales().contiguous()}, weight.shape, cols)
     if isinstance(weight, Fp8Weight):
         bits, scale = weight.tensors["weight"], weight.channel_scales()
     else:
