@@ -3,7 +3,8 @@
 A random Llama of about 100M parameters (8 layers, hidden 1024, intermediate 2048, the
 embedded tokenizer's vocabulary) is written once in float32; ``framework quantize``
 writes its int8 (per-channel) and GPTQ int4 (``--group-size``, 128) checkpoints beside
-it. Each configuration (``CONFIGURATIONS``: a checkpoint, a quantized-linear kernel and
+it, and with ``--formats`` FP8 ones (per channel, and in blocks of 128: ``fp8_block``).
+Each configuration (``CONFIGURATIONS``: a checkpoint, a quantized-linear kernel and
 whether the LM head and embeddings are quantized too) is served by one
 ``framework.Engine`` that runs greedy requests at 1 stream (one request at a time) and at
 64 (sent together): every checkpoint on the default kernel (float32 activations, rounded
@@ -29,8 +30,13 @@ from typing import Any
 from framework.bench.environment import greedy_tokens_per_second, run_stamp, write_results
 
 DEFAULT_OUTPUT = "benchmarks/results/quantized"
-#: Checkpoint formats measured, after float32: ``framework quantize --format``.
+#: Checkpoint formats measured by default, after float32.
 FORMATS = ("int8", "gptq")
+#: Every checkpoint format this benchmark writes: ``framework quantize --format`` and its
+#: options (GPTQ's group size is ``--group-size``).
+WRITES: dict[str, tuple[str, dict[str, Any]]] = {
+    "int8": ("int8", {}), "gptq": ("gptq", {}), "fp8": ("fp8", {}),
+    "fp8_block": ("fp8", {"block_size": 128})}
 #: The rows' configurations: label, checkpoint, Engine options (``--quantized-linear-backend``;
 #: "int8 tables": ``--quantize-lm-head`` and ``--quantize-embeddings``).
 _A8 = {"quantized_linear_backend": "cpu_a8"}
@@ -39,7 +45,8 @@ CONFIGURATIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("float32", "float32", {}), ("int8", "int8", {}), ("gptq", "gptq", {}),
     ("int8, cpu_a8", "int8", _A8), ("gptq, cpu_a8", "gptq", _A8),
     ("int8, int8 tables", "int8", _TABLES),
-    ("gptq, int8 tables, cpu_a8", "gptq", {**_A8, **_TABLES}))
+    ("gptq, int8 tables, cpu_a8", "gptq", {**_A8, **_TABLES}),
+    ("fp8", "fp8", {}), ("fp8, blocks of 128", "fp8_block", {}))
 STREAMS = (1, 64)
 _WORDS = "the data value list index count result file name table row column key page model"
 
@@ -60,10 +67,16 @@ class Settings:
     #: The Scheduler's torch threads (``--torch-threads``); None: the Engine's default plan,
     #: which leaves one core to the other components.
     torch_threads: int | None = None
+    #: The checkpoint formats measured beside float32 (of ``WRITES``).
+    formats: tuple[str, ...] = FORMATS
+
+    def configurations(self) -> list[tuple[str, str, dict[str, Any]]]:
+        """The rows' configurations of float32 and ``formats``."""
+        return [row for row in CONFIGURATIONS if row[1] == "float32" or row[1] in self.formats]
 
 
 def write_checkpoints(settings: Settings, root: Path) -> dict[str, Path]:
-    """The float32 checkpoint and each of ``FORMATS``' made from it, by name."""
+    """The float32 checkpoint and each of ``settings.formats``' made from it, by name."""
     from framework.bench.offline import OfflineBenchSettings, write_model_dir
     from framework.cli_quantize import quantize_checkpoint
 
@@ -73,9 +86,11 @@ def write_checkpoints(settings: Settings, root: Path) -> dict[str, Path]:
     paths = {"float32": root / "float32"}
     paths["float32"].mkdir()
     write_model_dir(shape, paths["float32"])
-    for fmt in FORMATS:
-        paths[fmt] = root / fmt
-        quantize_checkpoint(paths["float32"], paths[fmt], fmt, group_size=settings.group_size)
+    for name in settings.formats:
+        fmt, options = WRITES[name]
+        paths[name] = root / name
+        quantize_checkpoint(paths["float32"], paths[name], fmt, group_size=settings.group_size,
+                            **options)
     return paths
 
 
@@ -100,7 +115,7 @@ def run_configurations(paths: dict[str, Path], settings: Settings) -> list[dict[
             model_path=str(paths[checkpoint]), dtype="float32", log_level="warning",
             max_running_requests=max(STREAMS), launch_mode=settings.launch_mode,
             torch_threads=settings.torch_threads, **options))
-            for name, checkpoint, options in CONFIGURATIONS}
+            for name, checkpoint, options in settings.configurations()}
         weight_bytes = {name: engine.get_server_info()["weight_bytes_rank_0"]
                         for name, engine in engines.items()}
         for engine in engines.values():
@@ -115,7 +130,7 @@ def run_configurations(paths: dict[str, Path], settings: Settings) -> list[dict[
                         engine, prompts, streams, settings.output_len))
             rows += [{"format": name, "streams": streams, "output_tokens_per_s": best[name],
                       "weight_bytes": weight_bytes[name]} for name in engines]
-    order = [name for name, _, _ in CONFIGURATIONS]
+    order = [name for name, _, _ in settings.configurations()]
     return sorted(rows, key=lambda row: (order.index(row["format"]), row["streams"]))
 
 
@@ -167,6 +182,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--torch-threads", type=int, default=None, metavar="N",
                         help="the Engines' scheduler torch threads (default: the Engine's "
                         "plan, which leaves a core to the other components)")
+    parser.add_argument("--formats", nargs="+", choices=sorted(WRITES), default=list(FORMATS),
+                        metavar="FORMAT",
+                        help=f"checkpoint formats measured beside float32, of "
+                             f"{', '.join(sorted(WRITES))} (default: {' '.join(FORMATS)})")
     parser.add_argument("--output", default=DEFAULT_OUTPUT, metavar="DIR",
                         help=f"where the result files go (default: {DEFAULT_OUTPUT})")
 
@@ -177,7 +196,7 @@ def run_from_cli(args: argparse.Namespace) -> int:
                         intermediate=args.intermediate, group_size=args.group_size,
                         output_len=args.output_len,
                         single_requests=args.single_requests, rounds=args.rounds,
-                        torch_threads=args.torch_threads)
+                        torch_threads=args.torch_threads, formats=tuple(args.formats))
     for path in run_benchmark(settings, args.output):
         print(f"wrote {path}")
     print(Path(args.output, "quantized.md").read_text())

@@ -6,8 +6,8 @@ with act-order and FP8 also calibrated on text, whose logits must lie closer to 
 model's than those of the copies rounded to nearest). The Engine on each copy, which finds
 the format in ``config.json``, must give the greedy tokens of transformers (float64)
 running the float model with every quantized layer's weight replaced by its dequantized
-one; with ``--tp-size 2`` (int8, GPTQ and block-wise FP8), those of one rank, each rank
-holding its part.
+one; with ``--tp-size 2`` (int8, GPTQ and block-wise FP8, whose blocks of 32 rows a rank's
+16 key and value rows cut), those of one rank, each rank holding its part.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ COPIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gptq_act_order": ("gptq", {"group_size": 16, "act_order": True}),
     "awq": ("awq", {"group_size": 32}),
     "fp8": ("fp8", {}),
-    "fp8_block": ("fp8", {"block_size": 16}),
+    "fp8_block": ("fp8", {"block_size": 32}),
     "int8": ("int8", {}),
     "gptq_act_order_calibrated": ("gptq", {"group_size": 16, "act_order": True,
                                            "calibration": True}),
@@ -166,7 +166,7 @@ def test_transformers_reads_the_block_fp8_copy_as_the_engine_does(
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         checkpoints["fp8_block"], dtype=torch.float64,
-        quantization_config=transformers.FineGrainedFP8Config(weight_block_size=(16, 16),
+        quantization_config=transformers.FineGrainedFP8Config(weight_block_size=(32, 32),
                                                               dequantize=True)).eval()
     reference = dequantized_reference(checkpoints["float"], checkpoints["fp8_block"])
     ours, theirs = dict(reference.named_parameters()), dict(model.named_parameters())

@@ -28,3 +28,16 @@ def test_every_format_is_measured_and_written_with_its_bytes(tmp_path: Path) -> 
     assert (rows[("gptq", 1)]["weight_bytes"]
             > rows[("gptq, int8 tables, cpu_a8", 1)]["weight_bytes"])
     assert "| gptq | 64 |" in md_path.read_text()
+
+
+def test_fp8_formats_are_measured_when_asked_for(tmp_path: Path) -> None:
+    settings = Settings(layers=1, hidden=64, intermediate=128, output_len=2, single_requests=1,
+                        rounds=1, launch_mode="thread", formats=("fp8", "fp8_block"))
+    json_path, _ = run_benchmark(settings, str(tmp_path))
+    rows = {(r["format"], r["streams"]): r for r in json.loads(json_path.read_text())["rows"]}
+    assert set(rows) == {(f, s) for f in ("float32", "fp8", "fp8, blocks of 128")
+                         for s in (1, 64)}
+    # One byte a weight, and a scale a row (per channel) or per block.
+    float_bytes = rows[("float32", 1)]["weight_bytes"]
+    assert float_bytes > rows[("fp8", 1)]["weight_bytes"]
+    assert float_bytes > rows[("fp8, blocks of 128", 1)]["weight_bytes"]

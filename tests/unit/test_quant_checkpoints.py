@@ -121,7 +121,6 @@ def test_concat_out_of_act_order_parts_needs_one_g_idx() -> None:
     ("awq", "narrow_out", 12, 16, "splits a 8-wide unit"),
     ("awq", "narrow_in", 8, 8, "splits a 16-wide unit"),
     ("int8", "narrow_out", 40, 16, "outside 0:48"),
-    ("fp8_block", "narrow_out", 8, 16, "cut a block of 16"),
     ("fp8_block", "narrow_in", 16, 8, "cut a block of 16"),
 ])
 def test_a_boundary_inside_a_packed_int32_or_a_group_is_refused(
@@ -130,20 +129,27 @@ def test_a_boundary_inside_a_packed_int32_or_a_group_is_refused(
         getattr(_weight(name), method)(start, length)
 
 
-def test_block_fp8_parts_end_in_a_short_last_block() -> None:
-    """Blocks cut short by the weight's edges: a part may end there, and only the last
-    part of a stack may hold a short block."""
+def test_block_fp8_parts_off_block_boundaries_keep_a_scale_per_row() -> None:
+    """Blocks cut short by the weight's edges; output rows split or stacked off block
+    boundaries (a rank's share of a small projection, q/k/v smaller than a block) fall back
+    to a scale per row; input columns split only on block boundaries."""
     torch.manual_seed(5)
     w = torch.randn(40, 56)
     weight = Fp8BlockWeight.from_checkpoint(quantize_fp8_block(w, 16), (16, 16))
     assert weight.tensors["weight_scale_inv"].shape == (3, 4)
-    assert torch.equal(weight.narrow_out(32, 8).dequantize(), weight.dequantize()[32:])
-    assert torch.equal(weight.narrow_in(48, 8).dequantize(), weight.dequantize()[:, 48:])
+    whole = weight.dequantize()
+    assert torch.equal(weight.narrow_out(32, 8).dequantize(), whole[32:])
+    assert torch.equal(weight.narrow_in(48, 8).dequantize(), whole[:, 48:])
+    part = weight.narrow_out(8, 20)  # inside the first and second blocks
+    assert part.block == (1, 16) and torch.equal(part.dequantize(), whole[8:28])
     full = Fp8BlockWeight.from_checkpoint(quantize_fp8_block(w[:16], 16), (16, 16))
-    stacked = Fp8BlockWeight.concat_out([full, weight])
-    assert torch.equal(stacked.dequantize(), torch.cat([full.dequantize(), weight.dequantize()]))
-    with pytest.raises(ValueError, match="must fill its blocks"):
-        Fp8BlockWeight.concat_out([weight, full])
+    for parts in ([full, weight], [weight, full], [full, part]):
+        stacked = Fp8BlockWeight.concat_out(parts)
+        assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    assert Fp8BlockWeight.concat_out([full, weight]).block == (16, 16)  # blocks kept
+    other = Fp8BlockWeight.from_checkpoint(quantize_fp8_block(w, 8), (8, 8))
+    with pytest.raises(ValueError, match="their column blocks differ"):
+        Fp8BlockWeight.concat_out([weight, other])
 
 
 def test_stack_parts_refuses_missing_rows() -> None:

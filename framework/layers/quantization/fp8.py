@@ -11,7 +11,10 @@ Qwen3's FP8 checkpoints): ``weight`` as above and ``weight_scale_inv`` float32
 ``[ceil(out / rows), ceil(in / cols)]``, one scale per block of the weight (the last ones
 cut short where the block does not divide the shape):
 ``w[o, i] = weight[o, i] * weight_scale_inv[o // rows, i // cols]`` (despite its name, the
-tensor multiplies).
+tensor multiplies). A part of the output rows that does not fall on block boundaries (a
+tensor-parallel rank's share of a small projection, or q/k/v stacked with a projection
+smaller than a block) keeps a scale per row instead: blocks of one row, the same values.
+Input columns split only on block boundaries.
 
 The writer sets each scale (a channel's or a block's) to ``amax / 448`` (448 is E4M3's
 largest finite value) and rounds ``w / scale`` to E4M3.
@@ -177,16 +180,28 @@ class Fp8BlockWeight(QuantizedWeight):
         scale = self.row_scales().repeat_interleave(self.block[1], 1)[:, :self.in_features]
         return self.tensors["weight"].float() * scale
 
+    def by_rows(self) -> Fp8BlockWeight:
+        """The same weight with blocks of one row (each row its blocks' scales)."""
+        return Fp8BlockWeight({"weight": self.tensors["weight"], "weight_scale_inv":
+                               self.row_scales()}, self.shape, block=(1, self.block[1]))
+
+    def _cuts(self, dim: int, start: int, length: int) -> bool:
+        """Whether ``start:start+length`` along ``dim`` ends inside a block."""
+        block = self.block[dim]
+        return bool(start % block or (length % block and start + length != self.shape[dim]))
+
     def _narrowed(self, dim: int, start: int, length: int) -> Fp8BlockWeight:
         """Rows (``dim`` 0) or columns (1) ``start:start+length``, with their blocks' scales.
 
         Raises:
-            ValueError: a span outside the weight, or one that cuts a block.
+            ValueError: a span outside the weight, or columns that cut a block.
         """
-        size, block = self.shape[dim], self.block[dim]
         what = ("output rows", "input columns")[dim]
-        check_span(start, length, size, f"block-wise FP8 {what}")
-        if start % block or (length % block and start + length != size):
+        check_span(start, length, self.shape[dim], f"block-wise FP8 {what}")
+        if dim == 0 and self._cuts(0, start, length):
+            return self.by_rows()._narrowed(0, start, length)
+        block = self.block[dim]
+        if self._cuts(dim, start, length):
             raise ValueError(f"block-wise FP8 {what} {start}:{start + length} cut a block of "
                              f"{block}; a part must start and end on block boundaries")
         first = start // block
@@ -197,7 +212,7 @@ class Fp8BlockWeight(QuantizedWeight):
                               (weight.shape[0], weight.shape[1]), block=self.block)
 
     def narrow_out(self, start: int, length: int) -> Fp8BlockWeight:
-        """Output rows ``start:start+length``, on block boundaries."""
+        """Output rows ``start:start+length`` (off block boundaries: by rows)."""
         return self._narrowed(0, start, length)
 
     def narrow_in(self, start: int, length: int) -> Fp8BlockWeight:
@@ -206,19 +221,23 @@ class Fp8BlockWeight(QuantizedWeight):
 
     @classmethod
     def concat_out(cls, parts: Sequence[QuantizedWeight]) -> Fp8BlockWeight:
-        """``parts`` stacked along the output; each but the last must fill its blocks.
+        """``parts`` stacked along the output: by their blocks where each but the last fills
+        its blocks and all share them, else by rows.
 
         Raises:
-            ValueError: parts of other blocks, or one whose rows end inside a block.
+            ValueError: parts of other column blocks.
         """
         in_features = check_parts(cls, parts)
         blocks = [part for part in parts if isinstance(part, Fp8BlockWeight)]
         block = blocks[0].block
-        for part in blocks:
-            if part.block != block or (part is not blocks[-1] and part.out_features % block[0]):
-                raise ValueError(f"cannot stack a block-wise FP8 weight {part.shape} "
-                                 f"({part.block[0]}x{part.block[1]} blocks) on "
-                                 f"{block[0]}x{block[1]} blocks: a part must fill its blocks")
+        if any(part.block[1] != block[1] for part in blocks):
+            raise ValueError(f"cannot stack block-wise FP8 weights of blocks "
+                             f"{sorted({part.block for part in blocks})}: their column blocks "
+                             "differ")
+        if any(part.block != block for part in blocks) \
+                or any(part.out_features % block[0] for part in blocks[:-1]):
+            blocks = [part.by_rows() for part in blocks]
+            block = blocks[0].block
         weight = cat_tensors(blocks, "weight", 0)
         scale = cat_tensors(blocks, "weight_scale_inv", 0)
         return cls({"weight": weight, "weight_scale_inv": scale}, (weight.shape[0], in_features),
