@@ -152,11 +152,13 @@ class CpuFp8Weight(QuantizedWeight):
 
     def rows(self, rows: slice) -> torch.Tensor:
         """Float32 rows ``rows`` of the weight, scaled."""
-        scale = self.tensors["scale"][rows]
+        scale, unscaled = self.tensors["scale"][rows], self.rows_unscaled(rows)
         if self.group_size == -1:
-            return self.rows_unscaled(rows) * scale[:, None]
-        return self.rows_unscaled(rows) * scale.repeat_interleave(
-            self.group_size, 1)[:, :self.in_features]
+            return unscaled * scale[:, None]
+        count, group = unscaled.shape[0], self.group_size
+        if self.in_features % group == 0:  # each block's scale broadcast, not repeated
+            return (unscaled.view(count, -1, group) * scale[:, :, None]).view(count, -1)
+        return unscaled * scale.repeat_interleave(group, 1)[:, :self.in_features]
 
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix ``[out, in]``."""
