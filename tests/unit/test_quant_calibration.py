@@ -23,7 +23,14 @@ from framework.layers.quantization.error_compensation import (
     damped,
     input_order,
 )
-from framework.layers.quantization.fp8 import Fp8Weight, fp8_grid, quantize_fp8
+from framework.layers.quantization.fp8 import (
+    Fp8BlockWeight,
+    Fp8Weight,
+    fp8_block_grid,
+    fp8_grid,
+    quantize_fp8,
+    quantize_fp8_block,
+)
 from framework.layers.quantization.gptq import GptqWeight, gptq_grid, quantize_gptq
 from framework.layers.quantization.grid import QuantGrid
 from framework.layers.quantization.int8 import Int8Weight, int8_grid, quantize_int8
@@ -34,6 +41,10 @@ FORMATS: dict[str, tuple[Callable[[torch.Tensor], QuantGrid],
                          Callable[[torch.Tensor, QuantGrid], torch.Tensor]]] = {
     "fp8": (fp8_grid,
             lambda w, g: Fp8Weight.from_checkpoint(quantize_fp8(w, g)).dequantize()),
+    # Blocks of 8 rows by 8 columns: two row blocks, and several column blocks per step.
+    "fp8_block": (lambda w: fp8_block_grid(w, 8),
+                  lambda w, g: Fp8BlockWeight.from_checkpoint(
+                      quantize_fp8_block(w, 8, g), (8, 8)).dequantize()),
     "int8": (int8_grid, lambda w, g: Int8Weight(
         quantize_int8(w, g), tuple(w.shape)).dequantize()),  # type: ignore[arg-type]
     "gptq": (lambda w: gptq_grid(w, 32),
