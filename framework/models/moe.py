@@ -52,7 +52,6 @@ from framework.layers.linear import (
     TensorParallelGroup,
     bound_tp_group,
 )
-from framework.layers.linear_kernel import linear
 from framework.layers.moe import FusedMoE, select_experts
 from framework.layers.moe.experts import DOWN, GATE, UP
 from framework.layers.norm import RMSNorm
@@ -103,8 +102,8 @@ class PartialSumLinear(RowParallelLinear):
         super().__init__(input_size, output_size, bias=False, tp_rank=tp_rank, tp_size=tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's ``x W_rank^T``, ``[n, output_size]``."""
-        return linear(x, self.weight, None, self.packed_weight, self.cpu_ops)
+        """This rank's ``x W_rank^T``, ``[n, output_size]`` (its weight quantized or float)."""
+        return self.partial(x)
 
 
 class SharedExpertMLP(nn.Module):

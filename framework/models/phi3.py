@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from framework.layers.linear import CheckpointWeight
+from framework.layers.quantization.weights import QuantizedWeight
 from framework.models.llama import LlamaForCausalLM, head_dim_of, num_kv_heads_of
 
 # A fused projection's parts in checkpoint order: (name of the part as LlamaForCausalLM
@@ -93,9 +94,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         }
 
     def _split_fused(
-        self, weights: Iterable[tuple[str, CheckpointWeight]]
-    ) -> Iterator[tuple[str, CheckpointWeight]]:
-        """The checkpoint's weights with each fused tensor replaced by its named parts."""
+        self, weights: Iterable[tuple[str, CheckpointWeight | QuantizedWeight]]
+    ) -> Iterator[tuple[str, CheckpointWeight | QuantizedWeight]]:
+        """The checkpoint's weights with each fused tensor replaced by its named parts (a
+        quantized one's by its output rows, ``narrow_out``)."""
         fused = self.fused_parts()
         for name, weight in weights:
             projection = next((p for p in fused if f".{p}." in name), None)
@@ -106,10 +108,13 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             self._check_fused_shape(name, weight, sum(rows for _, rows in parts))
             start = 0
             for part, rows in parts:
-                yield name.replace(f".{projection}.", f".{part}."), RowSlice(weight, start, rows)
+                piece = weight.narrow_out(start, rows) if isinstance(weight, QuantizedWeight) \
+                    else RowSlice(weight, start, rows)
+                yield name.replace(f".{projection}.", f".{part}."), piece
                 start += rows
 
-    def _check_fused_shape(self, name: str, weight: CheckpointWeight, rows: int) -> None:
+    def _check_fused_shape(self, name: str, weight: CheckpointWeight | QuantizedWeight,
+                           rows: int) -> None:
         # Checked whole, so that a wrong size is reported under the checkpoint's own name
         # rather than under the name of one of its parts.
         expected = (rows, self.config.hidden_size) if name.endswith(".weight") else (rows,)

@@ -87,9 +87,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return dirs
 
 
-def dequantized_reference(float_dir: Path, quant_dir: Path) -> Any:
-    """transformers' float64 model of ``float_dir`` with each layer quantized in
-    ``quant_dir`` holding that layer's dequantized weight."""
+def dequantized_reference(float_dir: Path, quant_dir: Path, layers: int = 14) -> Any:
+    """transformers' float64 model of ``float_dir`` with each of the ``layers`` layers
+    quantized in ``quant_dir`` holding that layer's dequantized weight."""
     config = json.loads((quant_dir / "config.json").read_text())["quantization_config"]
     quantization = CheckpointQuantization.from_config(config)
     tensors = load_file(str(quant_dir / "model.safetensors"))
@@ -106,7 +106,7 @@ def dequantized_reference(float_dir: Path, quant_dir: Path) -> Any:
         with torch.no_grad():
             params[f"{layer}.weight"].copy_(weight.dequantize().double())
         replaced += 1
-    assert replaced == 14
+    assert replaced == layers
     return model
 
 
@@ -175,6 +175,25 @@ def test_transformers_reads_the_block_fp8_copy_as_the_engine_does(
         assert torch.equal(theirs[name], param), name
     expected = [transformers_greedy(model, ids, NEW_TOKENS)[0] for ids in prompt_ids]
     assert one_rank("fp8_block")["tokens"] == expected
+
+
+@pytest.mark.parametrize(("arch", "fmt", "options"), [
+    ("qwen2_moe", "int8", {}), ("phi3", "gptq", {"group_size": 32})])
+def test_other_architectures_load_their_quantized_layers(
+        tmp_path: Path, prompt_ids: list[list[int]], arch: str, fmt: str,
+        options: dict[str, Any]) -> None:
+    """Qwen2-MoE: the experts stay float, the attention and the shared expert load
+    quantized, the shared expert's down projection (a partial sum joined to the experts'
+    before the all-reduce) included. Phi-3: its fused ``qkv_proj`` and ``gate_up_proj``
+    are quantized whole and cut into their parts by output rows as they load."""
+    float_dir = make_tiny_checkpoint(tmp_path, arch, seed=5)
+    quant_dir = tmp_path / fmt
+    count = quantize_checkpoint(float_dir, quant_dir, fmt, **options)
+    model = dequantized_reference(float_dir, quant_dir, count)
+    expected = [transformers_greedy(model, ids, NEW_TOKENS)[0] for ids in prompt_ids]
+    with Engine(model_path=str(quant_dir), launch_mode="thread", **ENGINE_ARGS) as engine:
+        outs = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == expected
 
 
 @pytest.mark.parametrize("fmt", ["gptq_act_order", "fp8"])

@@ -33,9 +33,10 @@ from framework.layers.quantization.int8 import int8_grid, quantize_int8
 
 #: The formats ``framework quantize`` writes.
 WRITE_FORMATS = ("gptq", "awq", "fp8", "int8")
-#: The checkpoint projections that load into linear layers, hence the ones quantized.
+#: The checkpoint projections that load into linear layers, hence the ones quantized
+#: (``qkv_proj`` and ``gate_up_proj``: Phi-3's fused ones).
 TARGET_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                      "down_proj")
+                      "down_proj", "qkv_proj", "gate_up_proj")
 #: Projections that read one input and load stacked (q/k/v, gate/up): with act-order they
 #: share one row order, as the calibrated layers' shared input gives them, so that their
 #: ``g_idx`` agree.
