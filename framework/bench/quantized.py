@@ -48,6 +48,10 @@ CONFIGURATIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("gptq, int8 tables, cpu_a8", "gptq", {**_A8, **_TABLES}),
     ("fp8", "fp8", {}), ("fp8, blocks of 128", "fp8_block", {}))
 STREAMS = (1, 64)
+#: KV slots of each Engine: 64 streams of at most ~120 tokens fit twice over, and the
+#: Engines side by side fit in memory (a float32 pool sized from free memory takes up to
+#: 4 GiB at this model's 64 KiB a token, and several such pools overran 24 GiB).
+KV_TOKENS = 16384
 _WORDS = "the data value list index count result file name table row column key page model"
 
 
@@ -113,7 +117,8 @@ def run_configurations(paths: dict[str, Path], settings: Settings) -> list[dict[
     with ExitStack() as stack:
         engines = {name: stack.enter_context(Engine(
             model_path=str(paths[checkpoint]), dtype="float32", log_level="warning",
-            max_running_requests=max(STREAMS), launch_mode=settings.launch_mode,
+            max_running_requests=max(STREAMS), max_total_tokens=KV_TOKENS,
+            launch_mode=settings.launch_mode,
             torch_threads=settings.torch_threads, **options))
             for name, checkpoint, options in settings.configurations()}
         weight_bytes = {name: engine.get_server_info()["weight_bytes_rank_0"]
