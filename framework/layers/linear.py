@@ -74,6 +74,21 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def rank_kv_heads(total_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """The first key/value head rank ``tp_rank`` of ``tp_size`` holds, and how many: the
+    heads split evenly, or with fewer heads than ranks each head replicated on
+    ``tp_size // total_kv_heads`` consecutive ranks.
+
+    Raises:
+        ValueError: heads and ranks that do not divide one another.
+    """
+    if tp_size >= total_kv_heads:
+        replicas = divide(tp_size, total_kv_heads, "tp_size / key-value heads")
+        return tp_rank // replicas, 1
+    count = divide(total_kv_heads, tp_size, "key/value heads")
+    return tp_rank * count, count
+
+
 def check_loaded_shape(param: torch.Tensor, loaded: CheckpointWeight, what: str) -> None:
     """Raise ``ValueError`` unless ``loaded`` has exactly the shape of ``param``."""
     if tuple(param.shape) != tuple(loaded.shape):
@@ -332,12 +347,8 @@ class QKVParallelLinear(LinearBase):
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads
         self.num_heads = divide(total_num_heads, tp_size, "attention heads")
-        if tp_size >= total_num_kv_heads:
-            self.num_kv_heads = 1
-            self.kv_replicas = divide(tp_size, total_num_kv_heads, "tp_size / key-value heads")
-        else:
-            self.num_kv_heads = divide(total_num_kv_heads, tp_size, "key/value heads")
-            self.kv_replicas = 1
+        self.first_kv_head, self.num_kv_heads = rank_kv_heads(total_num_kv_heads, tp_rank,
+                                                              tp_size)
         local_output = (self.num_heads + 2 * self.num_kv_heads) * head_size
         super().__init__(hidden_size, local_output, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
 
@@ -354,7 +365,7 @@ class QKVParallelLinear(LinearBase):
             full_rows = self.total_num_heads * self.head_size
         else:
             offset = q_rows if shard_id == "k" else q_rows + kv_rows
-            rows, start = kv_rows, (self.tp_rank // self.kv_replicas) * kv_rows
+            rows, start = kv_rows, self.first_kv_head * self.head_size
             full_rows = self.total_num_kv_heads * self.head_size
         self._load_rows(param, loaded_weight, param_offset=offset, rows=rows,
                         loaded_start=start, loaded_rows=full_rows,

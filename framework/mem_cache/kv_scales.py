@@ -19,6 +19,8 @@ from typing import TypeVar
 
 import torch
 
+from framework.layers.linear import rank_kv_heads
+
 #: A layer's KV scale in a checkpoint: its layer index and which scale (k, v or both).
 KV_SCALE_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(k|v|kv)_scale$")
 
@@ -49,16 +51,14 @@ class CheckpointKVScales:
 
     def rank_scales(self, layer: int, total_kv_heads: int, tp_rank: int, tp_size: int
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Layer ``layer``'s key and value scales for this rank's key/value heads (those a
-        ``QKVParallelLinear`` of ``tp_size`` ranks gives ``tp_rank``); None where the
-        checkpoint has none.
+        """Layer ``layer``'s key and value scales for this rank's key/value heads
+        (``rank_kv_heads``, as ``QKVParallelLinear`` splits them); None where the checkpoint
+        has none.
 
         Raises:
             ValueError: a scale that is neither one for the layer nor one per head.
         """
-        local = max(1, total_kv_heads // tp_size)
-        replicas = tp_size // total_kv_heads if tp_size >= total_kv_heads else 1
-        first = (tp_rank // replicas) * local
+        first, local = rank_kv_heads(total_kv_heads, tp_rank, tp_size)
         found = []
         for which, scales in (("k", self.keys), ("v", self.values)):
             scale = scales.get(layer)

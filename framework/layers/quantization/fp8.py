@@ -43,6 +43,13 @@ from framework.layers.quantization.weights import (
 MIN_SCALE = 2.0**-30
 
 
+def _check_e4m3(weight: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``weight`` is a 2-D float8_e4m3fn tensor."""
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise ValueError(f"FP8 weight must be a 2-D float8_e4m3fn, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+
+
 @dataclass
 class Fp8Weight(QuantizedWeight):
     """An FP8 checkpoint's ``weight`` and ``weight_scale`` (and any ``input_scale``)."""
@@ -59,9 +66,7 @@ class Fp8Weight(QuantizedWeight):
         """
         require_tensors(tensors, ("weight", "weight_scale"), "FP8")
         weight, scale = tensors["weight"], tensors["weight_scale"]
-        if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
-            raise ValueError(f"FP8 weight must be a 2-D float8_e4m3fn, got {weight.dtype} "
-                             f"{tuple(weight.shape)}")
+        _check_e4m3(weight)
         if scale.numel() != 1 and tuple(scale.shape) != (weight.shape[0], 1):
             raise ValueError(f"FP8 weight_scale must be per tensor or [{weight.shape[0]}, 1], "
                              f"got {tuple(scale.shape)}")
@@ -157,9 +162,7 @@ class Fp8BlockWeight(QuantizedWeight):
         """
         require_tensors(tensors, ("weight", "weight_scale_inv"), "block-wise FP8")
         weight, scale = tensors["weight"], tensors["weight_scale_inv"]
-        if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
-            raise ValueError(f"FP8 weight must be a 2-D float8_e4m3fn, got {weight.dtype} "
-                             f"{tuple(weight.shape)}")
+        _check_e4m3(weight)
         out_features, in_features = weight.shape
         expected = (_blocks(out_features, block[0]), _blocks(in_features, block[1]))
         if tuple(scale.shape) != expected:
