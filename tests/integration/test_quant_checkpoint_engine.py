@@ -13,6 +13,7 @@ one; with ``--tp-size 2`` (int8, GPTQ and block-wise FP8, whose blocks of 32 row
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -21,13 +22,14 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from framework import Engine
 from framework.cli import main
 from framework.cli_quantize import quantize_checkpoint
 from framework.layers.quantization.calibration import CalibrationSettings
 from framework.layers.quantization.checkpoint import CheckpointQuantization
+from framework.layers.quantization.checkpoint_writer import is_target
 from tests.model_fixtures import (
     make_tiny_checkpoint,
     make_tiny_tokenizer,
@@ -88,26 +90,29 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def dequantized_reference(float_dir: Path, quant_dir: Path, layers: int = 14) -> Any:
-    """transformers' float64 model of ``float_dir`` with each of the ``layers`` layers
-    quantized in ``quant_dir`` holding that layer's dequantized weight."""
-    config = json.loads((quant_dir / "config.json").read_text())["quantization_config"]
-    quantization = CheckpointQuantization.from_config(config)
-    tensors = load_file(str(quant_dir / "model.safetensors"))
-    model = reference_model(float_dir)
-    params = dict(model.named_parameters())
-    replaced = 0
-    for name in tensors:
-        layer, _, part = name.rpartition(".")
-        if part != quantization.layout.marker:
-            continue
-        own = {key.rpartition(".")[2]: value for key, value in tensors.items()
-               if key.rpartition(".")[0] == layer}
-        weight = quantization.build(own)
-        with torch.no_grad():
-            params[f"{layer}.weight"].copy_(weight.dequantize().double())
-        replaced += 1
-    assert replaced == layers
-    return model
+    """transformers' float64 model of ``float_dir`` with each of the ``layers`` weights
+    quantized in ``quant_dir`` (MoE experts' included) replaced by its dequantized weight:
+    a float copy written beside ``quant_dir`` (once), which transformers reads as any
+    checkpoint, stacking the experts' matrices as it does."""
+    copy = quant_dir.parent / f"{quant_dir.name}_dequantized"
+    if not copy.exists():
+        config = json.loads((quant_dir / "config.json").read_text())["quantization_config"]
+        quantization = CheckpointQuantization.from_config(config)
+        tensors = load_file(str(quant_dir / "model.safetensors"))
+        weights = load_file(str(float_dir / "model.safetensors"))
+        replaced = 0
+        for name in tensors:
+            layer, _, part = name.rpartition(".")
+            if part != quantization.layout.marker:
+                continue
+            own = {key.rpartition(".")[2]: value for key, value in tensors.items()
+                   if key.rpartition(".")[0] == layer}
+            weights[f"{layer}.weight"] = quantization.build(own).dequantize().contiguous()
+            replaced += 1
+        assert replaced == layers
+        shutil.copytree(float_dir, copy)
+        save_file(weights, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    return reference_model(copy)
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +140,11 @@ def one_rank(checkpoints: dict[str, Path], prompt_ids: list[list[int]]
 
 
 def _float_bytes(float_dir: Path) -> tuple[int, int]:
-    """Bytes of the float checkpoint: of the linear layers' weights, and of the rest."""
+    """Bytes of the float checkpoint's weights ``framework quantize`` quantizes (the linear
+    layers' and MoE experts'), and of the others."""
     tensors = load_file(str(float_dir / "model.safetensors"))
     linear = sum(t.numel() * t.element_size() for name, t in tensors.items()
-                 if name.endswith("_proj.weight"))
+                 if is_target(name, t))
     return linear, sum(t.numel() * t.element_size() for t in tensors.values()) - linear
 
 
@@ -178,20 +184,51 @@ def test_transformers_reads_the_block_fp8_copy_as_the_engine_does(
 
 
 @pytest.mark.parametrize(("arch", "fmt", "options"), [
-    ("qwen2_moe", "int8", {}), ("phi3", "gptq", {"group_size": 32})])
+    ("qwen2_moe", "int8", {}), ("mixtral", "gptq", {"group_size": 16, "act_order": True}),
+    ("mixtral", "fp8", {"block_size": 16}), ("phi3", "gptq", {"group_size": 32})])
 def test_other_architectures_load_their_quantized_layers(
         tmp_path: Path, prompt_ids: list[list[int]], arch: str, fmt: str,
         options: dict[str, Any]) -> None:
-    """Qwen2-MoE: the experts stay float, the attention and the shared expert load
-    quantized, the shared expert's down projection (a partial sum joined to the experts'
-    before the all-reduce) included. Phi-3: its fused ``qkv_proj`` and ``gate_up_proj``
-    are quantized whole and cut into their parts by output rows as they load."""
+    """Qwen2-MoE and Mixtral: the attention, the experts (each expert's gate and up
+    stacked, multiplied through the quantized-linear kernel) and Qwen2-MoE's shared expert
+    load quantized, the shared expert's down projection (a partial sum joined to the
+    experts' before the all-reduce) included. Phi-3: its fused ``qkv_proj`` and
+    ``gate_up_proj`` are quantized whole and cut into their parts by output rows as they
+    load."""
     float_dir = make_tiny_checkpoint(tmp_path, arch, seed=5)
     quant_dir = tmp_path / fmt
     count = quantize_checkpoint(float_dir, quant_dir, fmt, **options)
     model = dequantized_reference(float_dir, quant_dir, count)
     expected = [transformers_greedy(model, ids, NEW_TOKENS)[0] for ids in prompt_ids]
     with Engine(model_path=str(quant_dir), launch_mode="thread", **ENGINE_ARGS) as engine:
+        outs = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)
+        held = engine.get_server_info()["param_bytes_rank_0"]
+    assert [o["output_ids"] for o in outs] == expected
+    linear, rest = _float_bytes(float_dir)
+    assert rest < held < rest + linear // 2, (held, rest, linear)
+
+
+@pytest.fixture(scope="module")
+def moe_copy(tmp_path_factory: pytest.TempPathFactory, prompt_ids: list[list[int]]
+             ) -> tuple[Path, list[list[int]]]:
+    """A tiny Qwen2-MoE's GPTQ copy (groups of 8: a rank's half of the shared expert's 48
+    rows and of an expert's 32 split on them) and transformers' greedy tokens on it."""
+    root = tmp_path_factory.mktemp("quant_moe")
+    float_dir = make_tiny_checkpoint(root, "qwen2_moe", seed=5)
+    count = quantize_checkpoint(float_dir, root / "gptq", "gptq", group_size=8)
+    model = dequantized_reference(float_dir, root / "gptq", count)
+    return root / "gptq", [transformers_greedy(model, ids, NEW_TOKENS)[0] for ids in prompt_ids]
+
+
+@pytest.mark.parametrize("parallel", [{"tp_size": 2}, {"tp_size": 2, "ep_size": 2}],
+                         ids=["tp", "ep"])
+def test_quantized_experts_over_two_ranks_give_one_rank_s_tokens(
+        moe_copy: tuple[Path, list[list[int]]], prompt_ids: list[list[int]],
+        parallel: dict[str, int]) -> None:
+    """Tensor parallelism cuts each expert's quantized gate/up rows and down columns (with
+    their groups); expert parallelism gives each rank two whole experts."""
+    quant_dir, expected = moe_copy
+    with Engine(model_path=str(quant_dir), **parallel, **ENGINE_ARGS) as engine:
         outs = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == expected
 

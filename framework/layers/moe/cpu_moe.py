@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from framework.layers.activation import GatedActivation
 from framework.layers.linear_kernel import NATIVE_ROWS, bfloat16_gemm_is_native, linear
-from framework.layers.moe.torch_moe import sort_by_expert, torch_fused_experts
+from framework.layers.moe.torch_moe import run_experts, torch_fused_experts
 
 #: Rows up to which an expert's block goes through ``linear_rows`` (``NATIVE_ROWS`` at a
 #: time), per dtype: past them one GEMM call on the block is faster.
@@ -53,21 +53,12 @@ def cpu_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """
     if x.device.type != "cpu":
         return torch_fused_experts(x, w13, w2, weights, ids, act, first_expert)
-    choices, experts, tokens = sort_by_expert(ids, first_expert, w13.shape[0])
-    rows = x.index_select(0, tokens)
-    out_rows = torch.empty(rows.shape, dtype=torch.float32)
-    counts = torch.bincount(experts, minlength=w13.shape[0]).tolist()
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            block = slice(start, start + count)
-            pair = None if packed is None else (packed[0][expert], packed[1][expert])
-            out_rows[block] = _expert_mlp(rows[block], w13[expert], w2[expert], act, pair)
-            start += count
-    scale = weights.reshape(-1).index_select(0, choices).unsqueeze(1)
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    out.index_add_(0, tokens, out_rows.mul_(scale))
-    return out.to(x.dtype)
+
+    def mlp(expert: int, block: torch.Tensor) -> torch.Tensor:
+        pair = None if packed is None else (packed[0][expert], packed[1][expert])
+        return _expert_mlp(block, w13[expert], w2[expert], act, pair)
+
+    return run_experts(x, weights, ids, first_expert, w13.shape[0], mlp)
 
 
 def _expert_mlp(block: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -6,7 +6,7 @@ its contiguous share of the tokens (``token_share``) and
 
 1. sends each of its (token, choice) rows to the rank holding the chosen expert
    (an all-to-all, after one that exchanges how many rows go where);
-2. runs its own experts on the rows it received (the ``MOE_BACKENDS`` kernel);
+2. runs its own experts on the rows it received (``FusedMoE.local_experts``);
 3. gets its rows' outputs back by the reverse all-to-all, and sums each token's
    weighted outputs;
 4. all-gathers the shares, so that every rank ends with every token's output.
@@ -21,11 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from framework.layers.activation import GatedActivation
 from framework.layers.linear import TensorParallelGroup
-
-#: A ``MOE_BACKENDS`` kernel: ``kernel(x, w13, w2, weights, ids, act, first_expert)``.
-MoEKernel = Callable[..., torch.Tensor]
 
 
 def token_share(num_tokens: int, rank: int, size: int) -> tuple[int, int]:
@@ -38,26 +34,21 @@ def token_share(num_tokens: int, rank: int, size: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class LocalExperts:
-    """This rank's experts and how to run them."""
+    """This rank's experts: how many, and ``apply(x, weights, ids)``, their weighted
+    outputs ``[n, H]`` for the choices ``ids`` (``[n, k]``) they hold."""
 
-    w13: torch.Tensor  # [E_local, 2I, H]
-    w2: torch.Tensor  # [E_local, H, I]
-    act: GatedActivation
-    kernel: MoEKernel
-    first_expert: int
-    #: The experts' weights packed for oneDNN (``FusedMoE.packed``), or None.
-    packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    local: int
+    apply: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
     @property
     def count(self) -> int:
         """Experts this rank holds (every rank holds as many)."""
-        return self.w13.shape[0]
+        return self.local
 
     def run(self, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Each row through the one expert it names, unweighted: ``[R, H]``."""
         ones = torch.ones(len(rows), 1, dtype=torch.float32, device=rows.device)
-        return self.kernel(rows, self.w13, self.w2, ones, expert_ids.unsqueeze(1), self.act,
-                           self.first_expert, packed=self.packed)
+        return self.apply(rows, ones, expert_ids.unsqueeze(1))
 
 
 def expert_parallel_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

@@ -9,12 +9,15 @@ whole experts, its share of them (``expert_range``), and the layer exchanges the
 tokens with the other ranks of its group (``expert_parallel``), its output complete
 on every rank. Each expert's checkpoint tensors (``experts.{e}.gate_proj``,
 Mixtral's ``w1``/``w3``/``w2``; the models cut transformers' stacked tensors into
-them) load into them; a rank reads only its slices.
+them) load into them; a rank reads only its slices. A pre-quantized checkpoint's experts
+load as ``QuantizedWeight``s instead, this rank's parts of them kept until they are
+stacked (``quantized_experts.py``), after which the layer multiplies through the
+quantized-linear kernel and its float weights are empty.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,7 +31,12 @@ from framework.layers.linear import (
 )
 from framework.layers.linear_kernel import pack_weight
 from framework.layers.moe.expert_parallel import LocalExperts, expert_parallel_moe
+from framework.layers.moe.torch_moe import run_experts
+from framework.layers.quantization.weights import QuantizedWeight
 from framework.registry import MOE_BACKENDS
+
+if TYPE_CHECKING:
+    from framework.layers.moe.quantized_experts import QuantizedExperts
 
 #: Shard ids of the per-expert tensors: which part of the stacked weights each fills.
 GATE, UP, DOWN = "gate", "up", "down"
@@ -44,6 +52,8 @@ def pack_expert_weights(modules: list[FusedMoE]) -> None:
     """Pack (again) every expert's weights of ``modules`` for oneDNN (after every load, as
     ``pack_linear_weights`` does for the linear layers)."""
     for module in modules:
+        if module.quant_experts is not None:  # multiplied by the quantized kernel
+            continue
         module.packed = ([pack_weight(w) for w in module.w13], [pack_weight(w) for w in module.w2])
 
 
@@ -72,6 +82,7 @@ class FusedMoE(nn.Module):
         self.split_rank = 0 if ep_size > 1 else tp_rank
         self.intermediate = divide(intermediate_size, self.split, "moe intermediate size")
         local = end - self.first_expert
+        self.num_local, self.hidden_size = local, hidden_size
         self.w13 = nn.Parameter(torch.empty(local, 2 * self.intermediate, hidden_size),
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(local, hidden_size, self.intermediate),
@@ -86,6 +97,11 @@ class FusedMoE(nn.Module):
         #: ``pack_expert_weights``), or None: the kernels multiply the weights as they are.
         self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self.tp_group: TensorParallelGroup | None = None
+        #: This rank's parts of a pre-quantized checkpoint's experts, by (local expert,
+        #: ``GATE | UP | DOWN``), until they are stacked into ``quant_experts``.
+        self.quant_parts: dict[tuple[int, str], QuantizedWeight] = {}
+        #: The experts when held quantized (``hold_quantized``), else None.
+        self.quant_experts: QuantizedExperts | None = None
 
     @property
     def output_is_partial(self) -> bool:
@@ -95,7 +111,24 @@ class FusedMoE(nn.Module):
 
     def holds(self, expert: int) -> bool:
         """Whether this rank holds expert ``expert``."""
-        return self.first_expert <= expert < self.first_expert + self.w13.shape[0]
+        return self.first_expert <= expert < self.first_expert + self.num_local
+
+    def hold_quantized(self, experts: QuantizedExperts) -> None:
+        """Multiply by ``experts`` from now on and free the float weights (kept empty, of
+        the same dtype and device, so code reading them still works)."""
+        self.quant_experts = experts
+        self.packed = None
+        for param in (self.w13, self.w2):
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def hold_float(self) -> None:
+        """Drop the quantized experts and give the float weights (uninitialised) their
+        shapes again, so that a checkpoint loads into them."""
+        self.quant_experts = None
+        shapes = ((self.num_local, 2 * self.intermediate, self.hidden_size),
+                  (self.num_local, self.hidden_size, self.intermediate))
+        for param, shape in zip((self.w13, self.w2), shapes, strict=True):
+            param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``[n, H]``: the tokens' weighted expert outputs (``weights``, ``ids``: ``[n, k]``).
@@ -105,20 +138,30 @@ class FusedMoE(nn.Module):
         ranks holding their experts and come back (``x`` must be the same on every rank).
         """
         if self.ep_size == 1:
-            return self.moe_kernel(x, self.w13, self.w2, weights, ids, self.act,
-                                   self.first_expert, packed=self.packed)
-        experts = LocalExperts(self.w13, self.w2, self.act, self.moe_kernel, self.first_expert,
-                               self.packed)
-        return expert_parallel_moe(x, weights, ids, experts, bound_tp_group(self),
-                                   self.ep_rank, self.ep_size)
+            return self.local_experts(x, weights, ids)
+        return expert_parallel_moe(x, weights, ids, LocalExperts(self.num_local,
+                                                                 self.local_experts),
+                                   bound_tp_group(self), self.ep_rank, self.ep_size)
+
+    def local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                      ) -> torch.Tensor:
+        """``[n, H]``: the weighted outputs of the experts this rank holds (choices of
+        others add nothing), through the MoE kernel, or the quantized-linear kernel when
+        the experts are quantized."""
+        if self.quant_experts is not None:
+            return run_experts(x, weights, ids, self.first_expert, self.num_local,
+                               self.quant_experts.mlp(self.act))
+        return self.moe_kernel(x, self.w13, self.w2, weights, ids, self.act,
+                               self.first_expert, packed=self.packed)
 
     # ------------------------------------------------------------------ loading
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointWeight,
                       shard_id: tuple[int, str]) -> None:
         """Copy this rank's part of one expert's projection: ``shard_id`` is
-        ``(expert, GATE | UP | DOWN)``, ``loaded`` its ``[I, H]`` or ``[H, I]`` matrix.
-        An expert another rank holds is skipped unread."""
+        ``(expert, GATE | UP | DOWN)``, ``loaded`` its ``[I, H]`` or ``[H, I]`` matrix
+        (a ``QuantizedWeight``: its part is kept in ``quant_parts``). An expert another
+        rank holds is skipped unread."""
         expert, part = shard_id
         if self.holds(expert):
             self._load_one(param, loaded, expert, part)
@@ -126,17 +169,22 @@ class FusedMoE(nn.Module):
     def _load_one(self, param: nn.Parameter, loaded: Any, expert: int, part: str) -> None:
         """One expert's gate, up or down projection, this rank's slice of it."""
         local = expert - self.first_expert
-        size, hidden = self.intermediate, self.w13.shape[2]
+        size, hidden = self.intermediate, self.hidden_size
+        start = self.split_rank * size
+        quantized = isinstance(loaded, QuantizedWeight)
         if part == DOWN:
-            expected = (hidden, size * self.split)
-            _check(loaded, expected, f"expert {expert} down projection")
-            param.data[local].copy_(loaded.narrow(1, self.split_rank * size, size))
+            _check(loaded, (hidden, size * self.split), f"expert {expert} down projection")
+            if quantized:
+                self.quant_parts[local, part] = loaded.narrow_in(start, size)
+            else:
+                param.data[local].copy_(loaded.narrow(1, start, size))
             return
-        expected = (size * self.split, hidden)
-        _check(loaded, expected, f"expert {expert} {part} projection")
+        _check(loaded, (size * self.split, hidden), f"expert {expert} {part} projection")
+        if quantized:
+            self.quant_parts[local, part] = loaded.narrow_out(start, size)
+            return
         offset = 0 if part == GATE else size
-        param.data[local, offset:offset + size].copy_(
-            loaded.narrow(0, self.split_rank * size, size))
+        param.data[local, offset:offset + size].copy_(loaded.narrow(0, start, size))
 
 
 def _check(loaded: Any, expected: tuple[int, int], what: str) -> None:

@@ -26,6 +26,8 @@ import torch
 from torch import nn
 
 from framework.layers.linear import CheckpointWeight, LinearBase
+from framework.layers.moe.experts import FusedMoE
+from framework.layers.moe.quantized_experts import attach_checkpoint_experts
 from framework.layers.quantization.awq import AwqWeight
 from framework.layers.quantization.fp8 import Fp8BlockWeight, Fp8Weight
 from framework.layers.quantization.gptq import GptqWeight
@@ -232,17 +234,21 @@ def stack_parts(parts: dict[int, QuantizedWeight], shape: tuple[int, int], what:
 
 
 def attach_checkpoint_weights(model: nn.Module, backend: str) -> int:
-    """Give every ``LinearBase`` that loaded quantized parts its stacked weight, on the
-    layer's device, multiplied by the quantized-linear kernel registered as ``backend``;
-    returns how many layers.
-    Layers the checkpoint holds in float stay float.
+    """Give every ``LinearBase`` that loaded quantized parts its stacked weight, and every
+    MoE layer whose experts loaded quantized those experts, on the layer's device,
+    multiplied by the quantized-linear kernel registered as ``backend``; returns how many
+    layers. Layers the checkpoint holds in float stay float.
 
     Raises:
-        ValueError: a layer whose parts do not make its weight (``stack_parts``).
+        ValueError: a layer whose parts do not make its weight (``stack_parts``), or MoE
+            experts only some of which loaded quantized.
     """
     kernel = QUANT_LINEAR_BACKENDS.get(backend)()
     count = 0
     for name, layer in model.named_modules():
+        if isinstance(layer, FusedMoE) and layer.quant_parts:
+            attach_checkpoint_experts(layer, kernel, name)
+            count += 1
         if not isinstance(layer, LinearBase) or not layer.quant_parts:
             continue
         shape = (layer.weight.shape[0], layer.weight.shape[1])

@@ -1,7 +1,7 @@
 """Writing the shards of a quantized copy of a float checkpoint (``framework quantize``).
 
-Every weight a linear layer loads (the q/k/v/o, gate/up/down projections; MoE experts
-excepted) is put on its format's grid (``WriteFormat.grid``), rounded to nearest or, when
+Every weight a linear layer loads (the q/k/v/o, gate/up/down projections, MoE experts'
+included) is put on its format's grid (``WriteFormat.grid``), rounded to nearest or, when
 calibrated (``calibration.py``), with its errors compensated, and stored in the layout
 the hub's checkpoints of that format use, one output shard per input shard; every other
 tensor is copied as it is. ``quantization_config`` is what ``config.json`` then says.
@@ -37,20 +37,32 @@ WRITE_FORMATS = ("gptq", "awq", "fp8", "int8")
 #: (``qkv_proj`` and ``gate_up_proj``: Phi-3's fused ones).
 TARGET_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                       "down_proj", "qkv_proj", "gate_up_proj")
-#: Projections that read one input and load stacked (q/k/v, gate/up): with act-order they
-#: share one row order, as the calibrated layers' shared input gives them, so that their
-#: ``g_idx`` agree.
+#: Each MoE expert's projections (``<...>.experts.<e>.<projection>.weight``): Qwen's, then
+#: Mixtral's.
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "w1", "w3", "w2")
+#: Projections that read one input and load stacked (q/k/v, gate/up, an expert's gate/up):
+#: with act-order they share one row order, as the calibrated layers' shared input gives
+#: them, so that their ``g_idx`` agree.
 SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
-                "gate_proj": "gate_up", "up_proj": "gate_up"}
+                "gate_proj": "gate_up", "up_proj": "gate_up", "w1": "gate_up", "w3": "gate_up"}
 #: The shards' index, written when the source has one.
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def is_target(name: str, tensor: torch.Tensor) -> bool:
-    """Whether checkpoint tensor ``name`` is a linear layer's weight to quantize."""
+def is_expert(name: str) -> bool:
+    """Whether checkpoint tensor ``name`` is one MoE expert's projection weight."""
     parts = name.split(".")
-    return (len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in TARGET_PROJECTIONS
-            and "experts" not in parts and tensor.dim() == 2 and tensor.is_floating_point())
+    return (len(parts) >= 4 and parts[-1] == "weight" and parts[-2] in EXPERT_PROJECTIONS
+            and parts[-3].isdigit() and parts[-4] == "experts")
+
+
+def is_target(name: str, tensor: torch.Tensor) -> bool:
+    """Whether checkpoint tensor ``name`` is a linear layer's or an MoE expert's weight to
+    quantize."""
+    parts = name.split(".")
+    projection = len(parts) >= 2 and parts[-1] == "weight" and (
+        is_expert(name) if "experts" in parts else parts[-2] in TARGET_PROJECTIONS)
+    return projection and tensor.dim() == 2 and tensor.is_floating_point()
 
 
 def _input_key(name: str) -> str:

@@ -3,6 +3,8 @@
 After the float weights load, each ``LinearBase`` layer's local weight (its tensor-parallel
 shard) is quantized per output channel, handed to the quantized-linear kernel's ``prepare``,
 and its float copy is freed; the layer then multiplies through the kernel's ``apply``.
+MoE layers' experts are quantized alike, one expert's matrix at a time
+(``moe/quantized_experts.py``).
 The embedding table and the LM head stay float unless asked for in int8, one scale a row:
 ``--quantize-embeddings`` (``quantize_embeddings``: the table's lookups, and the logits
 where the head is tied to it) and ``--quantize-lm-head`` (``quantize_lm_head``: an untied
@@ -19,6 +21,8 @@ from torch import nn
 
 from framework.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from framework.layers.linear import LinearBase
+from framework.layers.moe.experts import FusedMoE
+from framework.layers.moe.quantized_experts import quantize_experts
 from framework.layers.quantization.fp8 import Fp8Weight
 from framework.layers.quantization.int8 import Int8Weight
 from framework.layers.quantization.weights import QuantizedWeight
@@ -42,7 +46,8 @@ def resolve_quant_backend(name: str, device: torch.device) -> str:
 
 
 def quantize_linear_layers(model: nn.Module, quantization: str, backend: str) -> int:
-    """Quantize every ``LinearBase`` of ``model`` online; returns how many layers.
+    """Quantize every ``LinearBase`` of ``model``, and every MoE layer's experts, online;
+    returns how many layers.
 
     Raises:
         ValueError: a ``quantization`` that is not quantized online from float weights.
@@ -52,10 +57,13 @@ def quantize_linear_layers(model: nn.Module, quantization: str, backend: str) ->
                          f"got {quantization!r}")
     kernel: Any = QUANT_LINEAR_BACKENDS.get(backend)()
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    quantize = ONLINE_FORMATS[quantization].from_float
     for layer in layers:
-        weight = ONLINE_FORMATS[quantization].from_float(layer.weight.data)
-        attach_quantized_weight(layer, weight, kernel)
-    return len(layers)
+        attach_quantized_weight(layer, quantize(layer.weight.data), kernel)
+    moe_layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    for moe in moe_layers:
+        quantize_experts(moe, quantize, kernel)
+    return len(layers) + len(moe_layers)
 
 
 def quantize_lm_head(model: nn.Module, backend: str) -> int:
@@ -105,9 +113,12 @@ def attach_quantized_weight(layer: LinearBase | VocabParallelEmbedding,
 
 
 def float_weights_for_reload(model: nn.Module) -> int:
-    """Give every quantized layer of ``model`` an (uninitialised) float weight of
-    its shape again and drop its quantized one, so that a checkpoint loads into it;
-    returns how many layers."""
+    """Give every quantized layer of ``model`` (MoE experts included) an (uninitialised)
+    float weight of its shape again and drop its quantized one, so that a checkpoint
+    loads into it; returns how many layers."""
+    moe_layers = quantized_moe_layers(model)
+    for moe in moe_layers:
+        moe.hold_float()
     layers = quantized_layers(model)
     for layer in layers:
         layer.weight.data = torch.empty(layer.quant_weight.shape, dtype=layer.weight.dtype,
@@ -116,10 +127,16 @@ def float_weights_for_reload(model: nn.Module) -> int:
         layer.quant_kernel = None
         if isinstance(layer, VocabParallelEmbedding):
             layer.quant_rows = None
-    return len(layers)
+    return len(layers) + len(moe_layers)
+
+
+def quantized_moe_layers(model: nn.Module) -> list[FusedMoE]:
+    """The MoE layers of ``model`` whose experts are held quantized."""
+    return [m for m in model.modules() if isinstance(m, FusedMoE) and m.quant_experts is not None]
 
 
 def quantized_bytes(model: nn.Module) -> int:
     """Bytes of the quantized tensors the quantized layers of ``model`` hold."""
-    return sum(t.numel() * t.element_size()
-               for m in quantized_layers(model) for t in m.quant_weight.tensors.values())
+    tensors = [t for m in quantized_layers(model) for t in m.quant_weight.tensors.values()]
+    tensors += [t for m in quantized_moe_layers(model) for t in m.quant_experts.tensors()]
+    return sum(t.numel() * t.element_size() for t in tensors)
