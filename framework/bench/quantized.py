@@ -1,7 +1,9 @@
 """`framework bench quantized`: output tokens/s and weight bytes, float32 against quantized.
 
 A random Llama of about 100M parameters (8 layers, hidden 1024, intermediate 2048, the
-embedded tokenizer's vocabulary) is written once in float32; ``framework quantize``
+embedded tokenizer's vocabulary), or with ``--arch mixtral`` a Mixtral of that shape with
+``--experts`` experts (two chosen per token; every expert's weights quantized too), is
+written once in float32; ``framework quantize``
 writes its int8 (per-channel) and GPTQ int4 (``--group-size``, 128) checkpoints beside
 it, and with ``--formats`` FP8 ones (per channel, and in blocks of 128: ``fp8_block``).
 Each configuration (``CONFIGURATIONS``: a checkpoint, a quantized-linear kernel and
@@ -73,6 +75,16 @@ class Settings:
     torch_threads: int | None = None
     #: The checkpoint formats measured beside float32 (of ``WRITES``).
     formats: tuple[str, ...] = FORMATS
+    #: The model's architecture: ``llama``, or ``mixtral`` with ``experts`` experts (each
+    #: of ``intermediate`` width), two chosen per token.
+    arch: str = "llama"
+    experts: int = 8
+
+    def describe(self) -> str:
+        """The model, in words."""
+        experts = f", {self.experts} experts (2 a token)" if self.arch == "mixtral" else ""
+        return (f"random {self.arch.capitalize()}, {self.layers} layers, hidden {self.hidden}, "
+                f"intermediate {self.intermediate}{experts}")
 
     def configurations(self) -> list[tuple[str, str, dict[str, Any]]]:
         """The rows' configurations of float32 and ``formats``."""
@@ -86,7 +98,8 @@ def write_checkpoints(settings: Settings, root: Path) -> dict[str, Path]:
 
     shape = OfflineBenchSettings(layers=settings.layers, hidden=settings.hidden,
                                  heads=settings.hidden // 64,
-                                 intermediate=settings.intermediate)
+                                 intermediate=settings.intermediate, arch=settings.arch,
+                                 num_experts=settings.experts, top_k=2)
     paths = {"float32": root / "float32"}
     paths["float32"].mkdir()
     write_model_dir(shape, paths["float32"])
@@ -162,8 +175,7 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 def run_benchmark(settings: Settings, output: str) -> list[Path]:
     """Write the checkpoints, measure each, write the results; returns the files written."""
     meta = {**run_stamp(),
-            "model": f"random Llama, {settings.layers} layers, hidden {settings.hidden}, "
-                     f"intermediate {settings.intermediate}",
+            "model": settings.describe(),
             "output_len": settings.output_len, "rounds": settings.rounds,
             "torch_threads": settings.torch_threads or "the default plan"}
     with tempfile.TemporaryDirectory(prefix="framework-quantized-") as tmp:
@@ -176,7 +188,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """``framework bench quantized`` flags."""
     default = Settings()
     for flag, text in (("layers", "decoder layers"), ("hidden", "hidden size (heads of 64)"),
-                       ("intermediate", "MLP width"),
+                       ("intermediate", "MLP width (each expert's, with --arch mixtral)"),
+                       ("experts", "experts of each layer, with --arch mixtral"),
                        ("group-size", "input features per GPTQ scale"),
                        ("output-len", "output tokens per request"),
                        ("single-requests", "requests run one at a time at 1 stream"),
@@ -184,6 +197,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         value = getattr(default, flag.replace("-", "_"))
         parser.add_argument(f"--{flag}", type=int, default=value, metavar="N",
                             help=f"{text} (default: {value})")
+    parser.add_argument("--arch", choices=("llama", "mixtral"), default=default.arch,
+                        help=f"the random model's architecture (default: {default.arch})")
     parser.add_argument("--torch-threads", type=int, default=None, metavar="N",
                         help="the Engines' scheduler torch threads (default: the Engine's "
                         "plan, which leaves a core to the other components)")
@@ -201,7 +216,8 @@ def run_from_cli(args: argparse.Namespace) -> int:
                         intermediate=args.intermediate, group_size=args.group_size,
                         output_len=args.output_len,
                         single_requests=args.single_requests, rounds=args.rounds,
-                        torch_threads=args.torch_threads, formats=tuple(args.formats))
+                        torch_threads=args.torch_threads, formats=tuple(args.formats),
+                        arch=args.arch, experts=args.experts)
     for path in run_benchmark(settings, args.output):
         print(f"wrote {path}")
     print(Path(args.output, "quantized.md").read_text())

@@ -41,3 +41,17 @@ def test_fp8_formats_are_measured_when_asked_for(tmp_path: Path) -> None:
     float_bytes = rows[("float32", 1)]["weight_bytes"]
     assert float_bytes > rows[("fp8", 1)]["weight_bytes"]
     assert float_bytes > rows[("fp8, blocks of 128", 1)]["weight_bytes"]
+
+
+def test_a_mixtral_s_experts_are_measured_quantized(tmp_path: Path) -> None:
+    settings = Settings(layers=1, hidden=64, intermediate=64, output_len=2, single_requests=1,
+                        rounds=1, launch_mode="thread", formats=("int8",), arch="mixtral",
+                        experts=4)
+    json_path, _ = run_benchmark(settings, str(tmp_path))
+    result = json.loads(json_path.read_text())
+    assert "Mixtral" in result["model"] and "4 experts" in result["model"]
+    rows = {(r["format"], r["streams"]): r for r in result["rows"]}
+    # The experts (4 x 3 x 64 x 64 floats: 196,608 bytes) and the attention (4 x 64 x 64:
+    # 65,536) shrink to about a quarter; the embeddings, head, norms and router stay.
+    saved = rows[("float32", 1)]["weight_bytes"] - rows[("int8", 1)]["weight_bytes"]
+    assert saved > 0.7 * (196_608 + 65_536)
