@@ -130,18 +130,15 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str, *, group_siz
 def calibrate_weights(src: Path, files: list[Path], fmt: WriteFormat,
                       calibration: CalibrationSettings
                       ) -> dict[str, tuple[torch.Tensor, QuantGrid]]:
-    """Every target weight of the checkpoint but the MoE experts' (which each see only
-    the tokens routed to them, and are rounded to nearest) rounded onto its ``fmt`` grid
-    on the calibration text (act-order: the inputs by descending energy, as GPTQ orders
-    them)."""
+    """Every target weight of the checkpoint rounded onto its ``fmt`` grid on the
+    calibration text (act-order: the inputs by descending energy, as GPTQ orders them)."""
     from framework.layers.quantization.calibration import calibrate
-    from framework.layers.quantization.checkpoint_writer import is_expert, target_names
+    from framework.layers.quantization.checkpoint_writer import target_names
 
     def fit(name: str, weight: torch.Tensor, order: torch.Tensor) -> QuantGrid:
         return fmt.grid(name, weight, order if fmt.act_order else None)
 
-    targets = [name for name in target_names(files, fmt) if not is_expert(name)]
-    return calibrate(src, targets, fit, calibration)
+    return calibrate(src, target_names(files, fmt), fit, calibration)
 
 
 def check_calibration(calibration: CalibrationSettings) -> None:

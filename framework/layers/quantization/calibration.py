@@ -8,10 +8,11 @@ for each set of projections that read one input (q/k/v, o, gate/up, down, in the
 the layer calls them), ``H = Xq^T Xq`` and ``C = Xq^T Xf``; each projection's weight is
 corrected towards the float outputs, its grid fitted, and the weight rounded onto the
 grid with its errors compensated (``error_compensation.py``) before the next set is
-measured. Each set runs its layer (up to the set) twice over the windows, and each layer
-runs twice more to feed the next: about ten forward passes of the model in all. With
-``rounding_steps``, the rounding is then learned on the same windows, end to end
-(``learned_rounding.py``).
+measured. A layer's MoE experts come last, each on the rows routed to it
+(``calibration_experts.py``). Each set runs its layer (up to the set) twice over the
+windows, and each layer runs twice more to feed the next: about ten forward passes of
+the model in all. With ``rounding_steps``, the rounding is then learned on the same
+windows, end to end (``learned_rounding.py``).
 """
 
 from __future__ import annotations
@@ -26,12 +27,19 @@ from typing import Any
 
 import torch
 
+from framework.layers.quantization.calibration_experts import (
+    ExpertPlace,
+    calibrate_experts,
+    expert_part,
+    expert_places,
+)
 from framework.layers.quantization.error_compensation import (
     compensate,
     corrected_weight,
     input_order,
 )
 from framework.layers.quantization.grid import QuantGrid
+from framework.layers.quantization.layer_inputs import Stop, module_call, run_layer
 from framework.layers.quantization.learned_rounding import learn_rounding
 
 #: Fits a format's grid to a projection's (checkpoint name, corrected weight, input order).
@@ -61,10 +69,6 @@ class CalibrationSettings:
     batch: int = 8
     seed: int = 0
     rounding_steps: int = 0
-
-
-class _Stop(Exception):
-    """Raised by a hook once it holds what it came for, to skip the rest of a forward."""
 
 
 def text_files(paths: tuple[Path, ...]) -> list[Path]:
@@ -161,12 +165,12 @@ def _first_layer_inputs(model: torch.nn.Module, layer: torch.nn.Module,
         kwargs = dict(kwargs)
         hidden = args[0] if args else kwargs.pop("hidden_states")
         captured.append(_Batch(hidden, hidden, kwargs))
-        raise _Stop
+        raise Stop
 
     handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         for chunk in windows.split(batch):
-            with contextlib.suppress(_Stop):
+            with contextlib.suppress(Stop):
                 model(chunk, use_cache=False)
     finally:
         handle.remove()
@@ -190,36 +194,18 @@ def _input_groups(layer: torch.nn.Module, names: list[str], probe: _Batch) -> li
     handles = [layer.get_submodule(name).register_forward_pre_hook(record(name))
                for name in names]
     try:
-        _run(layer, probe.float_x, probe.kwargs)
+        run_layer(layer, probe.float_x, probe.kwargs)
     finally:
         for handle in handles:
             handle.remove()
     return [group for _, group in seen]
 
 
-def _run(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]
-         ) -> torch.Tensor:
-    """The decoder layer's output hidden states (some versions return a tuple)."""
-    out = layer(hidden, **kwargs)
-    return out[0] if isinstance(out, tuple) else out
-
-
 def _input_of(layer: torch.nn.Module, name: str, hidden: torch.Tensor,
               kwargs: dict[str, Any]) -> torch.Tensor:
     """The input (rows ``[tokens, in]``) projection ``name`` of ``layer`` reads."""
-    got: list[torch.Tensor] = []
-
-    def hook(_module: torch.nn.Module, args: tuple) -> None:
-        got.append(args[0].reshape(-1, args[0].shape[-1]))
-        raise _Stop
-
-    handle = layer.get_submodule(name).register_forward_pre_hook(hook)
-    try:
-        with contextlib.suppress(_Stop):
-            _run(layer, hidden, kwargs)
-    finally:
-        handle.remove()
-    return got[0].double()
+    args, _ = module_call(layer, layer.get_submodule(name), hidden, kwargs)
+    return args[0].reshape(-1, args[0].shape[-1]).double()
 
 
 def _gram(layer: torch.nn.Module, quant_layer: torch.nn.Module, name: str,
@@ -271,10 +257,13 @@ def calibrate(model_dir: Path, targets: list[str], fit: GridFit,
     prefix, layers = _decoder_layers(model, modules)
     batches = _first_layer_inputs(model, layers[0], windows, settings.batch)
     result: dict[str, tuple[torch.Tensor, QuantGrid]] = {}
+    places: dict[str, ExpertPlace] = {}
     for index, names in enumerate(_layer_names(modules, prefix, len(layers))):
         layer = layers[index]
         quant_layer = copy.deepcopy(layer)
-        for group in _input_groups(layer, names, batches[0]) if names else []:
+        experts = {name: part for name in names if (part := expert_part(name)) is not None}
+        dense = [name for name in names if name not in experts]
+        for group in _input_groups(layer, dense, batches[0]) if dense else []:
             hessian, cross = _gram(layer, quant_layer, group[0], batches)
             for name in group:
                 weight = corrected_weight(layer.get_submodule(name).weight, hessian, cross,
@@ -284,13 +273,17 @@ def calibrate(model_dir: Path, targets: list[str], fit: GridFit,
                 rounded = compensate(weight, hessian, grid, settings.damp)
                 quant_layer.get_submodule(name).weight.copy_(rounded)
                 result[full] = (rounded, grid)
+        if experts:
+            result |= calibrate_experts(layer, quant_layer, experts, batches, fit,
+                                        settings.damp, f"{prefix}.{index}.")
+            places |= expert_places(f"{prefix}.{index}", layer, experts)
         for item in batches:
-            item.float_x = _run(layer, item.float_x, item.kwargs)
-            item.quant_x = _run(quant_layer, item.quant_x, item.kwargs)
+            item.float_x = run_layer(layer, item.float_x, item.kwargs)
+            item.quant_x = run_layer(quant_layer, item.quant_x, item.kwargs)
     missing = sorted(set(targets) - set(result))
     if missing:
         raise ValueError(f"calibration: no decoder layer reached {missing[0]}")
     if settings.rounding_steps:
         result = learn_rounding(model, result, windows, settings.rounding_steps,
-                                settings.batch, settings.seed)
+                                settings.batch, settings.seed, places)
     return result

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from framework.layers.quantization.calibration_experts import ExpertPlace, stacked_parameters
 from framework.layers.quantization.grid import QuantGrid
 
 #: The first step's move of every offset, in code steps; it decays linearly to zero.
@@ -66,12 +67,15 @@ def divergence(model: torch.nn.Module, weights: dict[str, torch.Tensor],
 
 def learn_rounding(model: torch.nn.Module,
                    calibrated: dict[str, tuple[torch.Tensor, QuantGrid]],
-                   windows: torch.Tensor, steps: int, batch: int, seed: int
+                   windows: torch.Tensor, steps: int, batch: int, seed: int,
+                   places: dict[str, ExpertPlace] | None = None
                    ) -> dict[str, tuple[torch.Tensor, QuantGrid]]:
-    """``calibrated``'s weights (by parameter name of the float ``model``, each on its
-    grid) with their rounding learned over ``steps`` batches of ``batch`` of ``windows``
-    (``[samples, seq_len]`` token ids), drawn by ``seed``. ``model``'s own parameters
-    are frozen (``requires_grad`` off): only the offsets learn."""
+    """``calibrated``'s weights (by checkpoint name, each on its grid) with their rounding
+    learned over ``steps`` batches of ``batch`` of ``windows`` (``[samples, seq_len]``
+    token ids), drawn by ``seed``. A name is the float ``model``'s parameter's, but for
+    MoE experts' projections, placed in transformers' stacked experts by ``places``.
+    ``model``'s own parameters are frozen (``requires_grad`` off): only the offsets
+    learn."""
     model.requires_grad_(False)
     offsets = {name: RoundingOffsets(*item) for name, item in calibrated.items()}
     generator = torch.Generator().manual_seed(seed)
@@ -80,7 +84,9 @@ def learn_rounding(model: torch.nn.Module,
             # One window at a time: only one window's logits are held for the backward
             # pass; the gradients add up over the batch before the step.
             for index in torch.randint(len(windows), (batch,), generator=generator):
-                weights = {name: item.weight() for name, item in offsets.items()}
+                weights = stacked_parameters(
+                    model, {name: item.weight() for name, item in offsets.items()},
+                    places or {})
                 divergence(model, weights, windows[index:index + 1]).backward()
             for item in offsets.values():
                 item.descend(LEARNING_RATE * (1 - step / steps))
