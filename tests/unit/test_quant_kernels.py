@@ -293,15 +293,17 @@ def rounded_activations(x: torch.Tensor, prepared: QuantizedWeight,
 
 @pytest.mark.parametrize("weight_name", A8_WEIGHTS)
 def test_a8_kernel_multiplies_rounded_activations(weight_name: str) -> None:
-    # Up to the native kernels' limit: exactly the dequantized weight times the rounded x (float
-    # rounding apart), which differs from x's own product; past it, x's own product.
+    # Up to the native kernels' limit, and past it for int8 weights (torch's int8 GEMM):
+    # exactly the dequantized weight times the rounded x (float rounding apart), which
+    # differs from x's own product; 4-bit weights past it: x's own product.
     weight, kernel, prepared = a8_kernel(weight_name)
     bias = torch.randn(weight.out_features, generator=torch.Generator().manual_seed(1))
     for rows in ROWS:
         x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(rows))
         y = kernel.apply(prepared, x, bias).double()
         exact = reference(weight, x, bias)
-        if rows > cpu_kernels.native_row_limit(weight):
+        if (rows > cpu_kernels.native_row_limit(weight)
+                and not isinstance(prepared, Int8Weight)):
             torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-4)
             continue
         expected = reference(weight, rounded_activations(x, prepared), bias)
@@ -335,6 +337,23 @@ def test_a8_int8_activation_blocks_divide_k() -> None:
     y = ops.int8_rows_a8(x, prepared.tensors["qweight"], prepared.tensors["scale"])
     expected = reference(weight, rounded_activations(x, prepared), torch.zeros(8))
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-3)
+    # Past the native rows, torch's int8 GEMM takes the same blocks.
+    many = torch.cat([x] * 5)
+    y = cpu_kernels.int8_activation_product(many, prepared.tensors["qweight"],
+                                            prepared.tensors["scale"])
+    assert y is not None
+    torch.testing.assert_close(y.double(), torch.cat([expected] * 5), rtol=1e-5, atol=1e-3)
+
+
+def test_a8_int8_products_of_features_no_block_divides_widen_the_weight() -> None:
+    weight = Int8Weight.from_float(torch.randn(8, 40, generator=torch.Generator().manual_seed(6)))
+    kernel = CpuInt8ActivationLinear(packed_ops=False)
+    prepared = kernel.prepare(weight)
+    x = torch.randn(12, 40, generator=torch.Generator().manual_seed(7))
+    assert cpu_kernels.int8_activation_product(x, prepared.tensors["qweight"],
+                                               prepared.tensors["scale"]) is None
+    torch.testing.assert_close(kernel.apply(prepared, x).double(),
+                               reference(weight, x, torch.zeros(8)), rtol=1e-5, atol=1e-4)
 
 
 def test_a8_kernel_keeps_a_zero_group_at_zero() -> None:
