@@ -94,25 +94,25 @@ class _Routed:
     """One batch's rows entering the experts, float and quantized, and the experts the
     quantized layer chose for each row."""
 
-    float_x: torch.Tensor  # [T, H]
+    float_x: torch.Tensor  # [T, H], in the model's dtype
     quant_x: torch.Tensor  # [T, H]
     choices: torch.Tensor  # [T, k]
 
     def rows(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The float and quantized rows of the tokens routed to ``expert``."""
+        """The float and quantized rows (float64) of the tokens routed to ``expert``."""
         tokens = (self.choices == expert).any(dim=1)
-        return self.float_x[tokens], self.quant_x[tokens]
+        return self.float_x[tokens].double(), self.quant_x[tokens].double()
 
 
 def _experts_call(layer: torch.nn.Module, path: str, hidden: torch.Tensor,
                   kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows ``[T, H]`` (float64) the layer's experts module ``path`` is called with on
+    """The rows ``[T, H]`` the layer's experts module ``path`` is called with on
     ``hidden``, and each row's chosen experts ``[T, k]`` (the module's ``hidden_states``
     and ``top_k_index``)."""
     args, call_kwargs = module_call(layer, layer.get_submodule(path), hidden, kwargs)
     values = dict(zip(("hidden_states", "top_k_index"), args, strict=False)) | call_kwargs
     rows = values["hidden_states"].reshape(-1, values["hidden_states"].shape[-1])
-    return rows.double(), values["top_k_index"].reshape(len(rows), -1)
+    return rows, values["top_k_index"].reshape(len(rows), -1)
 
 
 def _routed(layer: torch.nn.Module, quant_layer: torch.nn.Module, path: str,
