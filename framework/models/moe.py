@@ -35,7 +35,6 @@ a rank holds must get its gate, up and down projections.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +52,7 @@ from framework.layers.linear import (
     bound_tp_group,
 )
 from framework.layers.moe import FusedMoE, select_experts
-from framework.layers.moe.experts import DOWN, GATE, UP
+from framework.layers.moe.experts import DOWN, GATE, UP, expert_weight_name
 from framework.layers.norm import RMSNorm
 from framework.layers.rotary import RotaryEmbedding
 from framework.models.llama import (
@@ -65,15 +64,6 @@ from framework.models.llama import (
     LlamaModel,
     sliding_window_of,
 )
-
-# A per-expert checkpoint tensor: ``<prefix>.experts.<expert>.<projection>.weight``.
-_EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
-# Each per-expert projection's parameter of ``FusedMoE`` and shard part (Qwen's names,
-# then Mixtral's).
-_EXPERT_PROJECTIONS: dict[str, tuple[str, str]] = {
-    "gate_proj": ("w13", GATE), "up_proj": ("w13", UP), "down_proj": ("w2", DOWN),
-    "w1": ("w13", GATE), "w3": ("w13", UP), "w2": ("w2", DOWN),
-}
 
 
 @dataclass(frozen=True)
@@ -321,15 +311,15 @@ class MoeForCausalLM(LlamaForCausalLM):
     def _stacked_target(self, name: str) -> tuple[str, Any]:  # type: ignore[override]
         """A per-expert tensor's ``FusedMoE`` parameter and ``(expert, part)`` shard id;
         any other tensor as Llama stacks it."""
-        match = _EXPERT_WEIGHT.match(name)
-        if match is None or match["proj"] not in _EXPERT_PROJECTIONS:
+        target = expert_weight_name(name)
+        if target is None:
             return LlamaForCausalLM._stacked_target(name)
-        expert, experts = int(match["expert"]), self.moe_spec(self.config).num_experts
-        if expert >= experts:
-            raise ValueError(f"checkpoint weight {name!r} names expert {expert}, but the model "
-                             f"has {experts} experts")
-        param, part = _EXPERT_PROJECTIONS[match["proj"]]
-        return f"{match['prefix']}.{param}", (expert, part)
+        experts = self.moe_spec(self.config).num_experts
+        if target.expert >= experts:
+            raise ValueError(f"checkpoint weight {name!r} names expert {target.expert}, but "
+                             f"the model has {experts} experts")
+        param = "w2" if target.part == DOWN else "w13"  # FusedMoE's stacked parameters
+        return f"{target.prefix}.{param}", (target.expert, target.part)
 
     def _expected_loads(  # type: ignore[override]
         self, params: dict[str, nn.Parameter]
@@ -342,6 +332,6 @@ class MoeForCausalLM(LlamaForCausalLM):
                 continue
             w13, w2 = f"{prefix}.w13", f"{prefix}.w2"
             expected -= {(w13, None), (w2, None)}
-            for expert in range(module.first_expert, module.first_expert + module.w13.shape[0]):
+            for expert in range(module.first_expert, module.first_expert + module.num_local):
                 expected |= {(w13, (expert, GATE)), (w13, (expert, UP)), (w2, (expert, DOWN))}
         return expected

@@ -17,6 +17,8 @@ quantized-linear kernel and its float weights are empty.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +42,29 @@ if TYPE_CHECKING:
 
 #: Shard ids of the per-expert tensors: which part of the stacked weights each fills.
 GATE, UP, DOWN = "gate", "up", "down"
+#: Each expert projection's name in a checkpoint (Qwen's, then Mixtral's) and its part.
+EXPERT_PARTS = {"gate_proj": GATE, "up_proj": UP, "down_proj": DOWN,
+                "w1": GATE, "w3": UP, "w2": DOWN}
+# A per-expert checkpoint tensor: ``<prefix>.experts.<expert>.<projection>.weight``.
+_EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+@dataclass(frozen=True)
+class ExpertWeightName:
+    """What a per-expert checkpoint tensor's name says: the experts' prefix
+    (``model.layers.0.mlp.experts``), the expert and the part (``GATE | UP | DOWN``)."""
+
+    prefix: str
+    expert: int
+    part: str
+
+
+def expert_weight_name(name: str) -> ExpertWeightName | None:
+    """The expert and part checkpoint tensor ``name`` holds, or None for any other tensor."""
+    match = _EXPERT_WEIGHT.match(name)
+    if match is None or match["proj"] not in EXPERT_PARTS:
+        return None
+    return ExpertWeightName(match["prefix"], int(match["expert"]), EXPERT_PARTS[match["proj"]])
 
 
 def expert_range(num_experts: int, ep_rank: int, ep_size: int) -> tuple[int, int]:

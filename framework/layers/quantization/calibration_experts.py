@@ -18,14 +18,13 @@ holds (``stacked_experts``), and each name placed in it by its expert and part
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from framework.layers.moe.experts import DOWN, GATE, UP
+from framework.layers.moe.experts import DOWN, GATE, UP, expert_weight_name
 from framework.layers.quantization.error_compensation import (
     compensate,
     corrected_weight,
@@ -34,11 +33,6 @@ from framework.layers.quantization.error_compensation import (
 from framework.layers.quantization.grid import QuantGrid
 from framework.layers.quantization.layer_inputs import module_call
 
-#: A checkpoint's name of one expert's projection, relative to its decoder layer.
-_EXPERT_NAME = re.compile(r"^(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)$")
-#: Each expert projection's part: Qwen's names, then Mixtral's.
-PARTS = {"gate_proj": GATE, "up_proj": UP, "down_proj": DOWN, "w1": GATE, "w3": UP,
-         "w2": DOWN}
 #: Fits a format's grid to a projection's (checkpoint name, corrected weight, input order).
 GridFit = Callable[[str, torch.Tensor, torch.Tensor], QuantGrid]
 
@@ -55,10 +49,8 @@ class ExpertPlace:
 def expert_part(name: str) -> tuple[int, str] | None:
     """``(expert, part)`` of a checkpoint name of an expert's projection (relative to its
     layer, without ``.weight``); None for any other name."""
-    match = _EXPERT_NAME.match(name)
-    if match is None or match["proj"] not in PARTS:
-        return None
-    return int(match["expert"]), PARTS[match["proj"]]
+    target = expert_weight_name(f"{name}.weight")
+    return None if target is None else (target.expert, target.part)
 
 
 def stacked_experts(layer: torch.nn.Module) -> tuple[str, torch.nn.Module]:

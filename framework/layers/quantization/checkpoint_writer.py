@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from framework.layers.moe.experts import expert_weight_name
 from framework.layers.quantization.awq import awq_grid, quantize_awq
 from framework.layers.quantization.fp8 import (
     fp8_block_grid,
@@ -37,9 +38,6 @@ WRITE_FORMATS = ("gptq", "awq", "fp8", "int8")
 #: (``qkv_proj`` and ``gate_up_proj``: Phi-3's fused ones).
 TARGET_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                       "down_proj", "qkv_proj", "gate_up_proj")
-#: Each MoE expert's projections (``<...>.experts.<e>.<projection>.weight``): Qwen's, then
-#: Mixtral's.
-EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "w1", "w3", "w2")
 #: Projections that read one input and load stacked (q/k/v, gate/up, an expert's gate/up):
 #: with act-order they share one row order, as the calibrated layers' shared input gives
 #: them, so that their ``g_idx`` agree.
@@ -51,9 +49,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def is_expert(name: str) -> bool:
     """Whether checkpoint tensor ``name`` is one MoE expert's projection weight."""
-    parts = name.split(".")
-    return (len(parts) >= 4 and parts[-1] == "weight" and parts[-2] in EXPERT_PROJECTIONS
-            and parts[-3].isdigit() and parts[-4] == "experts")
+    return expert_weight_name(name) is not None
 
 
 def is_target(name: str, tensor: torch.Tensor) -> bool:
