@@ -323,6 +323,27 @@ def test_weight_update_quantizes_the_new_checkpoint_again(
         assert engine.get_server_info()["weight_bytes_rank_0"] == info["weight_bytes_rank_0"]
 
 
+def test_an_moe_model_quantized_online_holds_its_experts_quantized_through_an_update(
+        prompt_ids: list[list[int]], tmp_path: Path) -> None:
+    # --quantization int8 quantizes the experts with the other layers; an update from
+    # another float checkpoint gives them float weights, loads and quantizes them again.
+    first, other = (make_tiny_checkpoint(tmp_path, "qwen2_moe", seed=seed) for seed in (5, 6))
+    online = {"quantization": "int8", "launch_mode": "thread", **ENGINE_ARGS}
+    with Engine(model_path=str(other), **online) as engine:
+        outs = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)
+        expected, held = [o["output_ids"] for o in outs], engine.get_server_info()
+    linear, rest = _float_bytes(other)
+    assert rest < held["param_bytes_rank_0"] < rest + linear // 2
+    with Engine(model_path=str(first), **online) as engine:
+        before = [o["output_ids"] for o in engine.generate(input_ids=prompt_ids,
+                                                           sampling_params=GREEDY)]
+        updated = engine.update_weights_from_disk(str(other))
+        assert updated.success, updated.message
+        outs = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == expected != before
+        assert engine.get_server_info()["param_bytes_rank_0"] == held["param_bytes_rank_0"]
+
+
 def test_weight_update_of_a_pre_quantized_checkpoint_is_refused(
         checkpoints: dict[str, Path], prompt_ids: list[list[int]]) -> None:
     with Engine(model_path=str(checkpoints["gptq"]), launch_mode="thread",
