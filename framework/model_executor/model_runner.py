@@ -53,6 +53,7 @@ from framework.layers.moe.experts import FusedMoE, pack_expert_weights
 from framework.layers.quantization.checkpoint import (
     attach_checkpoint_weights,
     checkpoint_quantization,
+    describe_quantization,
 )
 from framework.layers.quantization.linear_method import (
     float_weights_for_reload,
@@ -73,6 +74,7 @@ from framework.mem_cache.memory_pool import (
 from framework.model_executor.model_config import ModelConfig
 from framework.model_executor.weight_loader import (
     check_load_format,
+    check_same_layout,
     dry_run_load,
     load_model,
     load_weights,
@@ -651,12 +653,14 @@ class ModelRunner:
                 is_embedding=self.server_args.is_embedding,
             )
             self._check_same_shapes(new_config)
-            if self.checkpoint_quantization is not None:
-                raise ValueError(
-                    f"weights cannot be updated on a pre-quantized "
-                    f"({self.checkpoint_quantization.method}) checkpoint; start the server on "
-                    f"the new one")
+            if load_format == "dummy" and self.checkpoint_quantization is not None:
+                raise ValueError("random (dummy) weights load in float and cannot replace "
+                                 "a pre-quantized checkpoint's")
             if load_format != "dummy":
+                self._check_same_quantization(model_path)
+            if load_format != "dummy" and self.checkpoint_quantization is not None:
+                check_same_layout(model_path, self.model_path)
+            elif load_format != "dummy":
                 dry_run_load(new_config, model_path)
         # Any error, not only the expected ones: with several ranks, one that raised here
         # would leave the others waiting for its outcome.
@@ -673,12 +677,24 @@ class ModelRunner:
         return None
 
     def _reload_weights(self, model_path: str, load_format: str) -> None:
-        """Load a checkpoint over the running weights; linear layers quantized online
-        (``--quantization int8|fp8``) take float weights for it and are quantized anew."""
+        """Load a checkpoint over the running weights; quantized layers take float weights
+        of their shapes for it (``float_weights_for_reload``) and are quantized anew: online
+        (``--quantization int8|fp8``), or stacked from the new pre-quantized checkpoint's
+        parts, which ``_check_update`` found quantized as the running one."""
         with self._base_layers():
             float_weights_for_reload(self.model)
-            load_weights(self.model, model_path, load_format, seed=self.server_args.random_seed)
+            load_weights(self.model, model_path, load_format, seed=self.server_args.random_seed,
+                         quantization=self.checkpoint_quantization)
             self._quantize_linear_layers()
+
+    def _check_same_quantization(self, model_path: str) -> None:
+        """Raise ``ValueError`` unless the checkpoint at ``model_path`` is quantized as the
+        running one was (float for a float or online-quantized model)."""
+        new = checkpoint_quantization(model_path, self.server_args.quantization)
+        if new != self.checkpoint_quantization:
+            raise ValueError(f"the new checkpoint is {describe_quantization(new)}, the running "
+                             f"one {describe_quantization(self.checkpoint_quantization)}; start "
+                             "the server on the new one")
 
     def _check_same_shapes(self, new_config: ModelConfig) -> None:
         old, new = self.model_config.shape_signature(), new_config.shape_signature()

@@ -211,6 +211,34 @@ def dry_run_load(model_config: ModelConfig, model_path: str | Path) -> None:
     meta_model.load_weights(CheckpointKVScales().take(shapes))
 
 
+def check_same_layout(model_path: str | Path, other_path: str | Path) -> None:
+    """Check that the checkpoint at ``model_path`` holds the tensors (names, shapes and
+    dtypes) of the one at ``other_path``, reading no data: a pre-quantized checkpoint's
+    check, where the meta model of ``dry_run_load`` cannot unpack quantized layers.
+
+    Raises:
+        ValueError: naming a tensor one holds and the other lacks or holds otherwise.
+    """
+    def layout(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+        held = {}
+        for file in find_safetensors_files(path):
+            with _open_safetensors(file) as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    part = handle.get_slice(name)
+                    held[name] = (tuple(part.get_shape()), part.get_dtype())
+        return held
+
+    new, old = layout(model_path), layout(other_path)
+    for name in sorted(new.keys() | old.keys()):
+        if new.get(name) != old.get(name):
+            raise ValueError(f"checkpoint tensor {name!r}: {_held(new.get(name))} in "
+                             f"{model_path}, {_held(old.get(name))} in the running checkpoint")
+
+
+def _held(entry: tuple[tuple[int, ...], str] | None) -> str:
+    return "absent" if entry is None else f"{entry[1]} {list(entry[0])}"
+
+
 def load_model(
     model_config: ModelConfig,
     device: torch.device,

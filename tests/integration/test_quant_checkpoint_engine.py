@@ -28,7 +28,10 @@ from framework import Engine
 from framework.cli import main
 from framework.cli_quantize import quantize_checkpoint
 from framework.layers.quantization.calibration import CalibrationSettings
-from framework.layers.quantization.checkpoint import CheckpointQuantization
+from framework.layers.quantization.checkpoint import (
+    CheckpointQuantization,
+    describe_quantization,
+)
 from framework.layers.quantization.checkpoint_writer import is_target
 from tests.model_fixtures import (
     make_tiny_checkpoint,
@@ -209,28 +212,39 @@ def test_other_architectures_load_their_quantized_layers(
 
 
 @pytest.fixture(scope="module")
-def moe_copy(tmp_path_factory: pytest.TempPathFactory, prompt_ids: list[list[int]]
-             ) -> tuple[Path, list[list[int]]]:
-    """A tiny Qwen2-MoE's GPTQ copy (groups of 8: a rank's half of the shared expert's 48
-    rows and of an expert's 32 split on them) and transformers' greedy tokens on it."""
+def moe_copies(tmp_path_factory: pytest.TempPathFactory, prompt_ids: list[list[int]]
+               ) -> list[tuple[Path, list[list[int]]]]:
+    """Two tiny Qwen2-MoE checkpoints' GPTQ copies (groups of 8: a rank's half of the
+    shared expert's 48 rows and of an expert's 32 split on them), each with transformers'
+    greedy tokens on it."""
     root = tmp_path_factory.mktemp("quant_moe")
-    float_dir = make_tiny_checkpoint(root, "qwen2_moe", seed=5)
-    count = quantize_checkpoint(float_dir, root / "gptq", "gptq", group_size=8)
-    model = dequantized_reference(float_dir, root / "gptq", count)
-    return root / "gptq", [transformers_greedy(model, ids, NEW_TOKENS)[0] for ids in prompt_ids]
+    copies = []
+    for seed in (5, 6):
+        float_dir = make_tiny_checkpoint(root, "qwen2_moe", seed=seed)
+        quant_dir = root / f"gptq_{seed}"
+        count = quantize_checkpoint(float_dir, quant_dir, "gptq", group_size=8)
+        model = dequantized_reference(float_dir, quant_dir, count)
+        copies.append((quant_dir, [transformers_greedy(model, ids, NEW_TOKENS)[0]
+                                   for ids in prompt_ids]))
+    return copies
 
 
 @pytest.mark.parametrize("parallel", [{"tp_size": 2}, {"tp_size": 2, "ep_size": 2}],
                          ids=["tp", "ep"])
 def test_quantized_experts_over_two_ranks_give_one_rank_s_tokens(
-        moe_copy: tuple[Path, list[list[int]]], prompt_ids: list[list[int]],
+        moe_copies: list[tuple[Path, list[list[int]]]], prompt_ids: list[list[int]],
         parallel: dict[str, int]) -> None:
     """Tensor parallelism cuts each expert's quantized gate/up rows and down columns (with
-    their groups); expert parallelism gives each rank two whole experts."""
-    quant_dir, expected = moe_copy
+    their groups); expert parallelism gives each rank two whole experts. A weight update
+    from the other copy replaces every rank's parts."""
+    (quant_dir, expected), (other, other_expected) = moe_copies
     with Engine(model_path=str(quant_dir), **parallel, **ENGINE_ARGS) as engine:
         outs = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)
-    assert [o["output_ids"] for o in outs] == expected
+        assert [o["output_ids"] for o in outs] == expected
+        updated = engine.update_weights_from_disk(str(other))
+        assert updated.success, updated.message
+        outs = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == other_expected != expected
 
 
 @pytest.mark.parametrize("fmt", ["gptq_act_order", "fp8"])
@@ -344,13 +358,38 @@ def test_an_moe_model_quantized_online_holds_its_experts_quantized_through_an_up
         assert engine.get_server_info()["param_bytes_rank_0"] == held["param_bytes_rank_0"]
 
 
-def test_weight_update_of_a_pre_quantized_checkpoint_is_refused(
-        checkpoints: dict[str, Path], prompt_ids: list[list[int]]) -> None:
-    with Engine(model_path=str(checkpoints["gptq"]), launch_mode="thread",
+@pytest.mark.parametrize("name", ["gptq_act_order", "fp8_block"])
+def test_weight_update_of_a_pre_quantized_model_loads_another_checkpoint_of_its_format(
+        name: str, checkpoints: dict[str, Path], prompt_ids: list[list[int]],
+        tmp_path: Path) -> None:
+    # The new checkpoint's quantized layers replace the running ones (stacked again from
+    # their parts), and it serves what an Engine started on it serves, in the same bytes; a
+    # float checkpoint, another format and random weights are refused, the running
+    # weights serving on.
+    fmt, options = COPIES[name]
+    other = tmp_path / "other"
+    quantize_checkpoint(make_tiny_checkpoint(tmp_path, "llama", seed=6), other, fmt, **options)
+
+    def tokens(engine: Engine) -> list[list[int]]:
+        outs = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)
+        return [o["output_ids"] for o in outs]
+
+    with Engine(model_path=str(other), launch_mode="thread", **ENGINE_ARGS) as engine:
+        expected, info = tokens(engine), engine.get_server_info()
+    with Engine(model_path=str(checkpoints[name]), launch_mode="thread",
                 **ENGINE_ARGS) as engine:
-        before = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)
-        result = engine.update_weights_from_disk(str(checkpoints["gptq"]))
-        after = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)
-    assert not result.success
-    assert "cannot be updated on a pre-quantized (gptq) checkpoint" in result.message
-    assert [o["output_ids"] for o in after] == [o["output_ids"] for o in before]
+        before = tokens(engine)
+        config = json.loads((checkpoints[name] / "config.json").read_text())
+        running = CheckpointQuantization.from_config(config["quantization_config"])
+        for path, message in ((checkpoints["float"], "the new checkpoint is float"),
+                              (checkpoints["int8"], "the new checkpoint is int8")):
+            refused = engine.update_weights_from_disk(str(path))
+            assert not refused.success and message in refused.message, refused.message
+            assert f"the running one {describe_quantization(running)}" in refused.message
+        dummy = engine.update_weights_from_disk(str(other), load_format="dummy")
+        assert not dummy.success and "cannot replace a pre-quantized" in dummy.message
+        assert tokens(engine) == before
+        updated = engine.update_weights_from_disk(str(other))
+        assert updated.success, updated.message
+        assert tokens(engine) == expected != before
+        assert engine.get_server_info()["param_bytes_rank_0"] == info["param_bytes_rank_0"]

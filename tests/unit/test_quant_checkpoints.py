@@ -288,3 +288,29 @@ def test_a_group_size_a_layer_cannot_hold_fails_before_calibration(
         quantize_checkpoint(tiny_checkpoint("llama"), tmp_path / "out", "gptq",
                             calibration=calibration)
     assert not (tmp_path / "out").exists()
+
+
+def test_same_layout_needs_every_tensor_with_its_shape_and_dtype(tmp_path: Path) -> None:
+    # A pre-quantized model's weight update reads the new checkpoint's layout only.
+    from safetensors.torch import save_file
+
+    from framework.model_executor.weight_loader import check_same_layout
+
+    def checkpoint(name: str, tensors: dict[str, torch.Tensor]) -> Path:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+        save_file(tensors, str(tmp_path / name / "model.safetensors"))
+        return tmp_path / name
+
+    base = {"a.qweight": torch.zeros(4, 8, dtype=torch.int32), "a.scales": torch.zeros(2, 8)}
+    running = checkpoint("running", base)
+    check_same_layout(checkpoint("same", {k: v + 1 for k, v in base.items()}), running)
+    shape = checkpoint("shape", {**base, "a.scales": torch.zeros(1, 8)})
+    with pytest.raises(ValueError, match=r"'a.scales': F32 \[1, 8\] in .*, F32 \[2, 8\] in "):
+        check_same_layout(shape, running)
+    missing = checkpoint("missing", {"a.qweight": base["a.qweight"]})
+    with pytest.raises(ValueError, match=r"'a.scales': absent in"):
+        check_same_layout(missing, running)
+    dtype = checkpoint("dtype", {**base, "a.scales": torch.zeros(2, 8, dtype=torch.float16)})
+    with pytest.raises(ValueError, match=r"'a.scales': F16"):
+        check_same_layout(dtype, running)

@@ -213,6 +213,18 @@ def checkpoint_quantization(model_path: str | Path, requested: str | None
     return CheckpointQuantization.from_config(config)
 
 
+def describe_quantization(quantization: CheckpointQuantization | None) -> str:
+    """A checkpoint's quantization in words (``gptq, group size 128``; ``float``)."""
+    if quantization is None:
+        return "float"
+    details = [quantization.method]
+    if quantization.group_size != -1:
+        details.append(f"group size {quantization.group_size}")
+    if quantization.block is not None:
+        details.append(f"blocks of {quantization.block[0]} x {quantization.block[1]}")
+    return ", ".join(details)
+
+
 def stack_parts(parts: dict[int, QuantizedWeight], shape: tuple[int, int], what: str
                 ) -> QuantizedWeight:
     """The parts a layer loaded (by their first output row) as one ``[out, in]`` weight.
