@@ -33,17 +33,10 @@ from framework.layers.quantization.calibration_experts import (
     expert_part,
     expert_places,
 )
-from framework.layers.quantization.error_compensation import (
-    compensate,
-    corrected_weight,
-    input_order,
-)
+from framework.layers.quantization.error_compensation import GridFit, calibrated_rounding
 from framework.layers.quantization.grid import QuantGrid
 from framework.layers.quantization.layer_inputs import Stop, module_call, run_layer
 from framework.layers.quantization.learned_rounding import learn_rounding
-
-#: Fits a format's grid to a projection's (checkpoint name, corrected weight, input order).
-GridFit = Callable[[str, torch.Tensor, torch.Tensor], QuantGrid]
 
 
 @dataclass(frozen=True)
@@ -266,11 +259,9 @@ def calibrate(model_dir: Path, targets: list[str], fit: GridFit,
         for group in _input_groups(layer, dense, batches[0]) if dense else []:
             hessian, cross = _gram(layer, quant_layer, group[0], batches)
             for name in group:
-                weight = corrected_weight(layer.get_submodule(name).weight, hessian, cross,
-                                          settings.damp)
                 full = f"{prefix}.{index}.{name}.weight"
-                grid = fit(full, weight, input_order(hessian))
-                rounded = compensate(weight, hessian, grid, settings.damp)
+                rounded, grid = calibrated_rounding(full, layer.get_submodule(name).weight,
+                                                    hessian, cross, fit, settings.damp)
                 quant_layer.get_submodule(name).weight.copy_(rounded)
                 result[full] = (rounded, grid)
         if experts:

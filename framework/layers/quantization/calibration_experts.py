@@ -18,23 +18,16 @@ holds (``stacked_experts``), and each name placed in it by its expert and part
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from framework.layers.moe.experts import DOWN, GATE, UP, expert_weight_name
-from framework.layers.quantization.error_compensation import (
-    compensate,
-    corrected_weight,
-    input_order,
-)
+from framework.layers.quantization.error_compensation import GridFit, calibrated_rounding
 from framework.layers.quantization.grid import QuantGrid
 from framework.layers.quantization.layer_inputs import module_call
-
-#: Fits a format's grid to a projection's (checkpoint name, corrected weight, input order).
-GridFit = Callable[[str, torch.Tensor, torch.Tensor], QuantGrid]
 
 
 @dataclass(frozen=True)
@@ -155,10 +148,8 @@ def calibrate_experts(layer: torch.nn.Module, quant_layer: torch.nn.Module,
             if part not in by_expert[expert]:
                 continue
             full = f"{prefix}{by_expert[expert][part]}.weight"
-            weight = corrected_weight(expert_weight(float_experts, expert, part), hessian,
-                                      cross, damp)
-            grid = fit(full, weight, input_order(hessian))
-            rounded = compensate(weight, hessian, grid, damp)
+            rounded, grid = calibrated_rounding(full, expert_weight(float_experts, expert, part),
+                                                hessian, cross, fit, damp)
             expert_weight(quant_experts, expert, part).copy_(rounded)
             result[full] = (rounded, grid)
 

@@ -16,9 +16,14 @@ layers below let through (the asymmetric calibration of GPTAQ).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from framework.layers.quantization.grid import QuantGrid
+
+#: Fits a format's grid to a projection's (checkpoint name, corrected weight, input order).
+GridFit = Callable[[str, torch.Tensor, torch.Tensor], QuantGrid]
 
 #: Input rows rounded between two updates of the rows after them (GPTQ's lazy batches).
 BLOCK = 128
@@ -85,3 +90,14 @@ def compensate(weight: torch.Tensor, hessian: torch.Tensor, grid: QuantGrid, dam
     result = torch.empty_like(rounded)
     result[:, order] = rounded
     return result
+
+
+def calibrated_rounding(name: str, weight: torch.Tensor, hessian: torch.Tensor,
+                        cross: torch.Tensor, fit: GridFit, damp: float
+                        ) -> tuple[torch.Tensor, QuantGrid]:
+    """Checkpoint weight ``name`` corrected towards the float outputs
+    (``corrected_weight``), its grid fitted (``fit``, most active inputs first) and the
+    corrected weight rounded onto it (``compensate``): the rounded weight and the grid."""
+    corrected = corrected_weight(weight, hessian, cross, damp)
+    grid = fit(name, corrected, input_order(hessian))
+    return compensate(corrected, hessian, grid, damp), grid
