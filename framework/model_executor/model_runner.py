@@ -653,15 +653,16 @@ class ModelRunner:
                 is_embedding=self.server_args.is_embedding,
             )
             self._check_same_shapes(new_config)
-            if load_format == "dummy" and self.checkpoint_quantization is not None:
-                raise ValueError("random (dummy) weights load in float and cannot replace "
-                                 "a pre-quantized checkpoint's")
-            if load_format != "dummy":
+            if load_format == "dummy":
+                if self.checkpoint_quantization is not None:
+                    raise ValueError("random (dummy) weights load in float and cannot "
+                                     "replace a pre-quantized checkpoint's")
+            else:
                 self._check_same_quantization(model_path)
-            if load_format != "dummy" and self.checkpoint_quantization is not None:
-                check_same_layout(model_path, self.model_path)
-            elif load_format != "dummy":
-                dry_run_load(new_config, model_path)
+                if self.checkpoint_quantization is None:
+                    dry_run_load(new_config, model_path)
+                else:  # the meta model cannot unpack quantized layers: compare the layouts
+                    check_same_layout(model_path, self.model_path)
         # Any error, not only the expected ones: with several ranks, one that raised here
         # would leave the others waiting for its outcome.
         except Exception as exc:
