@@ -263,7 +263,7 @@ def test_calibrated_copies_are_closer_to_the_float_model(
         assert error(f"{fmt}_calibrated") < 0.3 * error(fmt)
 
 
-@pytest.mark.parametrize("name", ["int8", "gptq", "fp8_block"])
+@pytest.mark.parametrize("name", ["int8", "gptq", "gptq_act_order", "fp8_block"])
 def test_two_ranks_give_one_rank_s_tokens(
         name: str, checkpoints: dict[str, Path], prompt_ids: list[list[int]],
         one_rank: Callable[[str], dict[str, Any]]) -> None:

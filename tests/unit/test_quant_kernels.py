@@ -227,12 +227,6 @@ def test_unsupported_weights_are_refused() -> None:
         TorchQuantLinear().prepare(prepared)
     with pytest.raises(ValueError, match="from its prepare"):
         cpu.apply(WEIGHTS["gptq"](), torch.randn(1, IN))
-    # GPTQ groups of unequal sizes cannot be sorted into runs for the CPU layout.
-    tensors = quantize_gptq(float_weight(), 32)
-    tensors["g_idx"] = torch.zeros(IN, dtype=torch.int32)
-    tensors["g_idx"][-1] = 3
-    with pytest.raises(ValueError, match="g_idx"):
-        cpu.prepare(GptqWeight.from_checkpoint(tensors, 32))
 
 
 def test_registry_names_every_kernel() -> None:
@@ -269,6 +263,8 @@ def sorted_groups(t: torch.Tensor, prepared: QuantizedWeight) -> torch.Tensor:
     """``t``'s columns in the prepared weight's sorted input order, by activation group:
     ``[rows, groups, group size]``."""
     perm = prepared.tensors.get("perm")
+    if getattr(prepared, "pad_column", False):  # padding rows read a zero column
+        t = torch.nn.functional.pad(t, (0, 1))
     ordered = t if perm is None else t[:, perm]
     return ordered.reshape(t.shape[0], -1, activation_group(prepared))
 
@@ -283,12 +279,12 @@ def rounded_activations(x: torch.Tensor, prepared: QuantizedWeight,
     largest = groups.abs().amax(dim=-1, keepdim=True)
     inverse = torch.where(largest > 0, torch.tensor(float(levels)) / largest, torch.zeros(()))
     codes = torch.round(groups * inverse).clamp(-levels, levels)
-    rounded = (codes.double() * (largest.double() / levels)).view_as(x)
+    rounded = (codes.double() * (largest.double() / levels)).view(x.shape[0], -1)
     if perm is None:
         return rounded
-    restored = torch.empty_like(rounded)
+    restored = rounded.new_empty(x.shape[0], x.shape[1] + 1)  # a padding column, dropped
     restored[:, perm] = rounded
-    return restored
+    return restored[:, :x.shape[1]]
 
 
 @pytest.mark.parametrize("weight_name", A8_WEIGHTS)
@@ -422,3 +418,41 @@ def test_groups_of_16_run_float_activations() -> None:
         y = kernel.apply(kernel.prepare(weight), x)
         torch.testing.assert_close(y.double(), reference(weight, x, torch.zeros(OUT)),
                                    rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("packed_ops", [False, True])
+@pytest.mark.parametrize(("start", "length"), [(0, 64), (64, 64), (32, 48)])
+def test_a_rank_s_rows_of_an_act_order_weight_pad_their_groups(
+        packed_ops: bool, start: int, length: int) -> None:
+    # A tensor-parallel rank's input rows of an act-order GPTQ weight hold unequal shares of
+    # its groups of 32: each group's rows are padded to the largest share, rounded up to
+    # 32, with rows reading a zero column; the products stay those of the rank's part.
+    part = WEIGHTS["gptq-act-order"]().narrow_in(start, length)
+    g_idx = part.tensors["g_idx"]
+    assert len(set(torch.bincount(g_idx.long()).tolist())) > 1  # unequal shares
+    kernel = CpuQuantLinear(packed_ops=packed_ops)
+    prepared = kernel.prepare(part)
+    assert isinstance(prepared, CpuInt4Weight) and prepared.pad_column
+    assert prepared.group_size % 32 == 0 and prepared.sorted_features > length
+    assert torch.equal(prepared.dequantize(), part.dequantize())
+    bias = torch.zeros(OUT)
+    for rows in ROWS:
+        x = torch.randn(rows, length, generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(kernel.apply(prepared, x).double(),
+                                   expected_product(kernel, part, prepared, x, bias),
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_groups_of_unequal_sizes_are_padded_into_equal_runs() -> None:
+    # Groups of 127 rows and 1: runs of 128, two of them.
+    cpu = CpuQuantLinear()
+    tensors = quantize_gptq(float_weight(), 32)
+    tensors["g_idx"] = torch.zeros(IN, dtype=torch.int32)
+    tensors["g_idx"][-1] = 3
+    weight = GptqWeight.from_checkpoint(tensors, 32)
+    prepared = cpu.prepare(weight)
+    assert prepared.group_size == 128 and prepared.sorted_features == 256
+    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(cpu.apply(prepared, x).double(),
+                               expected_product(cpu, weight, prepared, x, torch.zeros(OUT)),
+                               rtol=1e-5, atol=1e-4)

@@ -34,7 +34,10 @@ for 4-bit groups) where the blocks split the input features evenly into multiple
 
 4-bit weights with act-order (GPTQ ``desc_act``) have their input rows sorted by group
 once at ``prepare`` (groups then contiguous) and each call reorders ``x``'s columns the
-same way.
+same way. A tensor-parallel rank's input rows of such a weight hold unequal shares of the
+groups: each group's rows are then padded to the largest share (rounded up to the
+native kernels' multiple) with rows that read a zero column appended to ``x``, so the
+groups are equal runs again and every product stays exact.
 """
 
 from __future__ import annotations
@@ -103,6 +106,14 @@ class CpuInt4Weight(QuantizedWeight):
     """
 
     format: ClassVar[str] = "cpu_int4"
+    #: Whether ``perm`` names a zero column past ``x``'s (``_sorted_input``): padding rows.
+    pad_column: bool = False
+
+    @property
+    def sorted_features(self) -> int:
+        """Input rows in sorted order: ``in_features``, and any padding rows."""
+        perm = self.tensors.get("perm")
+        return self.in_features if perm is None else len(perm)
 
     def sorted_matrix(self, rows: slice) -> torch.Tensor:
         """Float32 rows ``rows`` of the nibble-held matrix, its input rows in sorted order."""
@@ -111,7 +122,7 @@ class CpuInt4Weight(QuantizedWeight):
             nibbles.shape[0], -1, self.group_size).float()
         scales, zero_scales = self.tensors["scales"][rows], self.tensors["zero_scales"][rows]
         q.mul_(scales[..., None]).sub_(zero_scales[..., None])
-        return q.view(nibbles.shape[0], self.in_features)
+        return q.view(nibbles.shape[0], self.sorted_features)
 
     def packed_matrix(self) -> torch.Tensor:
         """The float32 matrix held in torch's int4 layout, its input rows in sorted order.
@@ -119,11 +130,12 @@ class CpuInt4Weight(QuantizedWeight):
         That layout is torch's own, so it is read back through torch's kernel: unit rows
         ``x = e_i`` give column ``i``, a block of inputs at a time.
         """
-        block = max(1, UPCAST_ELEMENTS // self.in_features)
+        features = self.sorted_features
+        block = max(1, UPCAST_ELEMENTS // features)
         columns = []
-        for start in range(0, self.in_features, block):
-            count = min(block, self.in_features - start)
-            unit = torch.zeros(count, self.in_features)
+        for start in range(0, features, block):
+            count = min(block, features - start)
+            unit = torch.zeros(count, features)
             unit[torch.arange(count), torch.arange(start, start + count)] = 1
             columns.append(torch._weight_int4pack_mm_for_cpu(
                 unit, self.tensors["packed"], self.group_size, self.tensors["scales_and_zeros"]))
@@ -138,9 +150,19 @@ class CpuInt4Weight(QuantizedWeight):
         perm = self.tensors.get("perm")
         if perm is None:
             return sorted_matrix
-        matrix = torch.empty_like(sorted_matrix)
+        matrix = sorted_matrix.new_empty(self.out_features, self.in_features + self.pad_column)
         matrix[:, perm] = sorted_matrix
-        return matrix
+        return matrix[:, :self.in_features]
+
+
+def _sorted_input(weight: CpuInt4Weight, x: torch.Tensor) -> torch.Tensor:
+    """``x``'s columns in the weight's sorted input order (padding rows read zeros)."""
+    perm = weight.tensors.get("perm")
+    if perm is None:
+        return x
+    if weight.pad_column:
+        x = F.pad(x, (0, 1))
+    return x.index_select(1, perm)
 
 
 @dataclass
@@ -181,27 +203,55 @@ def _prepare_fp8(weight: Fp8Weight | Fp8BlockWeight) -> CpuFp8Weight:
     return CpuFp8Weight({"bits": bits, "scale": scale}, weight.shape, weight.block[1])
 
 
-def _sorted_int4(weight: GptqWeight | AwqWeight) -> tuple[torch.Tensor, ...]:
-    """``(q [out, in], zero points, scales [groups, out], perm or None, group size)``.
+@dataclass
+class _SortedInt4:
+    """A 4-bit weight's codes with their input rows sorted by group (``q [out, K]``),
+    zero points and scales ``[groups, out]``, the input row at each sorted position
+    (``perm``, None: in order; ``in_features``: a padding row) and the rows per group."""
 
-    Raises:
-        ValueError: a ``g_idx`` whose groups are not runs of one size once sorted.
-    """
+    q: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor
+    perm: torch.Tensor | None
+    size: int
+
+
+def _sorted_int4(weight: GptqWeight | AwqWeight) -> _SortedInt4:
+    """``weight``'s codes sorted by group; groups of unequal shares (a rank's input rows
+    of an act-order weight) padded to equal runs (``_padded_groups``)."""
     q = weight.int_weight().t()
     groups = weight.tensors["scales"].shape[0]
     size = weight.in_features // groups
+    zeros, scales = weight.zeros().float(), weight.tensors["scales"].float()
     if isinstance(weight, AwqWeight):
-        return q, weight.zeros().float(), weight.tensors["scales"].float(), None, size
+        return _SortedInt4(q, zeros, scales, None, size)
     g_idx = weight.tensors["g_idx"].long()
     perm = torch.argsort(g_idx, stable=True)
     if not torch.equal(g_idx[perm], torch.arange(weight.in_features) // size):
-        raise ValueError(f"GPTQ g_idx does not split the {weight.in_features} input rows into "
-                         f"{groups} groups of {size}")
+        return _padded_groups(q, g_idx, zeros, scales, weight.group_size)
     if torch.equal(perm, torch.arange(weight.in_features)):
-        perm = None
-    else:
-        q = q[:, perm]
-    return q, weight.zeros().float(), weight.tensors["scales"].float(), perm, size
+        return _SortedInt4(q, zeros, scales, None, size)
+    return _SortedInt4(q[:, perm], zeros, scales, perm, size)
+
+
+def _padded_groups(q: torch.Tensor, g_idx: torch.Tensor, zeros: torch.Tensor,
+                   scales: torch.Tensor, group_size: int) -> _SortedInt4:
+    """The groups that hold rows here, each its rows then padding rows up to the largest
+    share, rounded up to the native kernels' multiple (their integer-activation one where
+    the checkpoint's groups are a multiple of it); a padding row's position in ``perm``
+    is ``in_features``, the zero column ``_sorted_input`` appends to ``x``."""
+    in_features = q.shape[1]
+    counts = torch.bincount(g_idx, minlength=scales.shape[0])
+    held = torch.nonzero(counts).squeeze(1)
+    multiple = INT4_CODES_GROUP_MULTIPLE if group_size % INT4_CODES_GROUP_MULTIPLE == 0 \
+        else NATIVE_K_MULTIPLE
+    run = -(-int(counts.max()) // multiple) * multiple
+    perm = torch.full((len(held) * run,), in_features, dtype=torch.long)
+    for index, group in enumerate(held.tolist()):
+        rows = torch.nonzero(g_idx == group).squeeze(1)
+        perm[index * run:index * run + len(rows)] = rows
+    padded_q = torch.cat([q, q.new_zeros(q.shape[0], 1)], dim=1)[:, perm]
+    return _SortedInt4(padded_q, zeros[held], scales[held], perm, run)
 
 
 def _int4pack_group(size: int, out_features: int) -> int | None:
@@ -213,7 +263,11 @@ def _int4pack_group(size: int, out_features: int) -> int | None:
 
 def _prepare_int4(weight: GptqWeight | AwqWeight, packed_ops: bool) -> CpuInt4Weight:
     """Repack GPTQ or AWQ into torch's int4 layout, or into nibbles for widening."""
-    q, zeros, scales, perm, size = _sorted_int4(weight)
+    sorted_weight = _sorted_int4(weight)
+    q, zeros, scales, perm = (sorted_weight.q, sorted_weight.zeros, sorted_weight.scales,
+                              sorted_weight.perm)
+    size = sorted_weight.size
+    pad_column = perm is not None and bool((perm == weight.in_features).any())
     tensors = {} if perm is None else {"perm": perm}
     kernel_group = _int4pack_group(size, weight.out_features) if packed_ops else None
     if kernel_group is not None:
@@ -222,11 +276,11 @@ def _prepare_int4(weight: GptqWeight | AwqWeight, packed_ops: bool) -> CpuInt4We
         tensors["scales_and_zeros"] = torch.stack(
             [scales.repeat_interleave(repeat, 0), kernel_zeros], dim=-1).contiguous()
         tensors["packed"] = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
-        return CpuInt4Weight(tensors, weight.shape, kernel_group)
+        return CpuInt4Weight(tensors, weight.shape, kernel_group, pad_column)
     tensors["nibbles"] = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous()
     tensors["scales"] = scales.t().contiguous()
     tensors["zero_scales"] = (zeros * scales).t().contiguous()
-    return CpuInt4Weight(tensors, weight.shape, size)
+    return CpuInt4Weight(tensors, weight.shape, size, pad_column)
 
 
 def _blocked_linear(x: torch.Tensor, weight: QuantizedWeight,
@@ -331,9 +385,7 @@ class CpuQuantLinear:
         if isinstance(weight, CpuInt4Weight):
             if "nibbles" not in tensors or weight.group_size % NATIVE_K_MULTIPLE:
                 return None
-            perm = tensors.get("perm")
-            if perm is not None:
-                x = x.index_select(1, perm)
+            x = _sorted_input(weight, x)
             rows = self.ops.int4_rows
             if weight.group_size % INT4_CODES_GROUP_MULTIPLE == 0:
                 rows = self.ops.int4_rows_a8 if self.int8_activations else self.ops.int4_rows_a16
@@ -355,9 +407,7 @@ class CpuQuantLinear:
         return _blocked_linear(x, weight, lambda rows: qweight[rows].float()) * scale
 
     def _apply_int4(self, weight: CpuInt4Weight, x: torch.Tensor) -> torch.Tensor:
-        perm = weight.tensors.get("perm")
-        if perm is not None:
-            x = x.index_select(1, perm)
+        x = _sorted_input(weight, x)
         if "packed" in weight.tensors:
             return torch._weight_int4pack_mm_for_cpu(
                 x, weight.tensors["packed"], weight.group_size,
