@@ -246,3 +246,18 @@ def test_engine_on_a_quantized_checkpoint(tiny_checkpoint: Callable[..., Path], 
     for got, ref in zip(_generate(model_dir, None, "triton"),
                         _generate(model_dir, None, "torch"), strict=True):
         assert_same_greedy(got, ref, FLOAT16_NEAR_TIE, FLOAT16_LOGPROB_TOLERANCE)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "fp8_block"])
+def test_quantized_moe_experts_run_on_the_triton_kernel(fmt: str) -> None:
+    # An MoE layer's quantized experts (gate/up stacked, down) multiply through this kernel
+    # as any quantized layer does, one expert's routed rows at a time.
+    from tests.unit.test_quant_experts import FORMATS, loaded, quantized_experts, reference, routed
+
+    weights = quantized_experts(FORMATS[fmt])
+    layer = loaded(weights, "triton")
+    assert layer.quant_experts is not None
+    assert isinstance(layer.quant_experts.kernel, TritonQuantLinear)
+    with torch.no_grad():
+        got = layer(*routed())
+    torch.testing.assert_close(got.double(), reference(weights), rtol=1e-4, atol=1e-4)
