@@ -115,11 +115,16 @@ def checkpoint_weights(model: nn.Module, files: list[Path]
 
 def iterate_safetensors_shapes(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, meta tensor of the stored shape)``: a checkpoint's layout, no data read."""
+    for name, stored in _stored_tensors(files):
+        yield name, torch.empty(stored.get_shape(), device="meta")
+
+
+def _stored_tensors(files: list[Path]) -> Iterator[tuple[str, Any]]:
+    """``(name, safetensors slice)`` of every tensor of ``files``: shape and dtype, no data."""
     for file in files:
         with _open_safetensors(file) as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                shape = handle.get_slice(name).get_shape()
-                yield name, torch.empty(shape, device="meta")
+                yield name, handle.get_slice(name)
 
 
 def _open_safetensors(file: Path) -> Any:
@@ -220,13 +225,8 @@ def check_same_layout(model_path: str | Path, other_path: str | Path) -> None:
         ValueError: naming a tensor one holds and the other lacks or holds otherwise.
     """
     def layout(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
-        held = {}
-        for file in find_safetensors_files(path):
-            with _open_safetensors(file) as handle:
-                for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    part = handle.get_slice(name)
-                    held[name] = (tuple(part.get_shape()), part.get_dtype())
-        return held
+        return {name: (tuple(stored.get_shape()), stored.get_dtype())
+                for name, stored in _stored_tensors(find_safetensors_files(path))}
 
     new, old = layout(model_path), layout(other_path)
     for name in sorted(new.keys() | old.keys()):

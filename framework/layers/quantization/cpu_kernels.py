@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from framework.layers.attention.native_build import load_cpu_kernels
 from framework.layers.quantization.awq import AwqWeight
 from framework.layers.quantization.fp8 import Fp8BlockWeight, Fp8Weight
-from framework.layers.quantization.gptq import GptqWeight
+from framework.layers.quantization.gptq import GptqWeight, padded_groups
 from framework.layers.quantization.int8 import Int8Weight
 from framework.layers.quantization.torch_kernels import SUPPORTED_FORMATS, check_format
 from framework.layers.quantization.weights import QuantizedWeight
@@ -106,8 +106,12 @@ class CpuInt4Weight(QuantizedWeight):
     """
 
     format: ClassVar[str] = "cpu_int4"
-    #: Whether ``perm`` names a zero column past ``x``'s (``_sorted_input``): padding rows.
-    pad_column: bool = False
+
+    @property
+    def pad_column(self) -> bool:
+        """Whether ``perm`` holds padding rows, which read a zero column past ``x``'s
+        (``_sorted_input``)."""
+        return self.sorted_features > self.in_features
 
     @property
     def sorted_features(self) -> int:
@@ -236,22 +240,13 @@ def _sorted_int4(weight: GptqWeight | AwqWeight) -> _SortedInt4:
 
 def _padded_groups(q: torch.Tensor, g_idx: torch.Tensor, zeros: torch.Tensor,
                    scales: torch.Tensor, group_size: int) -> _SortedInt4:
-    """The groups that hold rows here, each its rows then padding rows up to the largest
-    share, rounded up to the native kernels' multiple (their integer-activation one where
-    the checkpoint's groups are a multiple of it); a padding row's position in ``perm``
-    is ``in_features``, the zero column ``_sorted_input`` appends to ``x``."""
-    in_features = q.shape[1]
-    counts = torch.bincount(g_idx, minlength=scales.shape[0])
-    held = torch.nonzero(counts).squeeze(1)
+    """``padded_groups``' layout, its runs a multiple of the native kernels' (of their
+    integer-activation one where the checkpoint's groups are a multiple of it)."""
     multiple = INT4_CODES_GROUP_MULTIPLE if group_size % INT4_CODES_GROUP_MULTIPLE == 0 \
         else NATIVE_K_MULTIPLE
-    run = -(-int(counts.max()) // multiple) * multiple
-    perm = torch.full((len(held) * run,), in_features, dtype=torch.long)
-    for index, group in enumerate(held.tolist()):
-        rows = torch.nonzero(g_idx == group).squeeze(1)
-        perm[index * run:index * run + len(rows)] = rows
+    perm, held, size = padded_groups(g_idx, scales.shape[0], multiple)
     padded_q = torch.cat([q, q.new_zeros(q.shape[0], 1)], dim=1)[:, perm]
-    return _SortedInt4(padded_q, zeros[held], scales[held], perm, run)
+    return _SortedInt4(padded_q, zeros[held], scales[held], perm, size)
 
 
 def _int4pack_group(size: int, out_features: int) -> int | None:
@@ -264,10 +259,8 @@ def _int4pack_group(size: int, out_features: int) -> int | None:
 def _prepare_int4(weight: GptqWeight | AwqWeight, packed_ops: bool) -> CpuInt4Weight:
     """Repack GPTQ or AWQ into torch's int4 layout, or into nibbles for widening."""
     sorted_weight = _sorted_int4(weight)
-    q, zeros, scales, perm = (sorted_weight.q, sorted_weight.zeros, sorted_weight.scales,
-                              sorted_weight.perm)
-    size = sorted_weight.size
-    pad_column = perm is not None and bool((perm == weight.in_features).any())
+    q, zeros, scales, perm, size = (sorted_weight.q, sorted_weight.zeros, sorted_weight.scales,
+                                    sorted_weight.perm, sorted_weight.size)
     tensors = {} if perm is None else {"perm": perm}
     kernel_group = _int4pack_group(size, weight.out_features) if packed_ops else None
     if kernel_group is not None:
@@ -276,11 +269,11 @@ def _prepare_int4(weight: GptqWeight | AwqWeight, packed_ops: bool) -> CpuInt4We
         tensors["scales_and_zeros"] = torch.stack(
             [scales.repeat_interleave(repeat, 0), kernel_zeros], dim=-1).contiguous()
         tensors["packed"] = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
-        return CpuInt4Weight(tensors, weight.shape, kernel_group, pad_column)
+        return CpuInt4Weight(tensors, weight.shape, kernel_group)
     tensors["nibbles"] = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous()
     tensors["scales"] = scales.t().contiguous()
     tensors["zero_scales"] = (zeros * scales).t().contiguous()
-    return CpuInt4Weight(tensors, weight.shape, size, pad_column)
+    return CpuInt4Weight(tensors, weight.shape, size)
 
 
 def _blocked_linear(x: torch.Tensor, weight: QuantizedWeight,

@@ -155,6 +155,34 @@ class GptqWeight(QuantizedWeight):
         return cls(packed, (packed["scales"].shape[1], in_features), parts[0].group_size)
 
 
+def padded_groups(g_idx: torch.Tensor, groups: int, multiple: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A layout of equal runs for input rows in groups ``g_idx`` of unequal sizes (a
+    tensor-parallel rank's share of act-order rows, or groups of a size a kernel cannot
+    step through): ``(perm, held, size)``.
+
+    ``held`` are the groups that hold rows, in order; each takes ``size`` positions (the
+    largest group's rows rounded up to ``multiple``): its rows in input order, then
+    padding. ``perm[k]`` is the input row at position ``k``, or ``len(g_idx)`` for a
+    padding row, which a kernel points at a zero column appended to ``x``.
+    """
+    g_idx = g_idx.long()
+    rows, device = g_idx.numel(), g_idx.device
+    counts = torch.bincount(g_idx, minlength=groups)
+    held = torch.nonzero(counts).squeeze(1)
+    size = -(-int(counts.max()) // multiple) * multiple
+    slot = torch.zeros(groups, dtype=torch.long, device=device)
+    slot[held] = torch.arange(len(held), device=device)  # each held group's run
+    order = torch.argsort(g_idx, stable=True)
+    first = torch.cumsum(counts, 0) - counts  # each group's first position once sorted
+    sorted_groups = g_idx[order]
+    positions = slot[sorted_groups] * size + torch.arange(rows, device=device) \
+        - first[sorted_groups]
+    perm = torch.full((len(held) * size,), rows, dtype=torch.long, device=device)
+    perm[positions] = order
+    return perm, held, size
+
+
 def act_order_g_idx(perm: torch.Tensor, group_size: int) -> torch.Tensor:
     """``g_idx`` for input rows quantized in the order ``perm``: rank in ``perm`` // size."""
     rank = torch.empty_like(perm)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from framework.layers.quantization.awq import AwqWeight
 from framework.layers.quantization.fp8 import Fp8BlockWeight, Fp8Weight
-from framework.layers.quantization.gptq import GptqWeight
+from framework.layers.quantization.gptq import GptqWeight, padded_groups
 from framework.layers.quantization.int8 import Int8Weight
 from framework.layers.quantization.torch_kernels import SUPPORTED_FORMATS, check_format
 from framework.layers.quantization.weights import QuantizedWeight, pack_int4, unpack_int4
@@ -91,34 +91,30 @@ class TritonW8Weight(QuantizedWeight):
         return self.tensors["weight"].float() * scale
 
 
-def _kernel_rows(g_idx: torch.Tensor, groups: int) -> tuple[torch.Tensor | None, int]:
-    """The kernel's input rows and its group size, for rows in groups ``g_idx``.
+def _kernel_rows(g_idx: torch.Tensor, groups: int
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """The kernel's input rows, its groups and its group size, for rows in groups ``g_idx``.
 
-    Returns ``(perm, size)``: kernel row ``k`` reads input row ``perm[k]`` (``perm`` is
-    None when that is row ``k`` itself), and rows ``g * size`` to ``(g + 1) * size`` are
-    group ``g``'s. When every group holds the same number of rows, a multiple of
-    ``MIN_DOT``, the rows are only sorted by group; otherwise (a group size that is no
-    multiple of 16, or act-order rows split across tensor-parallel ranks, which leaves
-    each rank uneven groups) each group is padded to the same multiple of 16, with
-    ``perm`` pointing its padding rows at the input's one-past-the-end column (``apply``
-    appends a zero column there).
+    Returns ``(perm, held, size)``: kernel row ``k`` reads input row ``perm[k]`` (``perm``
+    is None when that is row ``k`` itself), and rows ``j * size`` to ``(j + 1) * size``
+    are group ``held[j]``'s (``held`` None: every group, in order). When every group holds
+    the same number of rows, a multiple of ``MIN_DOT``, the rows are only sorted by group;
+    otherwise (a group size that is no multiple of 16, or act-order rows split across
+    tensor-parallel ranks, which leaves each rank uneven groups) the groups holding rows
+    are padded to the same multiple of 16 (``padded_groups``), with ``perm`` pointing
+    their padding rows at the input's one-past-the-end column (``apply`` appends a zero
+    column there).
     """
     g_idx = g_idx.long()
     rows = g_idx.numel()
     counts = torch.bincount(g_idx, minlength=groups)
     size = rows // groups
-    order = torch.argsort(g_idx, stable=True)
     if size % MIN_DOT == 0 and bool((counts == size).all()):
+        order = torch.argsort(g_idx, stable=True)
         if torch.equal(order, torch.arange(rows, device=order.device)):
-            return None, size
-        return order, size
-    size = -(-int(counts.max()) // MIN_DOT) * MIN_DOT
-    first = torch.cumsum(counts, 0) - counts  # each group's first position once sorted
-    sorted_groups = g_idx[order]
-    slots = sorted_groups * size + torch.arange(rows, device=order.device) - first[sorted_groups]
-    perm = torch.full((groups * size,), rows, dtype=torch.long, device=order.device)
-    perm[slots] = order
-    return perm, size
+            return None, None, size
+        return order, None, size
+    return padded_groups(g_idx, groups, MIN_DOT)
 
 
 def _prepare_int4(weight: GptqWeight | AwqWeight) -> TritonInt4Weight:
@@ -130,8 +126,11 @@ def _prepare_int4(weight: GptqWeight | AwqWeight) -> TritonInt4Weight:
     else:
         g_idx = torch.arange(weight.in_features, device=scales.device) // (
             weight.in_features // groups)
-    perm, size = _kernel_rows(g_idx, groups)
-    tensors = {"scales": scales.contiguous(), "zeros": weight.zeros().to(torch.uint8)}
+    perm, held, size = _kernel_rows(g_idx, groups)
+    zeros = weight.zeros().to(torch.uint8)
+    if held is not None:
+        scales, zeros = scales[held], zeros[held]
+    tensors = {"scales": scales.contiguous(), "zeros": zeros}
     if isinstance(weight, GptqWeight) and perm is None:
         tensors["qweight"] = weight.tensors["qweight"].contiguous()
     else:
