@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from framework.layers.deferred import materialized
 from framework.layers.linear import CheckpointWeight, TensorParallelGroup, bound_tp_group
 from framework.layers.linear_kernel import linear
 
@@ -65,10 +66,9 @@ class VocabParallelEmbedding(nn.Module):
                 f"{tuple(loaded_weight.shape)}, expected {expected}"
             )
         real_rows = max(0, min(self.rows_per_rank, self.num_embeddings - self.vocab_start))
-        param.data.narrow(0, 0, real_rows).copy_(
-            loaded_weight.narrow(0, self.vocab_start, real_rows)
-        )
-        param.data[real_rows:].zero_()
+        data = materialized(param)
+        data.narrow(0, 0, real_rows).copy_(loaded_weight.narrow(0, self.vocab_start, real_rows))
+        data[real_rows:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embed token ids; each rank looks up its own rows, the rest are summed in."""

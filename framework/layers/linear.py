@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from framework.layers.deferred import materialized
 from framework.layers.linear_kernel import linear
 from framework.layers.quantization.weights import QuantizedWeight
 
@@ -155,6 +156,10 @@ def bind_tp_group(model: nn.Module, group: TensorParallelGroup) -> int:
 class LinearBase(nn.Module):
     """A ``y = x W^T + b`` layer holding this rank's ``[out_local, in_local]`` part of ``W``."""
 
+    #: Built for a pre-quantized checkpoint, the weight waits for a float tensor before it
+    #: is allocated (framework/layers/deferred.py): quantized parts replace it.
+    deferrable_weights = ("weight",)
+
     def __init__(
         self,
         local_input_size: int,
@@ -253,7 +258,8 @@ def _load_rows(
             f"{what}: checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
             f"expected {expected}"
         )
-    param.data.narrow(0, param_offset, rows).copy_(loaded_weight.narrow(0, loaded_start, rows))
+    materialized(param).narrow(0, param_offset, rows).copy_(
+        loaded_weight.narrow(0, loaded_start, rows))
 
 
 class ColumnParallelLinear(LinearBase):
@@ -408,7 +414,7 @@ class RowParallelLinear(LinearBase):
             if isinstance(loaded_weight, QuantizedWeight):
                 self.quant_parts[0] = loaded_weight.narrow_in(self.tp_rank * cols, cols)
                 return
-            param.data.copy_(loaded_weight.narrow(1, self.tp_rank * cols, cols))
+            materialized(param).copy_(loaded_weight.narrow(1, self.tp_rank * cols, cols))
             return
         check_loaded_shape(param, loaded_weight, type(self).__name__)
         param.data.copy_(read_whole(loaded_weight))

@@ -120,6 +120,11 @@ class RotaryEmbedding(nn.Module):
         self._last: tuple[torch.Tensor, int | None, torch.dtype, torch.Tensor,
                           torch.Tensor] | None = None
 
+    def rebuild_buffers(self, device: torch.device) -> None:
+        """Compute ``inv_freq`` again on ``device`` (the module was built on the meta
+        device, which holds no values)."""
+        self.inv_freq = rope_inv_freq(self.head_dim, self.rope).to(device)
+
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from framework.layers.deferred import materialized, place_on_device
 from framework.layers.quantization.checkpoint import CheckpointQuantization
 from framework.mem_cache.kv_scales import CheckpointKVScales
 from framework.model_executor.model_config import ModelConfig, check_model_dir
@@ -171,14 +172,15 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights: matrices ~ N(0, DUMMY_WEIGHT_STD), biases 0, other vectors (norms) 1."""
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
+        data = materialized(param)
         if name.endswith("bias"):
-            param.zero_()
+            data.zero_()
         elif param.dim() < 2:
-            param.fill_(1.0)
+            data.fill_(1.0)
         else:
             if param.device not in generators:
                 generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-            param.normal_(0.0, DUMMY_WEIGHT_STD, generator=generators[param.device])
+            data.normal_(0.0, DUMMY_WEIGHT_STD, generator=generators[param.device])
 
 
 def load_weights(
@@ -265,8 +267,14 @@ def load_model(
     check_load_format(load_format)
     if load_format != "dummy":
         find_safetensors_files(model_config.model_path)  # fail before building the model
-    model = create_model(model_config, device, tp_rank=tp_rank, tp_size=tp_size,
-                         pp_rank=pp_rank, pp_size=pp_size, ep_rank=ep_rank, ep_size=ep_size)
+    # A pre-quantized checkpoint's layers get quantized parts, not float weights: built on
+    # the meta device, the model allocates the weights those may replace only where a float
+    # tensor loads (framework/layers/deferred.py), so start needs no float model's memory.
+    model = create_model(model_config, torch.device("meta") if quantization is not None else device,
+                         tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+                         ep_rank=ep_rank, ep_size=ep_size)
+    if quantization is not None:
+        place_on_device(model, device)
     load_weights(model, model_config.model_path, load_format, seed=seed,
                  quantization=quantization, kv_scales=kv_scales)
     return model

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from framework.layers.activation import GatedActivation
+from framework.layers.deferred import deferred, materialized
 from framework.layers.linear import (
     CheckpointWeight,
     TensorParallelGroup,
@@ -90,6 +91,11 @@ class FusedMoE(nn.Module):
     ``expert_range(num_experts, ep_rank, ep_size)``.
     """
 
+    #: Built for a pre-quantized checkpoint, the experts' weights wait for float tensors
+    #: before they are allocated (framework/layers/deferred.py): quantized parts replace
+    #: them.
+    deferrable_weights = ("w13", "w2")
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
                  activation: str = "silu", tp_rank: int = 0, tp_size: int = 1,
                  ep_rank: int = 0, ep_size: int = 1, backend: str = "cpu") -> None:
@@ -147,13 +153,13 @@ class FusedMoE(nn.Module):
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
     def hold_float(self) -> None:
-        """Drop the quantized experts and give the float weights (uninitialised) their
-        shapes again, so that a checkpoint loads into them."""
+        """Drop the quantized experts and give the float weights their shapes again,
+        deferred (allocated as a float checkpoint loads into them)."""
         self.quant_experts = None
         shapes = ((self.num_local, 2 * self.intermediate, self.hidden_size),
                   (self.num_local, self.hidden_size, self.intermediate))
         for param, shape in zip((self.w13, self.w2), shapes, strict=True):
-            param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
+            param.data = deferred(shape, param.dtype, param.device)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``[n, H]``: the tokens' weighted expert outputs (``weights``, ``ids``: ``[n, k]``).
@@ -202,14 +208,14 @@ class FusedMoE(nn.Module):
             if quantized:
                 self.quant_parts[local, part] = loaded.narrow_in(start, size)
             else:
-                param.data[local].copy_(loaded.narrow(1, start, size))
+                materialized(param)[local].copy_(loaded.narrow(1, start, size))
             return
         _check(loaded, (size * self.split, hidden), f"expert {expert} {part} projection")
         if quantized:
             self.quant_parts[local, part] = loaded.narrow_out(start, size)
             return
         offset = 0 if part == GATE else size
-        param.data[local, offset:offset + size].copy_(loaded.narrow(0, start, size))
+        materialized(param)[local, offset:offset + size].copy_(loaded.narrow(0, start, size))
 
 
 def _check(loaded: Any, expected: tuple[int, int], what: str) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from framework.layers.deferred import deferred
 from framework.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from framework.layers.linear import LinearBase
 from framework.layers.moe.experts import FusedMoE
@@ -113,16 +114,17 @@ def attach_quantized_weight(layer: LinearBase | VocabParallelEmbedding,
 
 
 def float_weights_for_reload(model: nn.Module) -> int:
-    """Give every quantized layer of ``model`` (MoE experts included) an (uninitialised)
-    float weight of its shape again and drop its quantized one, so that a checkpoint
-    loads into it; returns how many layers."""
+    """Give every quantized layer of ``model`` (MoE experts included) a float weight of
+    its shape again, deferred (allocated as a float checkpoint loads into it: a
+    pre-quantized one gives quantized parts instead), and drop its quantized one;
+    returns how many layers."""
     moe_layers = quantized_moe_layers(model)
     for moe in moe_layers:
         moe.hold_float()
     layers = quantized_layers(model)
     for layer in layers:
-        layer.weight.data = torch.empty(layer.quant_weight.shape, dtype=layer.weight.dtype,
-                                        device=layer.weight.device)
+        layer.weight.data = deferred(layer.quant_weight.shape, layer.weight.dtype,
+                                     layer.weight.device)
         layer.quant_weight = None
         layer.quant_kernel = None
         if isinstance(layer, VocabParallelEmbedding):
