@@ -22,7 +22,7 @@ is bound to them (``bind_tp_group``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -196,6 +196,18 @@ class LinearBase(nn.Module):
         #: output row, until they are stacked into ``quant_weight``
         #: (framework/layers/quantization/checkpoint.py).
         self.quant_parts: dict[int, QuantizedWeight] = {}
+        #: Rows of the float weight loaded so far, and what is called with the layer once
+        #: all are in: online quantization quantizes it then (``quantize_on_load``), so
+        #: the float model is never held whole.
+        self.float_loaded = 0
+        self.when_loaded: Callable[[LinearBase], None] | None = None
+
+    @property
+    def local_shape(self) -> tuple[int, int]:
+        """``(out_local, in_local)``: this rank's weight's shape, quantized or float."""
+        out_local, in_local = self.weight.shape if self.quant_weight is None \
+            else self.quant_weight.shape
+        return out_local, in_local
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T (+ bias)`` with this rank's weight, quantized or float."""
@@ -221,6 +233,8 @@ class LinearBase(nn.Module):
         if not isinstance(loaded_weight, QuantizedWeight):
             _load_rows(param, loaded_weight, param_offset=param_offset, rows=rows,
                        loaded_start=loaded_start, loaded_rows=loaded_rows, what=what)
+            if param is self.weight:
+                self._float_rows_in(rows)
             return
         expected = (loaded_rows, self.weight.shape[1])
         if tuple(loaded_weight.shape) != expected:
@@ -228,9 +242,14 @@ class LinearBase(nn.Module):
                              f"{tuple(loaded_weight.shape)}, expected {expected}")
         self.quant_parts[param_offset] = loaded_weight.narrow_out(loaded_start, rows)
 
+    def _float_rows_in(self, rows: int) -> None:
+        """Count ``rows`` of the float weight as loaded; once all are, ``when_loaded``."""
+        self.float_loaded += rows
+        if self.float_loaded == self.weight.shape[0] and self.when_loaded is not None:
+            self.when_loaded(self)
+
     def extra_repr(self) -> str:
-        shape = self.weight.shape if self.quant_weight is None else self.quant_weight.shape
-        out_features, in_features = shape
+        out_features, in_features = self.local_shape
         return (
             f"in_local={in_features}, out_local={out_features}, bias={self.bias is not None}, "
             f"tp_rank={self.tp_rank}, tp_size={self.tp_size}"
@@ -415,6 +434,7 @@ class RowParallelLinear(LinearBase):
                 self.quant_parts[0] = loaded_weight.narrow_in(self.tp_rank * cols, cols)
                 return
             materialized(param).copy_(loaded_weight.narrow(1, self.tp_rank * cols, cols))
+            self._float_rows_in(param.shape[0])
             return
         check_loaded_shape(param, loaded_weight, type(self).__name__)
         param.data.copy_(read_whole(loaded_weight))

@@ -79,7 +79,7 @@ class LoraLinear(nn.Module):
         #: projections after attention in the model's last layer.
         self.on_output_rows = False
         self.is_row_parallel = isinstance(base, RowParallelLinear)
-        out_local, in_local = base.weight.shape
+        out_local, in_local = base.local_shape
         width = len(modules) * max_rank
         like = {"dtype": base.weight.dtype, "device": base.weight.device}
         self.register_buffer("lora_a", torch.zeros(max_slots, width, in_local, **like),
@@ -91,7 +91,7 @@ class LoraLinear(nn.Module):
     def full_shape(self, module: str) -> tuple[int, int]:
         """``(in_features, out_features)`` of projection ``module`` before sharding."""
         base = self.base
-        out_local, in_local = base.weight.shape
+        out_local, in_local = base.local_shape
         if isinstance(base, RowParallelLinear):
             return in_local * base.tp_size, out_local
         if isinstance(base, QKVParallelLinear):

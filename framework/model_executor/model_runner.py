@@ -56,6 +56,7 @@ from framework.layers.quantization.checkpoint import (
     describe_quantization,
 )
 from framework.layers.quantization.linear_method import (
+    OnlineQuantization,
     float_weights_for_reload,
     quantize_embeddings,
     quantize_linear_layers,
@@ -244,6 +245,7 @@ class ModelRunner:
             ep_rank=self.ep_rank,
             ep_size=self.ep_size,
             quantization=self.checkpoint_quantization,
+            online=self._online_quantization(),
             kv_scales=self.kv_scales,
         )
         if parallel is not None:
@@ -303,6 +305,14 @@ class ModelRunner:
     def layer_ops(self) -> Any:
         """The native CPU kernels bound to the layers (``load_cpu_kernels``), or None."""
         return self._cpu_ops
+
+    def _online_quantization(self) -> OnlineQuantization | None:
+        """``--quantization int8|fp8`` of a float checkpoint, quantized as it loads."""
+        args = self.server_args
+        if args.quantization is None or self.checkpoint_quantization is not None:
+            return None
+        return OnlineQuantization(args.quantization, resolve_quant_backend(
+            args.quantized_linear_backend, self.device))
 
     def _quantize_linear_layers(self) -> None:
         """Stack a pre-quantized checkpoint's layers for their kernel, or with
@@ -685,7 +695,8 @@ class ModelRunner:
         with self._base_layers():
             float_weights_for_reload(self.model)
             load_weights(self.model, model_path, load_format, seed=self.server_args.random_seed,
-                         quantization=self.checkpoint_quantization)
+                         quantization=self.checkpoint_quantization,
+                         online=self._online_quantization())
             self._quantize_linear_layers()
 
     def _check_same_quantization(self, model_path: str) -> None:

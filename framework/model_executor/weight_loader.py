@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from framework.layers.deferred import materialized, place_on_device
 from framework.layers.quantization.checkpoint import CheckpointQuantization
+from framework.layers.quantization.linear_method import OnlineQuantization, quantize_on_load
 from framework.mem_cache.kv_scales import CheckpointKVScales
 from framework.model_executor.model_config import ModelConfig, check_model_dir
 from framework.models import get_model_class
@@ -171,31 +172,44 @@ def create_model(
 def fill_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights: matrices ~ N(0, DUMMY_WEIGHT_STD), biases 0, other vectors (norms) 1."""
     generators: dict[torch.device, torch.Generator] = {}
-    for name, param in model.named_parameters():
-        data = materialized(param)
-        if name.endswith("bias"):
-            data.zero_()
-        elif param.dim() < 2:
-            data.fill_(1.0)
-        else:
-            if param.device not in generators:
-                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-            data.normal_(0.0, DUMMY_WEIGHT_STD, generator=generators[param.device])
+    filled: set[int] = set()  # a parameter modules share is filled once
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in filled:
+                continue
+            filled.add(id(param))
+            data = materialized(param)
+            if name.endswith("bias"):
+                data.zero_()
+            elif param.dim() < 2:
+                data.fill_(1.0)
+            else:
+                if param.device not in generators:
+                    generators[param.device] = torch.Generator(
+                        device=param.device).manual_seed(seed)
+                data.normal_(0.0, DUMMY_WEIGHT_STD, generator=generators[param.device])
+        when_loaded = getattr(module, "when_loaded", None)
+        if when_loaded is not None:  # a layer quantized as it loads (``quantize_on_load``)
+            when_loaded(module)
 
 
 def load_weights(
     model: nn.Module, model_path: str | Path, load_format: str, *, seed: int = 0,
     quantization: CheckpointQuantization | None = None,
+    online: OnlineQuantization | None = None,
     kv_scales: CheckpointKVScales | None = None,
 ) -> None:
     """Fill ``model``'s weights from ``model_path`` (or at random for ``dummy``).
 
     With the ``quantization`` of a pre-quantized checkpoint, each quantized layer's
-    tensors reach the model as one weight (``CheckpointQuantization.group``). The
-    checkpoint's KV cache scales never reach the model: they go to ``kv_scales`` when
-    given (``mem_cache/kv_scales.py``).
+    tensors reach the model as one weight (``CheckpointQuantization.group``); with
+    ``online`` quantization of a float one, each linear and MoE layer is quantized as soon
+    as its float weight is in (``quantize_on_load``). The checkpoint's KV cache scales
+    never reach the model: they go to ``kv_scales`` when given (``mem_cache/kv_scales.py``).
     """
     check_load_format(load_format)
+    if online is not None:
+        quantize_on_load(model, online.format, online.backend)
     if load_format == "dummy":
         fill_dummy_weights(model, seed)
         return
@@ -254,11 +268,13 @@ def load_model(
     ep_rank: int = 0,
     ep_size: int = 1,
     quantization: CheckpointQuantization | None = None,
+    online: OnlineQuantization | None = None,
     kv_scales: CheckpointKVScales | None = None,
 ) -> nn.Module:
     """Build the model on ``device`` and fill its weights (this pipeline stage's share);
-    ``quantization``: that of a pre-quantized checkpoint; ``kv_scales``: receives the
-    checkpoint's KV cache scales (``load_weights``).
+    ``quantization``: that of a pre-quantized checkpoint; ``online``: the quantization of a
+    float one, layer by layer as it loads; ``kv_scales``: receives the checkpoint's KV cache
+    scales (``load_weights``).
 
     Raises:
         ValueError: unknown load format, missing checkpoint files, or weights that
@@ -267,14 +283,16 @@ def load_model(
     check_load_format(load_format)
     if load_format != "dummy":
         find_safetensors_files(model_config.model_path)  # fail before building the model
-    # A pre-quantized checkpoint's layers get quantized parts, not float weights: built on
-    # the meta device, the model allocates the weights those may replace only where a float
-    # tensor loads (framework/layers/deferred.py), so start needs no float model's memory.
-    model = create_model(model_config, torch.device("meta") if quantization is not None else device,
+    # A quantized model's layers get quantized parts (a pre-quantized checkpoint's) or are
+    # quantized as they load (online): built on the meta device, the model allocates their
+    # float weights only as a float tensor loads (framework/layers/deferred.py), so start
+    # needs no float model's memory.
+    quantized = quantization is not None or online is not None
+    model = create_model(model_config, torch.device("meta") if quantized else device,
                          tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
                          ep_rank=ep_rank, ep_size=ep_size)
-    if quantization is not None:
+    if quantized:
         place_on_device(model, device)
     load_weights(model, model_config.model_path, load_format, seed=seed,
-                 quantization=quantization, kv_scales=kv_scales)
+                 quantization=quantization, online=online, kv_scales=kv_scales)
     return model

@@ -1,11 +1,16 @@
 """Deferred float weights (``framework/layers/deferred.py``): a pre-quantized checkpoint's
-model allocates no float weight a quantized part replaces.
+model allocates no float weight a quantized part replaces, and online quantization holds
+the float weights of the layers it is loading alone.
 
 The model of a pre-quantized checkpoint is built on the meta device and placed on its
 device with its linear weights (and MoE experts) deferred; the bytes of float tensors
 allocated while it loads, counted by a dispatch mode that sees every factory call, must be
 those of the weights it keeps in float alone (the embedding table, norms, LM head, a
-router), where a model built on its device first allocates every float weight too.
+router), where a model built on its device first allocates every float weight too. With
+``--quantization int8|fp8`` each layer is quantized once its float weight is in: watched
+between the checkpoint's tensors, at most two layers hold float weights at once (q/k/v
+and the output projection, whose tensors interleave in the file), where a float load
+ends with all of them, and the quantized weights are those of the whole-model path.
 """
 
 from __future__ import annotations
@@ -27,8 +32,13 @@ from framework.layers.quantization.checkpoint import (
     attach_checkpoint_weights,
     checkpoint_quantization,
 )
-from framework.layers.quantization.linear_method import float_weights_for_reload
+from framework.layers.quantization.linear_method import (
+    OnlineQuantization,
+    float_weights_for_reload,
+    quantize_linear_layers,
+)
 from framework.layers.rotary import RotaryEmbedding
+from framework.model_executor import weight_loader
 from framework.model_executor.model_config import ModelConfig
 from framework.model_executor.weight_loader import (
     create_model,
@@ -187,6 +197,56 @@ def test_reload_defers_the_float_weights_until_a_checkpoint_fills_them(
                         quantization=checkpoint_quantization(path, None))
     fill_dummy_weights(random, seed=0)
     assert not any(is_deferred(p) for p in random.parameters())
+
+
+def _layers(model: nn.Module) -> list[LinearBase | FusedMoE]:
+    return [m for m in model.modules() if isinstance(m, LinearBase | FusedMoE)]
+
+
+def _holds_float(layer: LinearBase | FusedMoE) -> bool:
+    weight = layer.w13 if isinstance(layer, FusedMoE) else layer.weight
+    return weight.numel() > 0 and not is_deferred(weight)
+
+
+def _quantized_tensors(layer: LinearBase | FusedMoE) -> list[torch.Tensor]:
+    if isinstance(layer, FusedMoE):
+        assert layer.quant_experts is not None
+        return list(layer.quant_experts.tensors())
+    assert layer.quant_weight is not None
+    return list(layer.quant_weight.tensors.values())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_online_quantization_holds_the_float_weights_of_the_layers_loading(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, load_format: str) -> None:
+    path = make_tiny_checkpoint(tmp_path, arch, seed=4)
+    config = ModelConfig.from_pretrained(str(path))
+    held: list[int] = []
+    original = weight_loader.checkpoint_weights
+
+    def watched(model: nn.Module, files: list[Path]) -> Iterator[tuple[str, Any]]:
+        for item in original(model, files):
+            held.append(sum(_holds_float(layer) for layer in _layers(model)))
+            yield item
+        held.append(sum(_holds_float(layer) for layer in _layers(model)))
+
+    monkeypatch.setattr(weight_loader, "checkpoint_weights", watched)
+    reference = load_model(config, torch.device("cpu"), load_format)
+    layers = len(_layers(reference))
+    if load_format == "auto":
+        assert held[-1] == layers  # a float load ends holding every layer in float
+        held.clear()
+    quantized = load_model(config, torch.device("cpu"), load_format,
+                           online=OnlineQuantization("int8", "cpu"))
+    assert max(held, default=0) <= 2 and (load_format == "dummy") == (not held)
+    assert not any(_holds_float(layer) for layer in _layers(quantized))
+    # The same int8 weights as quantizing the float model whole, after its load.
+    assert quantize_linear_layers(reference, "int8", "cpu") == layers
+    assert quantize_linear_layers(quantized, "int8", "cpu") == 0
+    for ours, theirs in zip(_layers(quantized), _layers(reference), strict=True):
+        for a, b in zip(_quantized_tensors(ours), _quantized_tensors(theirs), strict=True):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU "

@@ -18,6 +18,7 @@ quantized-linear kernel and its float weights are empty.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -133,6 +134,10 @@ class FusedMoE(nn.Module):
         self.quant_parts: dict[tuple[int, str], QuantizedWeight] = {}
         #: The experts when held quantized (``hold_quantized``), else None.
         self.quant_experts: QuantizedExperts | None = None
+        #: Float projections (an expert's gate, up or down) loaded so far, and what is
+        #: called with the layer once all are in (online quantization: ``quantize_on_load``).
+        self.float_loaded = 0
+        self.when_loaded: Callable[[FusedMoE], None] | None = None
 
     @property
     def output_is_partial(self) -> bool:
@@ -207,15 +212,19 @@ class FusedMoE(nn.Module):
             _check(loaded, (hidden, size * self.split), f"expert {expert} down projection")
             if quantized:
                 self.quant_parts[local, part] = loaded.narrow_in(start, size)
-            else:
-                materialized(param)[local].copy_(loaded.narrow(1, start, size))
-            return
-        _check(loaded, (size * self.split, hidden), f"expert {expert} {part} projection")
-        if quantized:
-            self.quant_parts[local, part] = loaded.narrow_out(start, size)
-            return
-        offset = 0 if part == GATE else size
-        materialized(param)[local, offset:offset + size].copy_(loaded.narrow(0, start, size))
+                return
+            materialized(param)[local].copy_(loaded.narrow(1, start, size))
+        else:
+            _check(loaded, (size * self.split, hidden), f"expert {expert} {part} projection")
+            if quantized:
+                self.quant_parts[local, part] = loaded.narrow_out(start, size)
+                return
+            offset = 0 if part == GATE else size
+            materialized(param)[local, offset:offset + size].copy_(loaded.narrow(0, start, size))
+        self.float_loaded += 1
+        if self.float_loaded == self.num_local * len((GATE, UP, DOWN)) \
+                and self.when_loaded is not None:
+            self.when_loaded(self)
 
 
 def _check(loaded: Any, expected: tuple[int, int], what: str) -> None:

@@ -14,6 +14,8 @@ head). A weight update from disk gives the quantized layers float weights again
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,24 +49,69 @@ def resolve_quant_backend(name: str, device: torch.device) -> str:
 
 
 def quantize_linear_layers(model: nn.Module, quantization: str, backend: str) -> int:
-    """Quantize every ``LinearBase`` of ``model``, and every MoE layer's experts, online;
-    returns how many layers.
+    """Quantize every ``LinearBase`` of ``model``, and every MoE layer's experts, online
+    (those ``quantize_on_load`` quantized already are left as they are); returns how many
+    layers it quantized.
 
     Raises:
         ValueError: a ``quantization`` that is not quantized online from float weights.
     """
+    quantize = _online_quantizer(quantization, backend)
+    layers = [m for m in model.modules() if _held_in_float(m)]
+    for layer in layers:
+        quantize(layer)
+    return len(layers)
+
+
+def _held_in_float(module: nn.Module) -> bool:
+    """Whether ``module`` is a linear or MoE layer whose weights are float."""
+    if isinstance(module, LinearBase):
+        return module.quant_weight is None
+    return isinstance(module, FusedMoE) and module.quant_experts is None
+
+
+@dataclass(frozen=True)
+class OnlineQuantization:
+    """``--quantization int8|fp8`` of a float checkpoint: the format, and the quantized-linear
+    kernel (a ``QUANT_LINEAR_BACKENDS`` name) that multiplies it."""
+
+    format: str
+    backend: str
+
+
+def quantize_on_load(model: nn.Module, quantization: str, backend: str) -> int:
+    """Have every ``LinearBase`` and MoE layer of ``model`` quantize itself online as soon
+    as its float weight has loaded whole (``when_loaded``), so that with deferred weights
+    (framework/layers/deferred.py) a load holds the float weights of the few layers it is
+    filling, not the float model's; counts what loaded from zero (call before each
+    load). Returns how many layers.
+
+    Raises:
+        ValueError: a ``quantization`` that is not quantized online from float weights.
+    """
+    quantize = _online_quantizer(quantization, backend)
+    layers = [m for m in model.modules() if isinstance(m, LinearBase | FusedMoE)]
+    for layer in layers:
+        layer.float_loaded = 0
+        layer.when_loaded = quantize
+    return len(layers)
+
+
+def _online_quantizer(quantization: str, backend: str) -> Callable[[LinearBase | FusedMoE], None]:
+    """What quantizes one loaded linear or MoE layer to ``quantization`` for ``backend``."""
     if quantization not in ONLINE_FORMATS:
         raise ValueError(f"online quantization supports {sorted(ONLINE_FORMATS)}, "
                          f"got {quantization!r}")
     kernel: Any = QUANT_LINEAR_BACKENDS.get(backend)()
-    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
-    quantize = ONLINE_FORMATS[quantization].from_float
-    for layer in layers:
-        attach_quantized_weight(layer, quantize(layer.weight.data), kernel)
-    moe_layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    for moe in moe_layers:
-        quantize_experts(moe, quantize, kernel)
-    return len(layers) + len(moe_layers)
+    from_float = ONLINE_FORMATS[quantization].from_float
+
+    def quantize(layer: LinearBase | FusedMoE) -> None:
+        if isinstance(layer, FusedMoE):
+            quantize_experts(layer, from_float, kernel)
+        else:
+            attach_quantized_weight(layer, from_float(layer.weight.data), kernel)
+
+    return quantize
 
 
 def quantize_lm_head(model: nn.Module, backend: str) -> int:
