@@ -4,10 +4,13 @@ A random Llama (``--layers``, ``--hidden``, ``--intermediate``; untied LM head) 
 once in float32, with ``framework quantize``'s int8 and GPTQ (groups of 128) copies beside
 it. Each configuration starts a ``ModelRunner`` (the Scheduler's model, KV cache of 256
 tokens) in a process of its own, twice: the first start loads the libraries a start needs,
-the second is measured: the growth of the peak resident memory (``VmHWM``, reset before
-it), the resident memory after it and the weight bytes held; on a CUDA machine
-(``--device cuda``) the peak of allocated GPU memory too. ``--framework-root`` runs the
-processes on another checkout's ``framework`` (an earlier commit, to compare). Writes
+the second is measured: the growth of the anonymous resident memory (``RssAnon``, the
+process's own pages) at its peak (sampled every millisecond) and after the start, of the
+peak resident memory (``VmHWM``, reset before it; it counts the checkpoint's file pages
+mapped while they are read), and the weight bytes held (with oneDNN's packed copies);
+on a CUDA machine (``--device cuda``) the peak of allocated GPU memory too.
+``--framework-root`` runs the processes on another checkout's ``framework`` (an earlier
+commit, to compare). Writes
 ``load_memory.json`` and ``load_memory.md`` (machine, commit) to ``--output`` (default
 ``benchmarks/results/load_memory``)::
 
@@ -26,6 +29,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -74,16 +78,41 @@ def start_once(model_path: str, options: dict[str, Any], device: str) -> dict[st
     del ModelRunner(server_args, model_path).model
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # the peak resident memory starts again
-    before = _status_bytes("VmRSS")
+    before, anon_before = _status_bytes("VmRSS"), _status_bytes("RssAnon")
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    runner = ModelRunner(server_args, model_path)
+    with AnonPeak() as anon:
+        runner = ModelRunner(server_args, model_path)
     result = {"peak_growth_mib": round((_status_bytes("VmHWM") - before) / MIB, 1),
-              "rss_after_mib": round(_status_bytes("VmRSS") / MIB, 1),
+              "anon_peak_growth_mib": round((anon.peak - anon_before) / MIB, 1),
+              "anon_after_mib": round((_status_bytes("RssAnon") - anon_before) / MIB, 1),
               "weight_mib": round(weight_bytes(runner.model)[1] / MIB, 1)}
     if device == "cuda":
         result["gpu_peak_mib"] = round(torch.cuda.max_memory_allocated() / MIB, 1)
     return result
+
+
+class AnonPeak:
+    """The largest anonymous resident memory (``RssAnon``: the process's own pages, not the
+    checkpoint's mapped file pages) seen every millisecond by a thread while in ``with``."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> AnonPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _status_bytes("RssAnon"))
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _status_bytes("RssAnon"))
 
 
 def _status_bytes(field: str) -> int:
@@ -96,7 +125,9 @@ def _status_bytes(field: str) -> int:
 
 def measure(paths: dict[str, Path], args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per configuration, each started in a process of its own."""
-    env = dict(os.environ)
+    # A fixed mmap threshold: freed blocks of 128 KiB or more go back to the system at
+    # once, so the second start cannot reuse the first's freed heap and hide its growth.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
     if args.framework_root:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.framework_root,
                                                           env.get("PYTHONPATH")]))
@@ -120,12 +151,14 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              f"- Commit: {meta['commit']}" + (f" (framework from {meta['framework_root']})"
                                                if meta["framework_root"] else ""),
              f"- Run: {meta['started_at']}", f"- Model: {meta['model']}", "",
-             "| configuration | peak RSS growth (MiB) | RSS after (MiB) | weights (MiB) |"
+             "| configuration | weights (MiB) | anonymous memory: peak growth (MiB) | "
+             "anonymous memory: growth kept (MiB) | peak RSS growth (MiB) |"
              + (" GPU peak (MiB) |" if gpu else ""),
-             "|---|---:|---:|---:|" + ("---:|" if gpu else "")]
+             "|---|---:|---:|---:|---:|" + ("---:|" if gpu else "")]
     for row in rows:
-        lines.append(f"| {row['configuration']} | {row['peak_growth_mib']:,.1f} | "
-                     f"{row['rss_after_mib']:,.1f} | {row['weight_mib']:,.1f} |"
+        lines.append(f"| {row['configuration']} | {row['weight_mib']:,.1f} | "
+                     f"{row['anon_peak_growth_mib']:,.1f} | {row['anon_after_mib']:,.1f} | "
+                     f"{row['peak_growth_mib']:,.1f} |"
                      + (f" {row['gpu_peak_mib']:,.1f} |" if gpu else ""))
     return "\n".join(lines) + "\n"
 

@@ -216,3 +216,37 @@ def test_weights_update_with_adapters_loaded(
         after = engine.generate(input_ids=prompt_ids[0], sampling_params=GREEDY,
                                 lora_path="all8")["output_ids"]
     assert after == expected != before
+
+
+def test_adapters_over_an_int8_base_match_peft_on_its_dequantized_weights(
+        lora_dirs: dict[str, Path], prompt_ids: list[list[int]], tmp_path: Path) -> None:
+    """``--quantization int8`` under the adapters: each linear layer is quantized as it
+    loads, and the adapters, built on the quantized layers, add their products to the
+    int8 ones, as peft merged onto the base with its int8-dequantized weights does."""
+    import shutil
+
+    import peft
+    from safetensors.torch import load_file, save_file
+
+    from framework.layers.quantization.checkpoint_writer import is_target
+    from framework.layers.quantization.int8 import Int8Weight
+
+    dequantized = tmp_path / "int8_dequantized"
+    shutil.copytree(lora_dirs["base"], dequantized)
+    weights = load_file(str(lora_dirs["base"] / "model.safetensors"))
+    for name, tensor in weights.items():
+        if is_target(name, tensor):
+            weights[name] = Int8Weight.from_float(tensor).dequantize().contiguous()
+    save_file(weights, str(dequantized / "model.safetensors"), metadata={"format": "pt"})
+    models = {}
+    for name in (None, *ADAPTERS):
+        model = reference_model(dequantized)
+        if name is not None:
+            model = peft.PeftModel.from_pretrained(model, lora_dirs[name]).merge_and_unload()
+        models[name] = model.double()
+    expected = [transformers_greedy(models[name], ids, NEW_TOKENS)[0]
+                for ids, name in zip(prompt_ids, MIXED, strict=True)]
+    with Engine(model_path=str(lora_dirs["base"]), lora_paths=_lora_paths(lora_dirs),
+                quantization="int8", quantized_linear_backend="torch",
+                **ENGINE_ARGS) as engine:
+        assert _mixed(engine, prompt_ids) == expected
