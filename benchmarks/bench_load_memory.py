@@ -163,6 +163,13 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _commit_of(root: str) -> str:
+    """``root`` and the commit checked out there."""
+    done = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=False)
+    return f"{root} at commit {done.stdout.strip() or 'unknown'}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=12)
@@ -178,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.loads(args.child)
         print(json.dumps(start_once(spec["model_path"], spec["options"], spec["device"])))
         return 0
-    meta = {**run_stamp(), "framework_root": args.framework_root,
+    meta = {**run_stamp(), "framework_root": args.framework_root and _commit_of(
+                args.framework_root),
             "model": f"random Llama, {args.layers} layers, hidden {args.hidden}, "
                      f"intermediate {args.intermediate}, float32"}
     with tempfile.TemporaryDirectory() as root:
