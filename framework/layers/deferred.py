@@ -1,14 +1,16 @@
 """Float weights allocated only when a float tensor loads into them.
 
-A pre-quantized checkpoint gives most linear layers (and MoE experts) quantized parts
-in place of float weights. Allocated when the model is built, their float weights would
-need the float model's memory free at start (on a GPU, where memory is committed as it
-is allocated), only to be freed once the parts are stacked. Such weights are built
-*deferred* instead: a tensor of the weight's shape, dtype and device whose entries all
-share one element. A weight loader that copies a float tensor into one allocates it first
-(``materialized``); one that keeps quantized parts leaves it as it is, and the layer's
-float weight is then replaced by an empty one. Writing into a deferred weight that was
-not materialized fails (its entries overlap), so no path can fill it unnoticed.
+A quantized model's linear layers (and MoE experts) need their float weights briefly or
+not at all: a pre-quantized checkpoint gives them quantized parts instead, and online
+quantization quantizes each layer once its float weight is in. Allocated when the model
+is built, the float weights would need the float model's memory free at start (on a GPU,
+where memory is committed as it is allocated), only to be freed once the layers are
+quantized. Such weights are built *deferred* instead: a tensor of the weight's shape,
+dtype and device whose entries all share one element. A weight loader that copies a float
+tensor into one allocates it first (``materialized``); one that keeps quantized parts
+leaves it as it is, and the layer's float weight is then replaced by an empty one.
+Writing into a deferred weight that was not materialized fails (its entries overlap), so
+no path can fill it unnoticed.
 """
 
 from __future__ import annotations
@@ -26,11 +28,6 @@ def deferred(shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
 def is_deferred(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a deferred weight (more than one entry, all of one element)."""
     return tensor.numel() > 1 and not any(tensor.stride())
-
-
-def defer(param: nn.Parameter) -> None:
-    """Make ``param`` deferred, keeping its shape, dtype and device (its memory is freed)."""
-    param.data = deferred(param.shape, param.dtype, param.device)
 
 
 def materialized(param: nn.Parameter) -> torch.Tensor:

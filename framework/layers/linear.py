@@ -156,8 +156,8 @@ def bind_tp_group(model: nn.Module, group: TensorParallelGroup) -> int:
 class LinearBase(nn.Module):
     """A ``y = x W^T + b`` layer holding this rank's ``[out_local, in_local]`` part of ``W``."""
 
-    #: Built for a pre-quantized checkpoint, the weight waits for a float tensor before it
-    #: is allocated (framework/layers/deferred.py): quantized parts replace it.
+    #: Built for quantized serving, the weight waits for a float tensor before it is
+    #: allocated (framework/layers/deferred.py): quantized parts may replace it.
     deferrable_weights = ("weight",)
 
     def __init__(

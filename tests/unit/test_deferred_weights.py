@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from framework.cli_quantize import quantize_checkpoint
-from framework.layers.deferred import defer, deferred, is_deferred, materialized, place_on_device
+from framework.layers.deferred import deferred, is_deferred, materialized, place_on_device
 from framework.layers.linear import LinearBase
 from framework.layers.moe.experts import FusedMoE
 from framework.layers.quantization.checkpoint import (
@@ -92,8 +92,8 @@ def _quantized_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 def test_a_deferred_weight_keeps_its_shape_and_takes_no_write_until_materialized() -> None:
-    param = nn.Parameter(torch.zeros(6, 4), requires_grad=False)
-    defer(param)
+    param = nn.Parameter(deferred((6, 4), torch.float32, torch.device("cpu")),
+                         requires_grad=False)
     assert is_deferred(param) and param.shape == (6, 4) and param.dtype == torch.float32
     assert param.untyped_storage().nbytes() == 4  # one element
     with pytest.raises(RuntimeError):

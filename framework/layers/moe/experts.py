@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 
 #: Shard ids of the per-expert tensors: which part of the stacked weights each fills.
 GATE, UP, DOWN = "gate", "up", "down"
+#: An expert's projections.
+PROJECTIONS = (GATE, UP, DOWN)
 #: Each expert projection's name in a checkpoint (Qwen's, then Mixtral's) and its part.
 EXPERT_PARTS = {"gate_proj": GATE, "up_proj": UP, "down_proj": DOWN,
                 "w1": GATE, "w3": UP, "w2": DOWN}
@@ -92,9 +94,8 @@ class FusedMoE(nn.Module):
     ``expert_range(num_experts, ep_rank, ep_size)``.
     """
 
-    #: Built for a pre-quantized checkpoint, the experts' weights wait for float tensors
-    #: before they are allocated (framework/layers/deferred.py): quantized parts replace
-    #: them.
+    #: Built for quantized serving, the experts' weights wait for float tensors before they
+    #: are allocated (framework/layers/deferred.py): quantized parts may replace them.
     deferrable_weights = ("w13", "w2")
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
@@ -222,7 +223,7 @@ class FusedMoE(nn.Module):
             offset = 0 if part == GATE else size
             materialized(param)[local, offset:offset + size].copy_(loaded.narrow(0, start, size))
         self.float_loaded += 1
-        if self.float_loaded == self.num_local * len((GATE, UP, DOWN)) \
+        if self.float_loaded == self.num_local * len(PROJECTIONS) \
                 and self.when_loaded is not None:
             self.when_loaded(self)
 

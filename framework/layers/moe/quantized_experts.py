@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from framework.layers.activation import GatedActivation
-from framework.layers.moe.experts import DOWN, GATE, UP
+from framework.layers.moe.experts import DOWN, GATE, PROJECTIONS, UP
 from framework.layers.quantization.weights import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ def stack_expert_parts(parts: dict[tuple[int, str], QuantizedWeight], count: int
     """
     w13, w2 = [], []
     for expert in range(count):
-        missing = [part for part in (GATE, UP, DOWN) if (expert, part) not in parts]
+        missing = [part for part in PROJECTIONS if (expert, part) not in parts]
         if missing:
             raise ValueError(f"{what}: expert {expert}'s {', '.join(missing)} projection(s) "
                              "did not load quantized while others did (a checkpoint must "
