@@ -99,6 +99,14 @@ def check_loaded_shape(param: torch.Tensor, loaded: CheckpointWeight, what: str)
         )
 
 
+def row_amax(loaded: CheckpointWeight, rows_per_read: int = 1024) -> torch.Tensor:
+    """Each row's largest magnitude (float32 ``[out]``) of a whole ``[out, in]`` checkpoint
+    tensor, read ``rows_per_read`` rows at a time."""
+    out = loaded.shape[0]
+    return torch.cat([loaded.narrow(0, start, min(rows_per_read, out - start)).float().abs()
+                      .amax(dim=1) for start in range(0, out, rows_per_read)])
+
+
 def default_weight_loader(
     param: torch.Tensor, loaded_weight: CheckpointWeight, shard_id: object = None
 ) -> None:
@@ -201,6 +209,10 @@ class LinearBase(nn.Module):
         #: the float model is never held whole.
         self.float_loaded = 0
         self.when_loaded: Callable[[LinearBase], None] | None = None
+        #: Each output row's largest magnitude over every rank's columns, read by a
+        #: row-parallel rank loading for online quantization, whose channel scales then
+        #: span whole rows, as on one rank; None otherwise.
+        self.row_amax: torch.Tensor | None = None
 
     @property
     def local_shape(self) -> tuple[int, int]:
@@ -434,6 +446,8 @@ class RowParallelLinear(LinearBase):
                 self.quant_parts[0] = loaded_weight.narrow_in(self.tp_rank * cols, cols)
                 return
             materialized(param).copy_(loaded_weight.narrow(1, self.tp_rank * cols, cols))
+            if self.when_loaded is not None and self.tp_size > 1:  # quantized as it loads
+                self.row_amax = row_amax(loaded_weight)
             self._float_rows_in(param.shape[0])
             return
         check_loaded_shape(param, loaded_weight, type(self).__name__)

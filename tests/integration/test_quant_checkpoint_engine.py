@@ -276,6 +276,19 @@ def test_two_ranks_give_one_rank_s_tokens(
         assert info[f"param_bytes_rank_{rank}"] < 0.6 * whole["info"]["param_bytes_rank_0"]
 
 
+def test_online_int8_over_two_ranks_gives_one_rank_s_tokens(
+        checkpoints: dict[str, Path], prompt_ids: list[list[int]]) -> None:
+    # Each rank quantizes its part as it loads; a row-parallel rank's channel scales span
+    # the whole rows (read from the checkpoint), so the codes are one rank's.
+    tokens = {}
+    for tp_size in (1, 2):
+        with Engine(model_path=str(checkpoints["float"]), quantization="int8",
+                    tp_size=tp_size, **ENGINE_ARGS) as engine:
+            outs = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)
+            tokens[tp_size] = [o["output_ids"] for o in outs]
+    assert tokens[2] == tokens[1]
+
+
 def test_flag_contradicting_the_checkpoint_is_refused(checkpoints: dict[str, Path]) -> None:
     with pytest.raises(Exception, match=r"--quantization int8 contradicts .*'gptq'"):
         Engine(model_path=str(checkpoints["gptq"]), quantization="int8", launch_mode="thread",

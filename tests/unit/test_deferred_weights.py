@@ -266,3 +266,35 @@ def test_pre_quantized_load_on_a_gpu_peaks_below_the_float_weights(
     float_model = _float_bytes(create_model(config, torch.device("meta")).parameters())
     kept = _float_bytes(p for p in model.parameters() if p.numel() > 0)
     assert peak < kept + (float_model - kept) / 2, (peak, kept, float_model)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_a_row_parallel_rank_quantized_as_it_loads_scales_whole_rows(quantization: str) -> None:
+    """Two ranks' row-parallel parts (and an MoE layer's down projections under tensor
+    parallelism), each quantized as it loads, hold the one-rank quantization's codes and
+    scales of their columns: the channel scales span every rank's columns."""
+    from framework.layers.linear import RowParallelLinear
+    from framework.layers.moe.experts import DOWN, GATE, UP
+    from framework.layers.quantization.linear_method import ONLINE_FORMATS, quantize_on_load
+
+    torch.manual_seed(0)
+    full = torch.randn(24, 64)
+    full[:, 40] *= 8  # the rows' largest magnitudes lie in rank 1's columns
+    whole = ONLINE_FORMATS[quantization].from_float(full)
+    experts = [torch.randn(16, 32) for _ in range(2)]  # down: [hidden 16, intermediate 32]
+    for rank in (0, 1):
+        layer = RowParallelLinear(64, 24, tp_rank=rank, tp_size=2)
+        moe = FusedMoE(2, 16, 32, tp_rank=rank, tp_size=2)
+        quantize_on_load(nn.ModuleList([layer, moe]), quantization, "torch")
+        layer.weight_loader(layer.weight, full)
+        torch.testing.assert_close(layer.quant_weight.dequantize(),
+                                   whole.narrow_in(rank * 32, 32).dequantize(), rtol=0, atol=0)
+        for expert, down in enumerate(experts):
+            moe.weight_loader(moe.w2, down, (expert, DOWN))
+            for part in (GATE, UP):
+                moe.weight_loader(moe.w13, torch.randn(32, 16), (expert, part))
+        assert moe.quant_experts is not None
+        for expert, down in enumerate(experts):
+            theirs = ONLINE_FORMATS[quantization].from_float(down).narrow_in(rank * 16, 16)
+            torch.testing.assert_close(moe.quant_experts.w2[expert].dequantize(),
+                                       theirs.dequantize(), rtol=0, atol=0)

@@ -32,6 +32,7 @@ from framework.layers.linear import (
     TensorParallelGroup,
     bound_tp_group,
     divide,
+    row_amax,
 )
 from framework.layers.linear_kernel import pack_weight
 from framework.layers.moe.expert_parallel import LocalExperts, expert_parallel_moe
@@ -139,6 +140,9 @@ class FusedMoE(nn.Module):
         #: called with the layer once all are in (online quantization: ``quantize_on_load``).
         self.float_loaded = 0
         self.when_loaded: Callable[[FusedMoE], None] | None = None
+        #: By local expert, each row's largest magnitude of its whole down projection, read
+        #: under tensor parallelism for online quantization (``LinearBase.row_amax``).
+        self.down_row_amax: dict[int, torch.Tensor] = {}
 
     @property
     def output_is_partial(self) -> bool:
@@ -215,6 +219,8 @@ class FusedMoE(nn.Module):
                 self.quant_parts[local, part] = loaded.narrow_in(start, size)
                 return
             materialized(param)[local].copy_(loaded.narrow(1, start, size))
+            if self.when_loaded is not None and self.split > 1:  # quantized as it loads
+                self.down_row_amax[local] = row_amax(loaded)
         else:
             _check(loaded, (size * self.split, hidden), f"expert {expert} {part} projection")
             if quantized:

@@ -92,10 +92,14 @@ def attach_checkpoint_experts(layer: FusedMoE, kernel: Any, name: str) -> None:
                                           [kernel.prepare(w.to(device)) for w in w2], kernel))
 
 
-def quantize_experts(layer: FusedMoE, quantize: Callable[[torch.Tensor], QuantizedWeight],
+def quantize_experts(layer: FusedMoE,
+                     quantize: Callable[[torch.Tensor, torch.Tensor | None], QuantizedWeight],
                      kernel: Any) -> None:
     """Quantize ``layer``'s loaded float experts one matrix at a time with ``quantize``
-    (a format's ``from_float``), multiplied by ``kernel``."""
-    layer.hold_quantized(QuantizedExperts([kernel.prepare(quantize(w)) for w in layer.w13],
-                                          [kernel.prepare(quantize(w)) for w in layer.w2],
-                                          kernel))
+    (a format's ``from_float``; a down projection with its whole rows' magnitudes when a
+    rank holds some of its columns: ``down_row_amax``), multiplied by ``kernel``."""
+    down_amax = layer.down_row_amax
+    w13 = [kernel.prepare(quantize(w, None)) for w in layer.w13]
+    w2 = [kernel.prepare(quantize(w, down_amax.get(expert))) for expert, w in enumerate(layer.w2)]
+    layer.down_row_amax = {}
+    layer.hold_quantized(QuantizedExperts(w13, w2, kernel))

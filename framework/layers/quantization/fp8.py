@@ -73,9 +73,12 @@ class Fp8Weight(QuantizedWeight):
         return cls(dict(tensors), (weight.shape[0], weight.shape[1]))
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor) -> Fp8Weight:
-        """Quantize a float ``[out, in]`` weight online (``quantize_fp8``) and wrap the result."""
-        return cls.from_checkpoint(quantize_fp8(weight))
+    def from_float(cls, weight: torch.Tensor, row_amax: torch.Tensor | None = None
+                   ) -> Fp8Weight:
+        """Quantize a float ``[out, in]`` weight online (``quantize_fp8``) and wrap the
+        result; ``row_amax``: each row's largest magnitude when ``weight`` holds only some
+        of the row's columns (a tensor-parallel rank's), so the scales are the whole rows'."""
+        return cls.from_checkpoint(quantize_fp8(weight, fp8_grid(weight, row_amax)))
 
     def channel_scales(self) -> torch.Tensor:
         """The scale of each output channel as float32 ``[out]`` (a per-tensor one repeated)."""
@@ -122,10 +125,12 @@ class Fp8Weight(QuantizedWeight):
         return cls(tensors, (weight.shape[0], in_features))
 
 
-def fp8_grid(weight: torch.Tensor) -> QuantGrid:
+def fp8_grid(weight: torch.Tensor, row_amax: torch.Tensor | None = None) -> QuantGrid:
     """The E4M3 grid of a float ``[out, in]`` weight: a scale per output channel that puts
-    the channel's largest magnitude at ``FP8_MAX``."""
-    scale = (weight.float().abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)
+    the channel's largest magnitude (``row_amax`` if given) at ``FP8_MAX``."""
+    amax = weight.float().abs().amax(dim=1) if row_amax is None \
+        else row_amax.to(weight.device, torch.float32)
+    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
     return channel_grid(scale, weight.shape[1], e4m3=True)
 
 

@@ -69,9 +69,12 @@ class Int8Weight(QuantizedWeight):
         return cls.from_tensors({"qweight": tensors["weight"], "scale": scale})
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor) -> Int8Weight:
-        """Quantize a float ``[out, in]`` weight (``quantize_int8``) and wrap the result."""
-        return cls.from_tensors(quantize_int8(weight))
+    def from_float(cls, weight: torch.Tensor, row_amax: torch.Tensor | None = None
+                   ) -> Int8Weight:
+        """Quantize a float ``[out, in]`` weight (``quantize_int8``) and wrap the result;
+        ``row_amax``: each row's largest magnitude when ``weight`` holds only some of the
+        row's columns (a tensor-parallel rank's), so the scales are the whole rows'."""
+        return cls.from_tensors(quantize_int8(weight, int8_grid(weight, row_amax)))
 
     def dequantize(self) -> torch.Tensor:
         """``qweight * scale`` as float32 ``[out, in]``."""
@@ -99,9 +102,12 @@ class Int8Weight(QuantizedWeight):
         return cls(tensors, (tensors["qweight"].shape[0], in_features))
 
 
-def int8_grid(weight: torch.Tensor) -> QuantGrid:
-    """The int8 grid of a float ``[out, in]`` weight: ``amax / 127`` per output channel."""
-    scale = (weight.float().abs().amax(dim=1) / INT8_MAX).clamp(min=MIN_SCALE)
+def int8_grid(weight: torch.Tensor, row_amax: torch.Tensor | None = None) -> QuantGrid:
+    """The int8 grid of a float ``[out, in]`` weight: ``amax / 127`` per output channel
+    (``row_amax``: the rows' largest magnitudes, if not ``weight``'s own)."""
+    amax = weight.float().abs().amax(dim=1) if row_amax is None \
+        else row_amax.to(weight.device, torch.float32)
+    scale = (amax / INT8_MAX).clamp(min=MIN_SCALE)
     return channel_grid(scale, weight.shape[1], low=-INT8_MAX, high=INT8_MAX)
 
 

@@ -108,8 +108,9 @@ def _online_quantizer(quantization: str, backend: str) -> Callable[[LinearBase |
     def quantize(layer: LinearBase | FusedMoE) -> None:
         if isinstance(layer, FusedMoE):
             quantize_experts(layer, from_float, kernel)
-        else:
-            attach_quantized_weight(layer, from_float(layer.weight.data), kernel)
+            return
+        amax, layer.row_amax = layer.row_amax, None
+        attach_quantized_weight(layer, from_float(layer.weight.data, amax), kernel)
 
     return quantize
 
