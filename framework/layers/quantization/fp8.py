@@ -29,7 +29,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from framework.layers.quantization.grid import FP8_MAX, QuantGrid, channel_grid
+from framework.layers.quantization.grid import FP8_MAX, QuantGrid, channel_amax, channel_grid
 from framework.layers.quantization.weights import (
     QuantizedWeight,
     cat_tensors,
@@ -128,8 +128,7 @@ class Fp8Weight(QuantizedWeight):
 def fp8_grid(weight: torch.Tensor, row_amax: torch.Tensor | None = None) -> QuantGrid:
     """The E4M3 grid of a float ``[out, in]`` weight: a scale per output channel that puts
     the channel's largest magnitude (``row_amax`` if given) at ``FP8_MAX``."""
-    amax = weight.float().abs().amax(dim=1) if row_amax is None \
-        else row_amax.to(weight.device, torch.float32)
+    amax = channel_amax(weight, row_amax)
     scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
     return channel_grid(scale, weight.shape[1], e4m3=True)
 

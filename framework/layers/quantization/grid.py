@@ -89,6 +89,15 @@ class QuantGrid:
         return (self._codes(weight, scale, zero) - zero) * scale
 
 
+def channel_amax(weight: torch.Tensor, row_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Each output row's largest magnitude, float32 ``[out]``: ``weight``'s own, or
+    ``row_amax`` (the whole rows' when ``weight`` holds some of their columns, as a
+    tensor-parallel rank does) on ``weight``'s device."""
+    if row_amax is None:
+        return weight.float().abs().amax(dim=1)
+    return row_amax.to(weight.device, torch.float32)
+
+
 def channel_grid(scale: torch.Tensor, in_features: int, **codes: float | bool) -> QuantGrid:
     """A grid of one scale per output channel (``scale`` ``[out]``) and no zero."""
     column = scale.float().reshape(-1, 1)

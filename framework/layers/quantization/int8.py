@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from framework.layers.quantization.grid import QuantGrid, channel_grid
+from framework.layers.quantization.grid import QuantGrid, channel_amax, channel_grid
 from framework.layers.quantization.weights import (
     QuantizedWeight,
     cat_tensors,
@@ -105,8 +105,7 @@ class Int8Weight(QuantizedWeight):
 def int8_grid(weight: torch.Tensor, row_amax: torch.Tensor | None = None) -> QuantGrid:
     """The int8 grid of a float ``[out, in]`` weight: ``amax / 127`` per output channel
     (``row_amax``: the rows' largest magnitudes, if not ``weight``'s own)."""
-    amax = weight.float().abs().amax(dim=1) if row_amax is None \
-        else row_amax.to(weight.device, torch.float32)
+    amax = channel_amax(weight, row_amax)
     scale = (amax / INT8_MAX).clamp(min=MIN_SCALE)
     return channel_grid(scale, weight.shape[1], low=-INT8_MAX, high=INT8_MAX)
 

@@ -1,8 +1,11 @@
 """Online quantization of a loaded model's linear layers (``--quantization int8|fp8``).
 
-After the float weights load, each ``LinearBase`` layer's local weight (its tensor-parallel
-shard) is quantized per output channel, handed to the quantized-linear kernel's ``prepare``,
-and its float copy is freed; the layer then multiplies through the kernel's ``apply``.
+As soon as its float weight has loaded (``quantize_on_load``), each ``LinearBase`` layer's
+local weight (its tensor-parallel shard) is quantized per output channel (a row-parallel
+rank's scales from its rows' magnitudes over every rank's columns, ``LinearBase.row_amax``),
+handed to the quantized-linear kernel's ``prepare``, and its float copy is freed; the
+layer then multiplies through the kernel's ``apply``. A layer a load leaves float is
+quantized after it (``quantize_linear_layers``).
 MoE layers' experts are quantized alike, one expert's matrix at a time
 (``moe/quantized_experts.py``).
 The embedding table and the LM head stay float unless asked for in int8, one scale a row:
