@@ -22,7 +22,7 @@ from torch import nn
 def deferred(shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
              device: torch.device) -> torch.Tensor:
     """A deferred weight: ``shape``, ``dtype`` and ``device``, one element of memory."""
-    return torch.empty(1, dtype=dtype, device=device).expand(shape)
+    return torch.empty(1, dtype=dtype, device=device).as_strided(shape, (0,) * len(shape))
 
 
 def is_deferred(tensor: torch.Tensor) -> bool:

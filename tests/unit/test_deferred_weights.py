@@ -102,6 +102,7 @@ def test_a_deferred_weight_keeps_its_shape_and_takes_no_write_until_materialized
     assert not is_deferred(param) and torch.equal(param.data, torch.ones(6, 4))
     assert materialized(param).data_ptr() == param.data_ptr()  # allocated once
     assert not is_deferred(deferred((1, 1), torch.float32, torch.device("cpu")))
+    assert is_deferred(deferred((64, 1), torch.float32, torch.device("cpu")))  # one input
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
