@@ -299,3 +299,26 @@ def test_a_row_parallel_rank_quantized_as_it_loads_scales_whole_rows(quantizatio
             theirs = ONLINE_FORMATS[quantization].from_float(down).narrow_in(rank * 16, 16)
             torch.testing.assert_close(moe.quant_experts.w2[expert].dequantize(),
                                        theirs.dequantize(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "qwen3_moe", "mixtral"])
+def test_every_family_built_deferred_and_quantized_as_it_loads_equals_the_eager_path(
+        tmp_path: Path, arch: str) -> None:
+    """Built on the meta device, placed with deferred weights and quantized as it loads, a
+    model holds what one built on its device, loaded, then quantized whole holds: every
+    float parameter, every buffer (the rotary frequencies computed again) and every
+    quantized tensor, exactly."""
+    path = make_tiny_checkpoint(tmp_path, arch, seed=6)
+    config = ModelConfig.from_pretrained(str(path))
+    ours = load_model(config, torch.device("cpu"), online=OnlineQuantization("int8", "cpu"))
+    eager = create_model(config, torch.device("cpu"))
+    load_weights(eager, path, "auto")
+    quantize_linear_layers(eager, "int8", "cpu")
+    for (name, a), (_, b) in zip(ours.named_parameters(), eager.named_parameters(), strict=True):
+        assert a.shape == b.shape and torch.equal(a, b), name
+    for (name, a), (_, b) in zip(ours.named_buffers(), eager.named_buffers(), strict=True):
+        assert torch.equal(a, b), name
+    for ours_layer, eager_layer in zip(_layers(ours), _layers(eager), strict=True):
+        for a, b in zip(_quantized_tensors(ours_layer), _quantized_tensors(eager_layer),
+                        strict=True):
+            assert torch.equal(a, b)
