@@ -82,12 +82,12 @@ class OnlineQuantization:
     backend: str
 
 
-def quantize_on_load(model: nn.Module, quantization: str, backend: str) -> int:
+def quantize_on_load(model: nn.Module, quantization: str, backend: str) -> None:
     """Have every ``LinearBase`` and MoE layer of ``model`` quantize itself online as soon
     as its float weight has loaded whole (``when_loaded``), so that with deferred weights
     (framework/layers/deferred.py) a load holds the float weights of the few layers it is
     filling, not the float model's; counts what loaded from zero (call before each
-    load). Returns how many layers.
+    load).
 
     Raises:
         ValueError: a ``quantization`` that is not quantized online from float weights.
@@ -97,7 +97,6 @@ def quantize_on_load(model: nn.Module, quantization: str, backend: str) -> int:
     for layer in layers:
         layer.float_loaded = 0
         layer.when_loaded = quantize
-    return len(layers)
 
 
 def _online_quantizer(quantization: str, backend: str) -> Callable[[LinearBase | FusedMoE], None]:
