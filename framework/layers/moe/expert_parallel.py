@@ -37,9 +37,13 @@ class LocalExperts:
     """This rank's experts: how many, and ``apply(x, weights, ids)``, their weighted
     outputs ``[n, H]`` for the choices ``ids`` (``[n, k]``) they hold."""
 
-    #: Experts this rank holds (every rank holds as many).
-    count: int
+    local: int
     apply: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+    @property
+    def count(self) -> int:
+        """Experts this rank holds (every rank holds as many)."""
+        return self.local
 
     def run(self, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Each row through the one expert it names, unweighted: ``[R, H]``."""
