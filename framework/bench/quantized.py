@@ -11,7 +11,8 @@ whether the LM head and embeddings are quantized too) is served by one
 ``framework.Engine`` that runs greedy requests at 1 stream (one request at a time) and at
 64 (sent together): every checkpoint on the default kernel (float32 activations, rounded
 to int16 next to 4-bit codes), again
-on ``cpu_a8`` (products of a few rows on int8 activations), and each with an int8 LM
+on ``cpu_a8`` (products of a few rows on int8 activations; FP8 products of many rows on
+bfloat16 ones), and each with an int8 LM
 head and embedding table (``--quantize-lm-head``, ``--quantize-embeddings``).
 The Engines run side by side and take turns round by round (``run_configurations``); each
 configuration runs ``--rounds`` times after a warm-up and keeps its best round.
@@ -48,7 +49,7 @@ CONFIGURATIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("int8, cpu_a8", "int8", _A8), ("gptq, cpu_a8", "gptq", _A8),
     ("int8, int8 tables", "int8", _TABLES),
     ("gptq, int8 tables, cpu_a8", "gptq", {**_A8, **_TABLES}),
-    ("fp8", "fp8", {}), ("fp8, blocks of 128", "fp8_block", {}))
+    ("fp8", "fp8", {}), ("fp8, cpu_a8", "fp8", _A8), ("fp8, blocks of 128", "fp8_block", {}))
 STREAMS = (1, 64)
 #: KV slots of each Engine: 64 streams of at most ~120 tokens fit twice over, and the
 #: Engines side by side fit in memory (a float32 pool sized from free memory takes up to

@@ -35,11 +35,12 @@ def test_fp8_formats_are_measured_when_asked_for(tmp_path: Path) -> None:
                         rounds=1, launch_mode="thread", formats=("fp8", "fp8_block"))
     json_path, _ = run_benchmark(settings, str(tmp_path))
     rows = {(r["format"], r["streams"]): r for r in json.loads(json_path.read_text())["rows"]}
-    assert set(rows) == {(f, s) for f in ("float32", "fp8", "fp8, blocks of 128")
-                         for s in (1, 64)}
+    assert set(rows) == {(f, s) for f in ("float32", "fp8", "fp8, cpu_a8",
+                                          "fp8, blocks of 128") for s in (1, 64)}
     # One byte a weight, and a scale a row (per channel) or per block.
     float_bytes = rows[("float32", 1)]["weight_bytes"]
-    assert float_bytes > rows[("fp8", 1)]["weight_bytes"]
+    fp8_bytes = rows[("fp8", 1)]["weight_bytes"]
+    assert float_bytes > fp8_bytes == rows[("fp8, cpu_a8", 1)]["weight_bytes"]
     assert float_bytes > rows[("fp8, blocks of 128", 1)]["weight_bytes"]
 
 

@@ -83,8 +83,8 @@ KERNELS: dict[str, Callable[[], object]] = {
     "cpu-native": lambda: CpuQuantLinear(packed_ops=False),
 }
 #: Row counts: each of the native kernels' blocks of 1 to 4 rows, several blocks, and past
-#: their limits (NATIVE_INT8_ROWS, NATIVE_ROWS).
-ROWS = (1, 2, 3, 4, 7, 8, 9, 32, 33)
+#: their limits (NATIVE_INT8_ROWS, NATIVE_ROWS, INT4_CODES_NATIVE_ROWS).
+ROWS = (1, 2, 3, 4, 7, 8, 9, 32, 33, 64, 65)
 #: The largest activation code of int4_rows_a8 and int8_rows_a8, and of int4_rows_a16.
 INT8_LEVELS, INT16_LEVELS = 127, 32767
 #: 4-bit weights whose groups are a multiple of 32 features (int4_rows_a16, int4_rows_a8).
@@ -101,7 +101,7 @@ def rounds_to_int16(kernel: object, prepared: QuantizedWeight, rows: int) -> boo
     ``cpu``'s native 4-bit products of groups of 32 features or a multiple of them."""
     return (type(kernel) is CpuQuantLinear and kernel.ops is not None
             and isinstance(prepared, CpuInt4Weight) and "nibbles" in prepared.tensors
-            and prepared.group_size % 32 == 0 and rows <= cpu_kernels.native_row_limit(prepared))
+            and prepared.group_size % 32 == 0 and rows <= kernel.native_row_limit(prepared))
 
 
 def expected_product(kernel: object, weight: QuantizedWeight, prepared: QuantizedWeight,
@@ -141,7 +141,7 @@ def test_few_rows_run_the_native_kernels(monkeypatch: pytest.MonkeyPatch,
     weight = WEIGHTS[weight_name]()
     prepared = kernel.prepare(weight)
     bias = torch.zeros(weight.out_features)
-    for rows in range(1, cpu_kernels.native_row_limit(weight) + 1):
+    for rows in range(1, kernel.native_row_limit(prepared) + 1):
         x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(kernel.apply(prepared, x).double(),
                                    expected_product(kernel, weight, prepared, x, bias),
@@ -298,7 +298,7 @@ def test_a8_kernel_multiplies_rounded_activations(weight_name: str) -> None:
         x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(rows))
         y = kernel.apply(prepared, x, bias).double()
         exact = reference(weight, x, bias)
-        if (rows > cpu_kernels.native_row_limit(weight)
+        if (rows > kernel.native_row_limit(prepared)
                 and not isinstance(prepared, Int8Weight)):
             torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-4)
             continue
@@ -320,6 +320,48 @@ def test_a8_error_is_within_half_an_activation_step(weight_name: str) -> None:
         bound = half_steps @ group_weight.t()
         error = (kernel.apply(prepared, x).double() - x.double() @ weight.dequantize().double().t())
         assert (error.abs() <= bound + 1e-4).all()
+
+
+#: FP8 weights: one scale per channel (a tensor's scale read as every channel's), and in
+#: blocks (which the bfloat16 GEMM does not take: a block's scale is inside the sum).
+A8_FP8_WEIGHTS = ("fp8-per-channel", "fp8-per-tensor", "fp8-block", "fp8-block-48")
+
+
+def test_native_fp8_bfloat16_widens_every_code_exactly() -> None:
+    # All 254 finite E4M3 encodings, normal and subnormal, each to its value times 2^-8.
+    codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)] + [0, 0],
+                         dtype=torch.uint8)
+    widened = native_kernels().fp8_bfloat16(codes.view(torch.int8).view(16, 16))
+    assert widened.dtype == torch.bfloat16 and widened.shape == (16, 16)
+    expected = codes.view(torch.float8_e4m3fn).float().view(16, 16) / 256
+    assert torch.equal(widened.float(), expected)
+
+
+@pytest.mark.parametrize("bfloat16_native", [True, False])
+@pytest.mark.parametrize("weight_name", A8_FP8_WEIGHTS)
+def test_a8_fp8_products_past_the_native_rows_run_in_bfloat16(
+        monkeypatch: pytest.MonkeyPatch, weight_name: str, bfloat16_native: bool) -> None:
+    # Where the CPU multiplies bfloat16 natively (forced either way here), cpu_a8's FP8
+    # products with a scale per channel past 8 rows are x rounded to bfloat16 times the
+    # weight, each output rounded to bfloat16 before its scale; fewer rows, FP8 blocks and
+    # CPUs without it: x's own product (fp8_rows, or the weight widened to float32).
+    monkeypatch.setattr(cpu_kernels, "BFLOAT16_GEMM_IS_NATIVE", bfloat16_native)
+    weight, kernel, prepared = a8_kernel(weight_name)
+    in_bfloat16 = bfloat16_native and prepared.group_size == -1
+    limit = kernel.native_row_limit(prepared)
+    assert limit == (cpu_kernels.BFLOAT16_FP8_NATIVE_ROWS if in_bfloat16
+                     else cpu_kernels.NATIVE_ROWS)
+    zeros = torch.zeros(weight.out_features)
+    for rows in ROWS:
+        x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(rows)) * 3
+        y = kernel.apply(prepared, x).double()
+        if rows <= limit or not in_bfloat16:
+            torch.testing.assert_close(y, reference(weight, x, zeros), rtol=1e-5, atol=1e-4)
+            continue
+        expected = reference(weight, x.bfloat16().float(), zeros)
+        torch.testing.assert_close(y, expected, rtol=2 ** -8, atol=1e-6)
+        unscaled = y / prepared.tensors["scale"].double()
+        assert torch.allclose(unscaled, unscaled.bfloat16().double(), rtol=1e-6, atol=0)
 
 
 def test_a8_int8_activation_blocks_divide_k() -> None:
@@ -371,12 +413,13 @@ def test_cpu_4bit_products_multiply_int16_activations(weight_name: str) -> None:
     # the rounded x (float rounding apart); each output within half an activation step
     # (largest |x| / 32767) times the group's |w|, summed over groups, of x's own product.
     # One large feature makes its group's step coarse enough for the rounding to show.
+    # Up to 64 rows (a decode step of 64 requests) multiply in integers.
     native_kernels()
     weight = WEIGHTS[weight_name]()
     kernel = CpuQuantLinear(packed_ops=False)
     prepared = kernel.prepare(weight)
     group_weight = sorted_groups(weight.dequantize().double().abs(), prepared).sum(-1)
-    for rows in (1, 4, 7):
+    for rows in (1, 4, 7, 64):
         x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(20 + rows)) * 3
         x[:, 5] = 1000.0
         y = kernel.apply(prepared, x).double()

@@ -69,7 +69,7 @@ LINK_FLAGS = ("-shared", "-fopenmp")
 #: The operators the library registers (``torch.ops.framework_cpu.<name>``).
 OPERATORS = ("paged_attention", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
              "linear_rows", "int8_rows", "int8_rows_a8", "int4_rows", "int4_rows_a8",
-             "int4_rows_a16", "fp8_rows",
+             "int4_rows_a16", "fp8_rows", "fp8_bfloat16",
              "rotary", "argmax_rows", "llama_decode")
 #: The dtypes the kernels compute in (activations, weights and the KV pool alike).
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)

@@ -1,8 +1,9 @@
 """Quantized-linear kernels for a CPU, keeping the weights in their quantized bytes.
 
 ``prepare`` repacks a loaded weight once; ``apply`` multiplies by it. A product of up to
-``NATIVE_ROWS`` rows (``NATIVE_INT8_ROWS`` for int8: a decode step, a short prefill) runs
-the native kernels (``int8_rows``, ``int4_rows_a16``, ``fp8_rows`` in
+``NATIVE_ROWS`` rows (``NATIVE_INT8_ROWS`` for int8, ``INT4_CODES_NATIVE_ROWS`` for 4-bit
+codes multiplied in integers: a decode step, a short prefill) runs the native kernels
+(``int8_rows``, ``int4_rows_a16``, ``fp8_rows`` in
 ``framework/layers/attention/csrc/quant_rows.cpp``), which read the weight in its quantized
 bytes and widen it in registers; 4-bit codes (in groups of a multiple of 32 features)
 multiply ``x`` rounded to int16 per group in integers, at 1.5x the rate of widening them to
@@ -50,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from framework.layers.attention.native_build import load_cpu_kernels
+from framework.layers.linear_kernel import BFLOAT16_GEMM_IS_NATIVE
 from framework.layers.quantization.awq import AwqWeight
 from framework.layers.quantization.fp8 import Fp8BlockWeight, Fp8Weight
 from framework.layers.quantization.gptq import GptqWeight, padded_groups
@@ -65,6 +67,17 @@ NATIVE_ROWS = 32
 #: The same for int8 weights, whose widening costs less (same core: widening 1.5 ms
 #: against the kernel's 0.8 at 8 rows, 1.8 against 2.5 at 16).
 NATIVE_INT8_ROWS = 8
+#: The same for 4-bit weights in groups of a multiple of 32 features, which the kernels
+#: multiply in integers (``int4_rows_a16``, ``int4_rows_a8``): their cost grows with the
+#: rows as a GEMM's does, so they stay ahead of widening further (one Zen 4 thread, 64
+#: rows: 2048 x 1024 in groups of 128, 3.2 and 2.6 ms against 4.8 widened; 1024 x 2816,
+#: 5.5 and 3.9 against 7.5; 5632 x 1024 in groups of 32, 14.4 and 14.9 against 15.6).
+INT4_CODES_NATIVE_ROWS = 64
+#: The most rows of an FP8 product (one scale per channel) the ``cpu_a8`` kernel hands to
+#: ``fp8_rows`` where the CPU multiplies bfloat16 at full speed: past them torch's
+#: bfloat16 GEMM on the widened codes is faster (one Zen 4 thread, 9 to 64 rows: 2048 x
+#: 1024, 0.8 against 0.9 ms at 8 rows, 1.7 against 5.1 at 64).
+BFLOAT16_FP8_NATIVE_ROWS = 8
 #: The native kernels take input features (and 4-bit groups) in multiples of this.
 NATIVE_K_MULTIPLE = 16
 #: ``int4_rows_a16`` and ``int4_rows_a8`` take 4-bit groups in multiples of this (others
@@ -87,11 +100,6 @@ FP8_VIA_HALF_FACTOR = 256.0
 #: ``x << 7`` of a sign-extended byte sets bits 15 and 14 for a negative one; this keeps
 #: bit 15 (the sign) and clears bit 14 (int16 -16385 is 0xBFFF).
 _CLEAR_BIT_14 = -16385
-
-
-def native_row_limit(weight: QuantizedWeight) -> int:
-    """The most rows of ``x`` a product by ``weight`` hands to the native kernels."""
-    return NATIVE_INT8_ROWS if isinstance(weight, Int8Weight) else NATIVE_ROWS
 
 
 @dataclass
@@ -316,6 +324,23 @@ def int8_activation_product(x: torch.Tensor, qweight: torch.Tensor,
     return y.mul_(scale)
 
 
+def bfloat16_fp8_product(x: torch.Tensor, weight: CpuFp8Weight,
+                         widen: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``x`` ``[n, in]`` rounded to bfloat16 times an FP8 weight with a scale per channel,
+    in torch's bfloat16 GEMM: the codes widened to bfloat16 (``widen``: the native
+    ``fp8_bfloat16``, exact: an E4M3 value has 4 significant bits) a block of output rows
+    at a time; each output summed in float32 by the GEMM, rounded to bfloat16 and then
+    multiplied by its channel's scale in float32.
+
+    Where the CPU multiplies bfloat16 natively this runs at about twice a float32 GEMM's
+    rate on a packed weight; rounding ``x`` and the outputs each moves an output by at
+    most 2^-9 of its magnitude (for ``x``: of the sum of its terms' magnitudes).
+    """
+    bits = weight.tensors["bits"]
+    y = _blocked_linear(x.to(torch.bfloat16), weight, lambda rows: widen(bits[rows]))
+    return y.float().mul_(weight.tensors["scale"])
+
+
 class CpuQuantLinear:
     """Weight-only quantized products on a CPU (see the module's notes): float32
     activations, rounded to int16 next to 4-bit codes."""
@@ -368,10 +393,20 @@ class CpuQuantLinear:
         raise ValueError(f"the cpu quantized-linear kernel multiplies weights from its "
                          f"prepare(), not {weight.format!r} ones")
 
+    def native_row_limit(self, weight: QuantizedWeight) -> int:
+        """The most rows of ``x`` a product by a prepared ``weight`` hands to the native
+        kernels."""
+        if isinstance(weight, Int8Weight):
+            return NATIVE_INT8_ROWS
+        if (isinstance(weight, CpuInt4Weight)
+                and weight.group_size % INT4_CODES_GROUP_MULTIPLE == 0):
+            return INT4_CODES_NATIVE_ROWS
+        return NATIVE_ROWS
+
     def _apply_native(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor | None:
         """``x @ w.T`` by the native kernels, or None where they do not take this product."""
         if (self.ops is None or x.device.type != "cpu" or x.dim() != 2
-                or not 0 < x.shape[0] <= native_row_limit(weight)
+                or not 0 < x.shape[0] <= self.native_row_limit(weight)
                 or x.shape[1] % NATIVE_K_MULTIPLE):
             return None
         tensors = weight.tensors
@@ -418,13 +453,35 @@ class CpuInt8ActivationLinear(CpuQuantLinear):
     of the dequantized weight and the rounded ``x``, 2.4x (4-bit) the float kernels' rate
     at one row on an AVX2 core; the rounding adds at most half a step of ``x`` per
     feature (0.4% of its group's largest value), as the int8 and int4 weight paths of
-    other CPU runtimes do. 4-bit groups that are not a multiple of 32, more rows than
-    ``native_row_limit``, and FP8 weights run as ``cpu`` does. Products of more rows by
-    int8 weights round ``x`` the same way and multiply in integers by torch's int8 GEMM
-    (``int8_activation_product``).
+    other CPU runtimes do. 4-bit groups that are not a multiple of 32, and more rows than
+    ``native_row_limit``, run as ``cpu`` does. Products of more rows by int8 weights round
+    ``x`` the same way and multiply in integers by torch's int8 GEMM
+    (``int8_activation_product``); by FP8 weights with a scale per channel, where the CPU
+    multiplies bfloat16 natively, they round ``x`` to bfloat16 and run torch's bfloat16
+    GEMM (``bfloat16_fp8_product``). Other FP8 products run as ``cpu``'s.
     """
 
     int8_activations: ClassVar[bool] = True
+
+    def native_row_limit(self, weight: QuantizedWeight) -> int:
+        """``cpu``'s, but FP8 products past ``BFLOAT16_FP8_NATIVE_ROWS`` rows run torch's
+        bfloat16 GEMM where it is native here (``bfloat16_fp8_product``)."""
+        if self._bfloat16_fp8(weight):
+            return BFLOAT16_FP8_NATIVE_ROWS
+        return super().native_row_limit(weight)
+
+    def _bfloat16_fp8(self, weight: QuantizedWeight) -> bool:
+        """Whether products by ``weight`` past the native rows run in bfloat16: an FP8
+        weight with a scale per channel, on a CPU that multiplies bfloat16 natively."""
+        return (self.ops is not None and BFLOAT16_GEMM_IS_NATIVE
+                and isinstance(weight, CpuFp8Weight) and weight.group_size == -1
+                and weight.in_features % 8 == 0)
+
+    def _apply_torch(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+        if self._bfloat16_fp8(weight):
+            assert self.ops is not None
+            return bfloat16_fp8_product(x, weight, self.ops.fp8_bfloat16)
+        return super()._apply_torch(weight, x)
 
     def _apply_int8(self, weight: Int8Weight, x: torch.Tensor) -> torch.Tensor:
         if not self.packed_ops:

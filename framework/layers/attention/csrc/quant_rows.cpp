@@ -36,8 +36,8 @@
 // float rounding.
 //
 // Built with the other kernels into one library (native_build.py); registered as
-// torch.ops.framework_cpu.int8_rows, int8_rows_a8, int4_rows, int4_rows_a8, int4_rows_a16
-// and fp8_rows.
+// torch.ops.framework_cpu.int8_rows, int8_rows_a8, int4_rows, int4_rows_a8, int4_rows_a16,
+// fp8_rows and fp8_bfloat16.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -792,6 +792,31 @@ at::Tensor int8_rows_a8(const at::Tensor& x, const at::Tensor& codes, const at::
   return rows_a8(x, w, n_size, block);
 }
 
+// E4M3 bytes [N, K] (int8 view) as bfloat16 [N, K], each the byte's value times 2^-8 (as
+// fp8_rows reads it; the caller's scales carry the 2^8). Exact: the float16 that
+// widen_fp8 makes has at most 4 significant bits, so its float32's upper half is the
+// same number. Feeds torch's bfloat16 GEMM with the weight of a product of many rows.
+at::Tensor fp8_bfloat16(const at::Tensor& codes) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() &&
+                  codes.numel() % 8 == 0,
+              "fp8_bfloat16: codes must be contiguous int8, a multiple of 8 elements");
+  at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(at::kBFloat16));
+  const int8_t* from = codes.const_data_ptr<int8_t>();
+  uint16_t* to = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>());
+  constexpr int64_t kGrain = 1 << 16;
+  at::parallel_for(0, codes.numel() / 8, kGrain / 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float8 widened = widen_fp8(from + 8 * i);
+      framework_cpu::uint8v bits;
+      std::memcpy(&bits, &widened, sizeof(bits));
+      const framework_cpu::uint16x8 upper =
+          __builtin_convertvector(bits >> 16, framework_cpu::uint16x8);
+      std::memcpy(to + 8 * i, &upper, sizeof(upper));
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(framework_cpu, m) {
@@ -801,10 +826,12 @@ TORCH_LIBRARY_FRAGMENT(framework_cpu, m) {
   m.def("int4_rows_a8(Tensor x, Tensor nibbles, Tensor scales, Tensor zeros) -> Tensor");
   m.def("int4_rows_a16(Tensor x, Tensor nibbles, Tensor scales, Tensor zeros) -> Tensor");
   m.def("int8_rows_a8(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+  m.def("fp8_bfloat16(Tensor codes) -> Tensor");
   m.impl("int8_rows", c10::DispatchKey::CPU, &int8_rows);
   m.impl("fp8_rows", c10::DispatchKey::CPU, &fp8_rows);
   m.impl("int4_rows", c10::DispatchKey::CPU, &int4_rows);
   m.impl("int4_rows_a8", c10::DispatchKey::CPU, &int4_rows_a8);
   m.impl("int4_rows_a16", c10::DispatchKey::CPU, &int4_rows_a16);
   m.impl("int8_rows_a8", c10::DispatchKey::CPU, &int8_rows_a8);
+  m.impl("fp8_bfloat16", c10::DispatchKey::CPU, &fp8_bfloat16);
 }
