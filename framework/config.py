@@ -103,8 +103,9 @@ class ServerArgs:
                                     "runtime", choices=("gptq", "awq", "fp8", "int8"))
     quantized_linear_backend: str = _opt("auto", "kernel of quantized linear layers: cpu, "
                                          "cpu_a8 (4-bit and int8 products on int8 "
-                                         "activations), torch (the reference), or a plugin's; "
-                                         "auto: cpu on a CPU, torch elsewhere", "runtime")
+                                         "activations, FP8 ones of many rows on bfloat16), "
+                                         "torch (the reference), or a plugin's; auto: cpu on "
+                                         "a CPU, torch elsewhere", "runtime")
     quantize_lm_head: bool = _opt(False, "also quantize the LM head (where it is not tied "
                                   "to the embeddings) to int8, per channel, online "
                                   "(docs/quantization.md)", "runtime")
