@@ -324,6 +324,37 @@ def test_int8_activations_keep_the_4_bit_checkpoint_s_tokens(
     assert 0 < max(moved) < 0.05, moved
 
 
+def test_bfloat16_activations_move_the_fp8_checkpoint_s_logprobs_a_little(
+        monkeypatch: pytest.MonkeyPatch, checkpoints: dict[str, Path],
+        prompt_ids: list[list[int]]) -> None:
+    # cpu_a8 runs FP8 products of more than 8 rows (each prefill here, and the decode
+    # steps of 12 requests) on bfloat16 activations, forced on whatever the CPU. The
+    # logprobs move a little (so that path ran in the model); an output leaves cpu's
+    # only where cpu's two likeliest tokens were closer than that (the tiny random
+    # model's are often within 0.01).
+    from framework.layers.quantization import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "BFLOAT16_GEMM_IS_NATIVE", True)
+    outputs: dict[str, list[dict[str, Any]]] = {}
+    for backend in ("cpu", "cpu_a8"):
+        with Engine(model_path=str(checkpoints["fp8"]), launch_mode="thread",
+                    quantized_linear_backend=backend, **ENGINE_ARGS) as engine:
+            outputs[backend] = engine.generate(
+                input_ids=prompt_ids * 3, sampling_params=GREEDY, return_logprob=True,
+                top_logprobs_num=2)
+    moved = []
+    for plain, rounded in zip(outputs["cpu"], outputs["cpu_a8"], strict=True):
+        steps = zip(plain["meta_info"]["output_token_logprobs"],
+                    rounded["meta_info"]["output_token_logprobs"],
+                    plain["meta_info"]["output_top_logprobs"], strict=True)
+        for (logprob, token, _), (other_logprob, other_token, _), top in steps:
+            if token != other_token:
+                assert top[0][0] - top[1][0] < 0.05, top
+                break
+            moved.append(abs(logprob - other_logprob))
+    assert 0 < max(moved) < 0.05, moved
+
+
 def test_weight_update_quantizes_the_new_checkpoint_again(
         checkpoints: dict[str, Path], prompt_ids: list[list[int]], tmp_path: Path) -> None:
     # A model quantized online (its LM head and embeddings too) and updated from another
