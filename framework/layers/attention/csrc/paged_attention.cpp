@@ -10,8 +10,8 @@
 //   again for the values, eight rows at a time (each output block is read and
 //   written once per eight rows), with the rows ahead prefetched. Several decode tokens
 //   of one request at consecutive positions (a verify step of speculative decoding gives
-//   its tokens so) walk its rows together: each row is read and widened once, and each
-//   token's sums are the ones it gets alone, operation for operation.
+//   its tokens so) walk its rows together: each row is fetched once, and each token's
+//   sums are the ones it gets alone, operation for operation.
 // * A request with several new tokens (prefill, extend) reads each row many
 //   times: it is split by key/value head, and the head's keys and values are
 //   first copied into two contiguous blocks that stay in the core's caches
@@ -42,10 +42,13 @@
 //
 // It may also hold 8-bit codes (Pool), whatever q's dtype: FP8 E4M3 with one float32
 // scale per KV head, or int8 with one float16 scale per slot and KV head (x = code *
-// scale, framework/mem_cache/kv_quant.py). Codes are widened to float32 where rows are
-// read, a quarter of float32's bytes, and multiplied by their scale: into the blocks the
-// extend paths copy, and for a decode token, which reads rows in place, into one float
-// row (eight for the values) that every query head of the row's KV heads then reads.
+// scale, framework/mem_cache/kv_quant.py). Codes are read at a quarter of float32's
+// bytes and widened to float32: times their scale into the blocks the extend paths copy;
+// for a decode token, which reads rows in place, in registers as its products read them
+// (FP8 through F16C, as its value times 2^-8), each dot product of a query head with a
+// key row then multiplied by the row's scale for that head's KV head (and the 2^8), and
+// each attention weight by the value row's, rather than every code by its scale
+// (code_load8, row_factors).
 //
 // Built at first use by framework/layers/attention/native_build.py; registered
 // as torch.ops.framework_cpu.paged_attention (and .write_kv, which stores a step's new
@@ -153,6 +156,43 @@ inline void copy_row(const Code* __restrict from, int64_t dim, float scale,
   for (; d < dim; ++d) to[d] = to_float(from[d]) * scale;
 }
 
+// Pool elements as the decode paths multiply them, read in place: values as they are,
+// int8 codes as the integer, FP8 codes as their value times 2^-8 (widen_fp8: three
+// instructions where load8's exact construction takes fifteen). A row's code scale, times
+// kCodeUnit<T> (the 2^8), is applied once to each dot product rather than to each code.
+template <typename T>
+inline float8 code_load8(const T* p) {
+  return load8(p);
+}
+
+template <>
+inline float8 code_load8(const fp8* p) {
+  return framework_cpu::widen_fp8(reinterpret_cast<const int8_t*>(p));
+}
+
+template <typename T>
+inline float code_value(T x) {
+  return to_float(x);
+}
+
+template <>
+inline float code_value(fp8 x) {
+  return to_float(x) * 0x1p-8f;
+}
+
+template <typename T>
+constexpr float kCodeUnit = 1.f;
+template <>
+constexpr float kCodeUnit<fp8> = 256.f;
+
+// factor[g] = base * the row's scale for KV head g (times kCodeUnit): what a decode
+// token's products with pool row `slot` are multiplied by, per KV head.
+template <typename T, typename S>
+inline void row_factors(const S& scales, int64_t slot, int64_t kv_heads, float base,
+                        float* factor) {
+  for (int64_t g = 0; g < kv_heads; ++g) factor[g] = base * (kCodeUnit<T> * scales(slot, g));
+}
+
 // Copies head `head`'s [dim] slice of each token's pool row into out [len, dim].
 template <typename T, typename S>
 void gather_head(const T* __restrict buffer, const S& scales, const int64_t* __restrict slots,
@@ -175,7 +215,7 @@ void scores(const float* __restrict q, const T* __restrict k, int64_t n, int64_t
   if (dim % 8 != 0) {
     for (int64_t j = 0; j < n; ++j) {
       float acc = 0.f;
-      for (int64_t d = 0; d < dim; ++d) acc += q[d] * to_float(k[j * dim + d]);
+      for (int64_t d = 0; d < dim; ++d) acc += q[d] * code_value(k[j * dim + d]);
       s[j] = acc * scale;
     }
     return;
@@ -186,10 +226,10 @@ void scores(const float* __restrict q, const T* __restrict k, int64_t n, int64_t
     float8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
     for (int64_t d = 0; d < dim; d += 8) {
       const float8 qd = load8(q + d);
-      a0 += qd * load8(k0 + d);
-      a1 += qd * load8(k0 + dim + d);
-      a2 += qd * load8(k0 + 2 * dim + d);
-      a3 += qd * load8(k0 + 3 * dim + d);
+      a0 += qd * code_load8(k0 + d);
+      a1 += qd * code_load8(k0 + dim + d);
+      a2 += qd * code_load8(k0 + 2 * dim + d);
+      a3 += qd * code_load8(k0 + 3 * dim + d);
     }
     s[j] = sum8(a0) * scale;
     s[j + 1] = sum8(a1) * scale;
@@ -198,7 +238,7 @@ void scores(const float* __restrict q, const T* __restrict k, int64_t n, int64_t
   }
   for (; j < n; ++j) {
     float8 acc = {};
-    for (int64_t d = 0; d < dim; d += 8) acc += load8(q + d) * load8(k + j * dim + d);
+    for (int64_t d = 0; d < dim; d += 8) acc += load8(q + d) * code_load8(k + j * dim + d);
     s[j] = sum8(acc) * scale;
   }
 }
@@ -258,6 +298,8 @@ struct Shapes {
   // thread on the Zen 4 EPYC: six decode tokens of a request over 250 rows 47 -> 43 us,
   // one token over 500 rows 25.8 -> 23.6 us).
   const int64_t* kv_at;
+  // [heads]: query head h's key/value head, h / group (looked up for the same reason).
+  const int64_t* kv_of;
 };
 
 // A layer's variant of causal attention: window (0: none) and cap (0: none).
@@ -277,14 +319,23 @@ inline void weights(float* s, int64_t n, const Variant& var) {
   softmax(s, n);
 }
 
-// s[h * len] = scale * (q_h . k_{h / group}) for every query head h of one pool row.
-template <typename T>
+// s[h * len] = c_h * (q_h . k_g), g = h / group, for every query head h of one pool row k
+// (read in place: code_load8): c_h = factor[g] (row_factors) for codes, `scale` for values.
+template <bool kScaled, typename T>
 void row_scores(const Shapes& sh, const float* __restrict q, const T* __restrict k,
-                float scale, int64_t len, float* __restrict s) {
+                float scale, const float* __restrict factor, int64_t len,
+                float* __restrict s) {
   const int64_t dim = sh.dim;
+  auto times = [&](int64_t h) {
+    if constexpr (kScaled) {
+      return factor[sh.kv_of[h]];
+    } else {
+      return scale;
+    }
+  };
   if (dim % 8 != 0) {
     for (int64_t h = 0; h < sh.heads; ++h) scores(q + h * dim, k + sh.kv_at[h], 1, dim,
-                                                  scale, s + h * len);
+                                                  times(h), s + h * len);
     return;
   }
   int64_t h0 = 0;
@@ -296,17 +347,17 @@ void row_scores(const Shapes& sh, const float* __restrict q, const T* __restrict
     const T* k3 = k + sh.kv_at[h0 + 3];
     float8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
     for (int64_t d = 0; d < dim; d += 8) {
-      a0 += load8(q0 + d) * load8(k0 + d);
-      a1 += load8(q0 + dim + d) * load8(k1 + d);
-      a2 += load8(q0 + 2 * dim + d) * load8(k2 + d);
-      a3 += load8(q0 + 3 * dim + d) * load8(k3 + d);
+      a0 += load8(q0 + d) * code_load8(k0 + d);
+      a1 += load8(q0 + dim + d) * code_load8(k1 + d);
+      a2 += load8(q0 + 2 * dim + d) * code_load8(k2 + d);
+      a3 += load8(q0 + 3 * dim + d) * code_load8(k3 + d);
     }
-    s[h0 * len] = sum8(a0) * scale;
-    s[(h0 + 1) * len] = sum8(a1) * scale;
-    s[(h0 + 2) * len] = sum8(a2) * scale;
-    s[(h0 + 3) * len] = sum8(a3) * scale;
+    s[h0 * len] = sum8(a0) * times(h0);
+    s[(h0 + 1) * len] = sum8(a1) * times(h0 + 1);
+    s[(h0 + 2) * len] = sum8(a2) * times(h0 + 2);
+    s[(h0 + 3) * len] = sum8(a3) * times(h0 + 3);
   }
-  for (; h0 < sh.heads; ++h0) scores(q + h0 * dim, k + sh.kv_at[h0], 1, dim, scale,
+  for (; h0 < sh.heads; ++h0) scores(q + h0 * dim, k + sh.kv_at[h0], 1, dim, times(h0),
                                      s + h0 * len);
 }
 
@@ -316,66 +367,59 @@ constexpr int64_t kValueBlock = 8;
 // further than the copies of the extend path, as each row costs it less work.
 constexpr int64_t kDecodePrefetchRows = 6;
 
-// out_h += sum over j < n of w[h * len + j] * v_j,(h / group) for every query head h, for
-// the n <= kValueBlock pool rows v_j: each output block is loaded and stored once per
-// n rows rather than once per row.
+// out_h += sum over j < n of w[h * len + j] * v_j,g, g = h / group, for every query head h,
+// for the n <= kValueBlock pool rows v_j (read in place: code_load8); with codes, each
+// weight times the row's factor for g (factor [n, kv_heads], from row_factors; nullptr:
+// values). Each output block is loaded and stored once per n rows rather than once per row.
 template <typename T>
 void block_values(const Shapes& sh, const float* __restrict w,
-                  const T* const* __restrict v, int64_t n, int64_t len,
-                  float* __restrict out) {
+                  const T* const* __restrict v, const float* __restrict factor, int64_t n,
+                  int64_t len, float* __restrict out) {
   const int64_t dim = sh.dim;
+  float scaled[kValueBlock];
   for (int64_t h = 0; h < sh.heads; ++h) {
     const float* wh = w + h * len;
+    if (factor != nullptr) {
+      for (int64_t j = 0; j < n; ++j) scaled[j] = wh[j] * factor[j * sh.kv_heads + sh.kv_of[h]];
+      wh = scaled;
+    }
     const int64_t at = sh.kv_at[h];
     float* oh = out + h * dim;
     if (dim % 8 != 0) {
       for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < dim; ++d) oh[d] += wh[j] * to_float(v[j][at + d]);
+        for (int64_t d = 0; d < dim; ++d) oh[d] += wh[j] * code_value(v[j][at + d]);
       continue;
     }
     for (int64_t d = 0; d < dim; d += 8) {
       float8 a0 = load8(oh + d), a1 = {};
       int64_t j = 0;
       for (; j + 2 <= n; j += 2) {
-        a0 += splat8(wh[j]) * load8(v[j] + at + d);
-        a1 += splat8(wh[j + 1]) * load8(v[j + 1] + at + d);
+        a0 += splat8(wh[j]) * code_load8(v[j] + at + d);
+        a1 += splat8(wh[j + 1]) * code_load8(v[j + 1] + at + d);
       }
-      if (j < n) a0 += splat8(wh[j]) * load8(v[j] + at + d);
+      if (j < n) a0 += splat8(wh[j]) * code_load8(v[j] + at + d);
       store8(oh + d, a0 + a1);
     }
   }
 }
 
-// Pool row `slot` [kv_heads, dim] as a decode token reads it: in place for values in the
-// model's dtype; for codes, widened once into `to` (code times its KV head's scale), so
-// that the query heads of a group read floats rather than each widening the codes again.
-template <typename T, typename S>
-inline auto read_row(const T* buffer, const S& scales, int64_t slot, const Shapes& sh,
-                     float* to) {
-  const T* row = buffer + slot * sh.kv_heads * sh.dim;
-  if constexpr (S::kScaled) {
-    for (int64_t g = 0; g < sh.kv_heads; ++g)
-      copy_row(row + g * sh.dim, sh.dim, scales(slot, g), to + g * sh.dim);
-    return static_cast<const float*>(to);
-  } else {
-    return row;
-  }
-}
-
-// One decode token: q, out [heads, dim]; the request's len tokens at `slots`.
+// One decode token: q, out [heads, dim]; the request's len tokens at `slots`. Rows are
+// read in place, each row's heads at once; with codes, each row's factors (row_factors)
+// scale its products.
 template <typename T, typename S>
 void decode_one(const Shapes& sh, const Variant& var, const float* q, const Pool<T, S>& pool,
                 const int64_t* slots, int64_t len, float scale, float* out,
                 std::vector<float>& scratch) {
-  const int64_t row = sh.kv_heads * sh.dim;
+  const int64_t row = sh.kv_heads * sh.dim, kv = sh.kv_heads;
   // The token, at position len - 1, reads only the rows of its window.
   const int64_t skipped = first_key(len - 1, var);
   slots += skipped;
   len -= skipped;
-  // [heads, len] scores, then room for kValueBlock widened rows (codes only).
-  scratch.resize(static_cast<size_t>(sh.heads * len + (S::kScaled ? kValueBlock * row : 0)));
+  // [heads, len] scores, then the factors of a key row and of kValueBlock value rows.
+  scratch.resize(static_cast<size_t>(sh.heads * len + (kValueBlock + 1) * kv));
   float* s = scratch.data();
-  float* wide = s + sh.heads * len;
+  float* k_factor = s + sh.heads * len;
+  float* v_factor = k_factor + kv;
   // Each pass starts by asking for its first rows, so that it does not begin on a miss
   // per row until its prefetches ahead take over.
   for (int64_t t = 0; t < std::min(kDecodePrefetchRows, len); ++t)
@@ -383,65 +427,77 @@ void decode_one(const Shapes& sh, const Variant& var, const float* q, const Pool
   for (int64_t t = 0; t < len; ++t) {
     if (t + kDecodePrefetchRows < len)
       prefetch_row(pool.k, pool.k_scales, slots[t + kDecodePrefetchRows], row);
-    row_scores(sh, q, read_row(pool.k, pool.k_scales, slots[t], sh, wide), scale, len, s + t);
+    if constexpr (S::kScaled) row_factors<T>(pool.k_scales, slots[t], kv, scale, k_factor);
+    row_scores<S::kScaled>(sh, q, pool.k + slots[t] * row, scale, k_factor, len, s + t);
   }
   for (int64_t t = 0; t < std::min(kValueBlock, len); ++t)
     prefetch_row(pool.v, pool.v_scales, slots[t], row);
   for (int64_t h = 0; h < sh.heads; ++h) weights(s + h * len, len, var);
   std::fill(out, out + sh.heads * sh.dim, 0.f);
-  decltype(read_row(pool.v, pool.v_scales, 0, sh, wide)) rows[kValueBlock];
+  const T* rows[kValueBlock];
   for (int64_t t0 = 0; t0 < len; t0 += kValueBlock) {
     const int64_t n = std::min(kValueBlock, len - t0);
     for (int64_t j = 0; j < n; ++j) {
-      rows[j] = read_row(pool.v, pool.v_scales, slots[t0 + j], sh, wide + j * row);
+      rows[j] = pool.v + slots[t0 + j] * row;
+      if constexpr (S::kScaled)
+        row_factors<T>(pool.v_scales, slots[t0 + j], kv, 1.f, v_factor + j * kv);
       if (t0 + j + kValueBlock < len)
         prefetch_row(pool.v, pool.v_scales, slots[t0 + j + kValueBlock], row);
     }
-    block_values(sh, s + t0, rows, n, len, out);
+    block_values(sh, s + t0, rows, S::kScaled ? v_factor : nullptr, n, len, out);
   }
 }
 
-// Pool row `slot` [kv_heads, dim] widened to float32 into `to` (codes times their scale):
-// what read_row gives a decode token, in floats whatever the pool holds.
-template <typename T, typename S>
-inline const float* widen_row(const T* buffer, const S& scales, int64_t slot, const Shapes& sh,
-                              float* to) {
-  const T* row = buffer + slot * sh.kv_heads * sh.dim;
-  if constexpr (std::is_same_v<T, float> && !S::kScaled) {
+// Pool row `row` of `width` elements as decode_one's products read it (code_load8: codes
+// without their scales), widened to float32 into `to` once for the tokens of a group;
+// float32 rows as they are.
+template <typename T>
+inline const float* widen_row(const T* row, int64_t width, float* to) {
+  if constexpr (std::is_same_v<T, float>) {
     return row;
-  } else {
-    for (int64_t g = 0; g < sh.kv_heads; ++g)
-      copy_row(row + g * sh.dim, sh.dim, scales(slot, g), to + g * sh.dim);
+  } else if constexpr (std::is_same_v<T, fp8>) {
+    int64_t d = 0;
+    for (; d + 8 <= width; d += 8) store8(to + d, code_load8(row + d));
+    for (; d < width; ++d) to[d] = code_value(row[d]);
+    return to;
+  } else {  // a loop the compiler vectorizes at the machine's width
+    for (int64_t d = 0; d < width; ++d) to[d] = code_value(row[d]);
     return to;
   }
 }
 
 // `count` decode tokens of one request at consecutive positions (a verify step's): token
 // i sees the first len + i tokens; q, out [count, heads, dim]. Each token's scores,
-// weights and sums are decode_one's, operation for operation (a row widened to float32
-// holds the values decode_one widens as it reads them), so each token's output is what it
-// gets alone, bit for bit; but every pool row is read and widened once for all of them.
-// No sliding window (decode_one skips a different number of rows per token).
+// weights and sums are decode_one's, operation for operation (each row widened to the
+// floats decode_one's products read, with the same factors), so each token's output is
+// what it gets alone, bit for bit; but every pool row is read, widened and its factors
+// computed once for all of them. No sliding window (decode_one skips a different number
+// of rows per token).
 template <typename T, typename S>
 void decode_group(const Shapes& sh, const Variant& var, const float* q, const Pool<T, S>& pool,
                   const int64_t* slots, int64_t len, int64_t count, float scale, float* out,
                   std::vector<float>& scratch) {
-  const int64_t row = sh.kv_heads * sh.dim, last = len + count - 1;
+  const int64_t row = sh.kv_heads * sh.dim, kv = sh.kv_heads, last = len + count - 1;
   // Token i's [heads, len + i] scores at s + sh.heads * (i * len + i * (i - 1) / 2), then
-  // one widened key row and kValueBlock widened value rows.
+  // the factors of one key row and of kValueBlock value rows, then one widened key row
+  // and kValueBlock widened value rows.
   const int64_t scores_size = sh.heads * (count * len + count * (count - 1) / 2);
-  scratch.resize(static_cast<size_t>(scores_size + (kValueBlock + 1) * row));
+  scratch.resize(static_cast<size_t>(scores_size + (kValueBlock + 1) * (kv + row)));
   float* s = scratch.data();
-  float* wide = s + scores_size;
+  float* k_factor = s + scores_size;
+  float* v_factor = k_factor + kv;
+  float* wide = v_factor + kValueBlock * kv;
   auto scores_of = [&](int64_t i) { return s + sh.heads * (i * len + i * (i - 1) / 2); };
   for (int64_t t = 0; t < std::min(kDecodePrefetchRows, last); ++t)
     prefetch_row(pool.k, pool.k_scales, slots[t], row);
   for (int64_t t = 0; t < last; ++t) {
     if (t + kDecodePrefetchRows < last)
       prefetch_row(pool.k, pool.k_scales, slots[t + kDecodePrefetchRows], row);
-    const float* k = widen_row(pool.k, pool.k_scales, slots[t], sh, wide);
+    if constexpr (S::kScaled) row_factors<T>(pool.k_scales, slots[t], kv, scale, k_factor);
+    const float* k = widen_row(pool.k + slots[t] * row, row, wide);
     for (int64_t i = std::max<int64_t>(0, t + 1 - len); i < count; ++i)
-      row_scores(sh, q + i * sh.heads * sh.dim, k, scale, len + i, scores_of(i) + t);
+      row_scores<S::kScaled>(sh, q + i * sh.heads * sh.dim, k, scale, k_factor, len + i,
+                             scores_of(i) + t);
   }
   for (int64_t t = 0; t < std::min(kValueBlock, last); ++t)
     prefetch_row(pool.v, pool.v_scales, slots[t], row);
@@ -454,13 +510,15 @@ void decode_group(const Shapes& sh, const Variant& var, const float* q, const Po
   for (int64_t t0 = 0; t0 < last; t0 += kValueBlock) {
     const int64_t n = std::min(kValueBlock, last - t0);
     for (int64_t j = 0; j < n; ++j) {
-      rows[j] = widen_row(pool.v, pool.v_scales, slots[t0 + j], sh, values + j * row);
+      rows[j] = widen_row(pool.v + slots[t0 + j] * row, row, values + j * row);
+      if constexpr (S::kScaled)
+        row_factors<T>(pool.v_scales, slots[t0 + j], kv, 1.f, v_factor + j * kv);
       if (t0 + j + kValueBlock < last)
         prefetch_row(pool.v, pool.v_scales, slots[t0 + j + kValueBlock], row);
     }
     for (int64_t i = std::max<int64_t>(0, t0 + 1 - len); i < count; ++i)
-      block_values(sh, scores_of(i) + t0, rows, std::min(n, len + i - t0), len + i,
-                   out + i * sh.heads * sh.dim);
+      block_values(sh, scores_of(i) + t0, rows, S::kScaled ? v_factor : nullptr,
+                   std::min(n, len + i - t0), len + i, out + i * sh.heads * sh.dim);
   }
 }
 
@@ -793,9 +851,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buffer,
                extend_seq_lens, window, cap);
   check_scales(k_buffer, k_scale, v_scale);
   const int64_t heads = q.size(1), kv_heads = k_buffer.size(1), dim = q.size(2);
-  std::vector<int64_t> kv_at(static_cast<size_t>(heads));
-  for (int64_t h = 0; h < heads; ++h) kv_at[h] = h / (heads / kv_heads) * dim;
-  const Shapes sh{heads, kv_heads, dim, req_to_token.size(1), kv_at.data()};
+  std::vector<int64_t> kv_at(static_cast<size_t>(heads)), kv_of(static_cast<size_t>(heads));
+  for (int64_t h = 0; h < heads; ++h) {
+    kv_of[h] = h / (heads / kv_heads);
+    kv_at[h] = kv_of[h] * dim;
+  }
+  const Shapes sh{heads, kv_heads, dim, req_to_token.size(1), kv_at.data(), kv_of.data()};
   const Variant var{window, static_cast<float>(cap)};
   const Requests reqs{req_to_token.const_data_ptr<int64_t>(),
                       req_pool_indices.const_data_ptr<int64_t>(),

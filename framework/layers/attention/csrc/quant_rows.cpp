@@ -63,6 +63,7 @@ namespace {
 using framework_cpu::float8;
 using framework_cpu::load8;
 using framework_cpu::sum8;
+using framework_cpu::widen_fp8;
 
 typedef int8_t int8x8 __attribute__((vector_size(8)));
 typedef uint8_t uint8x8 __attribute__((vector_size(8)));
@@ -97,19 +98,6 @@ inline __m128i load_bytes8(const void* p) {
   return _mm_loadl_epi64(static_cast<const __m128i*>(p));
 }
 
-// Eight int8 codes as floats.
-inline float8 widen_int8(const int8_t* p) {
-  return to_float8(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load_bytes8(p))));
-}
-
-// Eight E4M3 codes as floats times 2^-8 (module notes). Sign extension fills bits 8-15
-// with the sign: after the shift bit 15 holds it and bit 14 must be cleared.
-inline float8 widen_fp8(const int8_t* p) {
-  const __m128i wide = _mm_cvtepi8_epi16(load_bytes8(p));
-  const __m128i bits = _mm_and_si128(_mm_slli_epi16(wide, 7), _mm_set1_epi16(~0x4000));
-  return to_float8(_mm256_cvtph_ps(bits));
-}
-
 // Sixteen 4-bit codes (eight bytes): the low nibbles, then the high ones, as floats.
 inline void widen_nibbles(const uint8_t* p, float8& low, float8& high) {
   const __m256i wide = _mm256_cvtepu8_epi32(load_bytes8(p));
@@ -117,23 +105,6 @@ inline void widen_nibbles(const uint8_t* p, float8& low, float8& high) {
   high = to_float8(_mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4)));
 }
 #else
-inline float8 widen_int8(const int8_t* p) {
-  int8x8 codes;
-  std::memcpy(&codes, p, sizeof(codes));
-  return __builtin_convertvector(__builtin_convertvector(codes, int32x8), float8);
-}
-
-inline float8 widen_fp8(const int8_t* p) {
-  int8x8 codes;
-  std::memcpy(&codes, p, sizeof(codes));
-  const int16x8 bits = (__builtin_convertvector(codes, int16x8) << 7) &
-                       static_cast<int16_t>(~0x4000);
-  float8 out;
-  for (int i = 0; i < 8; ++i)
-    out[i] = static_cast<float>(c10::Half(static_cast<uint16_t>(bits[i]), c10::Half::from_bits()));
-  return out;
-}
-
 inline void widen_nibbles(const uint8_t* p, float8& low, float8& high) {
   uint8x8 bytes;
   std::memcpy(&bytes, p, sizeof(bytes));
@@ -160,7 +131,7 @@ struct ByteCodes {
     b = Widen(p + 8);
   }
 };
-using Int8Codes = ByteCodes<widen_int8>;
+using Int8Codes = ByteCodes<load8>;
 using Fp8Codes = ByteCodes<widen_fp8>;
 
 struct Int4Codes {

@@ -10,9 +10,14 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 #include <cstring>
+
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace framework_cpu {
 
@@ -91,10 +96,20 @@ using fp8 = c10::Float8_e4m3fn;
 typedef int8_t int8x8 __attribute__((vector_size(8)));
 typedef uint8_t uint8x8 __attribute__((vector_size(8)));
 
+// With AVX2, by intrinsics: GCC turns the portable conversion of an 8-bit vector into
+// scalar code (one byte at a time), a third of their speed.
 inline float8 load8(const int8_t* p) {
+#if defined(__AVX2__) && defined(__F16C__)
+  const __m256 v = _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  float8 out;
+  std::memcpy(&out, &v, sizeof(out));
+  return out;
+#else
   int8x8 raw;
   std::memcpy(&raw, p, sizeof(raw));
   return __builtin_convertvector(raw, float8);
+#endif
 }
 
 inline float8 load8(const fp8* p) {
@@ -121,5 +136,35 @@ inline float8 load8(const fp8* p) {
 inline float to_float(int8_t x) { return static_cast<float>(x); }
 
 inline float to_float(fp8 x) { return static_cast<float>(x); }  // c10's: exact
+
+// Eight E4M3 codes (bytes) as floats times 2^-8, the caller's scale carrying the 2^8: the
+// byte's sign moved to bit 15 of a float16 and its exponent and mantissa to bits 7-13 make
+// a float16 equal to the value times 2^-8 (subnormals included), which F16C widens (a
+// float16's exponent bias is 8 more than E4M3's). Sign extension fills bits 8-15 with the
+// sign: after the shift bit 15 holds it and bit 14 must be cleared. Three instructions
+// where load8's exact float32 construction takes fifteen; no float32 subnormal is formed
+// (the smallest code gives 2^-17). The NaN codes read as +-480 * 2^-8.
+#if defined(__AVX2__) && defined(__F16C__)
+inline float8 widen_fp8(const int8_t* p) {
+  const __m128i wide = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i bits = _mm_and_si128(_mm_slli_epi16(wide, 7), _mm_set1_epi16(~0x4000));
+  const __m256 v = _mm256_cvtph_ps(bits);
+  float8 out;
+  std::memcpy(&out, &v, sizeof(out));
+  return out;
+}
+#else
+inline float8 widen_fp8(const int8_t* p) {
+  int8x8 codes;
+  std::memcpy(&codes, p, sizeof(codes));
+  typedef int16_t int16x8 __attribute__((vector_size(16)));
+  const int16x8 bits = (__builtin_convertvector(codes, int16x8) << 7) &
+                       static_cast<int16_t>(~0x4000);
+  float8 out;
+  for (int i = 0; i < 8; ++i)
+    out[i] = static_cast<float>(c10::Half(static_cast<uint16_t>(bits[i]), c10::Half::from_bits()));
+  return out;
+}
+#endif
 
 }  // namespace framework_cpu
