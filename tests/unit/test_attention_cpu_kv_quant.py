@@ -119,19 +119,21 @@ def test_window_and_cap_on_codes_match_float64(heads: int, kv_heads: int, dim: i
                           dim + window, kv_cache_dtype, dtype, window, cap)
 
 
+@pytest.mark.parametrize("dim", [HEAD_DIM, 20, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
 def test_a_request_s_decode_tokens_on_codes_attend_as_each_alone(
-        kv_cache_dtype: str, dtype: torch.dtype) -> None:
+        kv_cache_dtype: str, dtype: torch.dtype, dim: int) -> None:
     """Decode tokens of one request at consecutive positions (a verify step's) walk its
-    rows together, widening each row's codes once: each token's output is, bit for bit,
-    what it gets as the only decode token."""
+    rows together, fetching each row once: each token's output is, bit for bit, what it
+    gets as the only decode token (one vector of features a head, several, and features
+    that are not a multiple of 8)."""
     prefix, count = 37, 5
-    args, scales, _ = quantized_case(4, 2, HEAD_DIM, [prefix + count], [count], seed=4,
+    args, scales, _ = quantized_case(4, 2, dim, [prefix + count], [count], seed=4,
                                      kv_cache_dtype=kv_cache_dtype, dtype=dtype)
     q, k_codes, v_codes, table, rows, _, _ = args
     visible = torch.arange(prefix + 1, prefix + count + 1)
-    scale = HEAD_DIM**-0.5
+    scale = dim**-0.5
     together = kernels().paged_attention(q, k_codes, v_codes, table, rows.repeat(count),
                                          visible, torch.ones(count, dtype=torch.int64),
                                          scale, 0, 0.0, *scales)

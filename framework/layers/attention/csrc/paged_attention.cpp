@@ -468,11 +468,11 @@ inline const float* widen_row(const T* row, int64_t width, float* to) {
 
 // `count` decode tokens of one request at consecutive positions (a verify step's): token
 // i sees the first len + i tokens; q, out [count, heads, dim]. Each token's scores,
-// weights and sums are decode_one's, operation for operation (each row widened to the
-// floats decode_one's products read, with the same factors), so each token's output is
-// what it gets alone, bit for bit; but every pool row is read, widened and its factors
-// computed once for all of them. No sliding window (decode_one skips a different number
-// of rows per token).
+// weights and sums are decode_one's, operation for operation (the same rows, or rows
+// widened to the floats decode_one's products read, with the same factors), so each
+// token's output is what it gets alone, bit for bit; but every pool row is fetched, and
+// its factors computed, once for all of them (and widened once, but for code keys). No
+// sliding window (decode_one skips a different number of rows per token).
 template <typename T, typename S>
 void decode_group(const Shapes& sh, const Variant& var, const float* q, const Pool<T, S>& pool,
                   const int64_t* slots, int64_t len, int64_t count, float scale, float* out,
@@ -493,8 +493,17 @@ void decode_group(const Shapes& sh, const Variant& var, const float* q, const Po
   for (int64_t t = 0; t < last; ++t) {
     if (t + kDecodePrefetchRows < last)
       prefetch_row(pool.k, pool.k_scales, slots[t + kDecodePrefetchRows], row);
-    if constexpr (S::kScaled) row_factors<T>(pool.k_scales, slots[t], kv, scale, k_factor);
-    const float* k = widen_row(pool.k + slots[t] * row, row, wide);
+    // Codes: the key row read in place, as decode_one reads it (scores of the same floats
+    // read from a widened row came out in other last bits with float32 queries: the two
+    // instantiations compile to other orders of operations); values: widened once.
+    const auto k = [&] {
+      if constexpr (S::kScaled) {
+        row_factors<T>(pool.k_scales, slots[t], kv, scale, k_factor);
+        return pool.k + slots[t] * row;
+      } else {
+        return widen_row(pool.k + slots[t] * row, row, wide);
+      }
+    }();
     for (int64_t i = std::max<int64_t>(0, t + 1 - len); i < count; ++i)
       row_scores<S::kScaled>(sh, q + i * sh.heads * sh.dim, k, scale, k_factor, len + i,
                              scores_of(i) + t);
