@@ -98,10 +98,14 @@ def reference(weight: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor) -> t
 
 def rounds_to_int16(kernel: object, prepared: QuantizedWeight, rows: int) -> bool:
     """Whether ``kernel`` multiplies ``rows`` rows by ``prepared`` on int16 activations:
-    ``cpu``'s native 4-bit products of groups of 32 features or a multiple of them."""
-    return (type(kernel) is CpuQuantLinear and kernel.ops is not None
-            and isinstance(prepared, CpuInt4Weight) and "nibbles" in prepared.tensors
-            and prepared.group_size % 32 == 0 and rows <= kernel.native_row_limit(prepared))
+    ``cpu``'s native int8 products and 4-bit ones of groups of 32 features or a multiple
+    of them."""
+    if type(kernel) is not CpuQuantLinear or kernel.ops is None:
+        return False
+    codes = isinstance(prepared, Int8Weight) or (
+        isinstance(prepared, CpuInt4Weight) and "nibbles" in prepared.tensors
+        and prepared.group_size % 32 == 0)
+    return codes and rows <= kernel.native_row_limit(prepared)
 
 
 def expected_product(kernel: object, weight: QuantizedWeight, prepared: QuantizedWeight,
@@ -407,9 +411,10 @@ def test_a8_kernel_keeps_a_zero_group_at_zero() -> None:
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("weight_name", INT4_CODE_WEIGHTS)
-def test_cpu_4bit_products_multiply_int16_activations(weight_name: str) -> None:
-    # cpu's native 4-bit products round x to int16 per group: the dequantized weight times
+@pytest.mark.parametrize("weight_name", [*INT4_CODE_WEIGHTS, "int8", "int8-30-out"])
+def test_cpu_4bit_and_int8_products_multiply_int16_activations(weight_name: str) -> None:
+    # cpu's native 4-bit and int8 products round x to int16 per group (int8: per block of
+    # up to 128 features): the dequantized weight times
     # the rounded x (float rounding apart); each output within half an activation step
     # (largest |x| / 32767) times the group's |w|, summed over groups, of x's own product.
     # One large feature makes its group's step coarse enough for the rounding to show.

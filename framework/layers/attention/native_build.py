@@ -2,7 +2,7 @@
 
 The library holds the attention kernel, the fused norm, activation and rotary
 layers, and the product of a few rows (``linear_rows``), for float32 and bfloat16, and
-by a quantized weight (``int8_rows``, ``int4_rows``, ``fp8_rows``), and a plain Llama
+by a quantized weight (``int8_rows_a16``, ``int4_rows_a16``, ``fp8_rows``, ...), and a plain Llama
 model's decode forward in one call (``llama_decode``, a draft model's).
 Its C++ sources are compiled once per machine with the C++ compiler found
 (``$CXX``, else ``c++``), for this CPU (``-march=native``) and against the
@@ -68,8 +68,8 @@ HEADERS: tuple[Path, ...] = (_CSRC / "vec.h",)
 LINK_FLAGS = ("-shared", "-fopenmp")
 #: The operators the library registers (``torch.ops.framework_cpu.<name>``).
 OPERATORS = ("paged_attention", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
-             "linear_rows", "int8_rows", "int8_rows_a8", "int4_rows", "int4_rows_a8",
-             "int4_rows_a16", "fp8_rows", "fp8_bfloat16",
+             "linear_rows", "int8_rows_a8", "int4_rows", "int4_rows_a8",
+             "int4_rows_a16", "int8_rows_a16", "fp8_rows", "fp8_bfloat16",
              "rotary", "argmax_rows", "llama_decode")
 #: The dtypes the kernels compute in (activations, weights and the KV pool alike).
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)

@@ -3,12 +3,13 @@
 ``prepare`` repacks a loaded weight once; ``apply`` multiplies by it. A product of up to
 ``NATIVE_ROWS`` rows (``NATIVE_INT8_ROWS`` for int8, ``INT4_CODES_NATIVE_ROWS`` for 4-bit
 codes multiplied in integers: a decode step, a short prefill) runs the native kernels
-(``int8_rows``, ``int4_rows_a16``, ``fp8_rows`` in
+(``int8_rows_a16``, ``int4_rows_a16``, ``fp8_rows`` in
 ``framework/layers/attention/csrc/quant_rows.cpp``), which read the weight in its quantized
-bytes and widen it in registers; 4-bit codes (in groups of a multiple of 32 features)
-multiply ``x`` rounded to int16 per group in integers, at 1.5x the rate of widening them to
-float32, the rounding 2^-16 of a group's largest ``|x|`` (groups of 16 take ``int4_rows``
-on float32). A product of a few rows is bound by reading the weight, so
+bytes and widen it in registers; 4-bit codes (in groups of a multiple of 32 features) and
+int8 ones multiply ``x`` rounded to int16 per group (int8: per block of up to 128
+features) in integers, at 1.5x (4-bit) and 1.5-1.8x (int8) the rate of widening them to
+float32, the rounding 2^-16 of a group's largest ``|x|`` (4-bit groups of 16 take
+``int4_rows`` on float32). A product of a few rows is bound by reading the weight, so
 it takes about the time of reading a quarter (8-bit) or an eighth (4-bit) of the float32
 bytes: on a 2-core AVX2 core, one row by a 4096 x 1024 weight took 0.4x (int8) and 0.2x
 (4-bit) a float32 ``F.linear``'s time. With more rows (or no C++ compiler) each call widens
@@ -64,9 +65,14 @@ from framework.layers.quantization.weights import QuantizedWeight
 #: kernels' simpler products (2048 x 1024, AVX-512 core: 4-bit 3.6 against 4.2 ms at 32
 #: rows, 13.5 against 6.8 at 64).
 NATIVE_ROWS = 32
-#: The same for int8 weights, whose widening costs less (same core: widening 1.5 ms
-#: against the kernel's 0.8 at 8 rows, 1.8 against 2.5 at 16).
-NATIVE_INT8_ROWS = 8
+#: The same for int8 weights, which the ``cpu`` kernel multiplies in integers on int16
+#: activations (``int8_rows_a16``): ahead of widening to 64 rows (one Zen 4 thread, 2048 x
+#: 1024: 0.40 against 0.92 ms at 8 rows, 3.2 against 3.4 at 64).
+NATIVE_INT8_ROWS = 64
+#: The most rows of an int8 product ``cpu_a8`` hands to ``int8_rows_a8``: past them torch's
+#: int8 GEMM runs them (``int8_activation_product``: 64 rows of 2048 x 1024 in 1.3 ms on a
+#: Zen 4 thread, where the kernel takes 4.3).
+A8_INT8_ROWS = 8
 #: The same for 4-bit weights in groups of a multiple of 32 features, which the kernels
 #: multiply in integers (``int4_rows_a16``, ``int4_rows_a8``): their cost grows with the
 #: rows as a GEMM's does, so they stay ahead of widening further (one Zen 4 thread, 64
@@ -397,7 +403,7 @@ class CpuQuantLinear:
         """The most rows of ``x`` a product by a prepared ``weight`` hands to the native
         kernels."""
         if isinstance(weight, Int8Weight):
-            return NATIVE_INT8_ROWS
+            return A8_INT8_ROWS if self.int8_activations else NATIVE_INT8_ROWS
         if (isinstance(weight, CpuInt4Weight)
                 and weight.group_size % INT4_CODES_GROUP_MULTIPLE == 0):
             return INT4_CODES_NATIVE_ROWS
@@ -424,7 +430,7 @@ class CpuQuantLinear:
                 return None
             return self.ops.fp8_rows(x, tensors["bits"], tensors["scale"])
         if isinstance(weight, Int8Weight):
-            rows = self.ops.int8_rows_a8 if self.int8_activations else self.ops.int8_rows
+            rows = self.ops.int8_rows_a8 if self.int8_activations else self.ops.int8_rows_a16
             return rows(x, tensors["qweight"], tensors["scale"])
         return None
 
