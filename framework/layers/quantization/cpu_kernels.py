@@ -349,7 +349,7 @@ def bfloat16_fp8_product(x: torch.Tensor, weight: CpuFp8Weight,
 
 class CpuQuantLinear:
     """Weight-only quantized products on a CPU (see the module's notes): float32
-    activations, rounded to int16 next to 4-bit codes."""
+    activations, rounded to int16 next to int8 and 4-bit codes."""
 
     #: Whether 4-bit and int8 products of a few rows round ``x`` to int8
     #: (``CpuInt8ActivationLinear``).
@@ -403,7 +403,7 @@ class CpuQuantLinear:
         """The most rows of ``x`` a product by a prepared ``weight`` hands to the native
         kernels."""
         if isinstance(weight, Int8Weight):
-            return A8_INT8_ROWS if self.int8_activations else NATIVE_INT8_ROWS
+            return NATIVE_INT8_ROWS
         if (isinstance(weight, CpuInt4Weight)
                 and weight.group_size % INT4_CODES_GROUP_MULTIPLE == 0):
             return INT4_CODES_NATIVE_ROWS
@@ -470,8 +470,11 @@ class CpuInt8ActivationLinear(CpuQuantLinear):
     int8_activations: ClassVar[bool] = True
 
     def native_row_limit(self, weight: QuantizedWeight) -> int:
-        """``cpu``'s, but FP8 products past ``BFLOAT16_FP8_NATIVE_ROWS`` rows run torch's
-        bfloat16 GEMM where it is native here (``bfloat16_fp8_product``)."""
+        """``cpu``'s, but int8 products past ``A8_INT8_ROWS`` rows run torch's int8 GEMM,
+        and FP8 ones past ``BFLOAT16_FP8_NATIVE_ROWS`` torch's bfloat16 GEMM where it is
+        native here (``bfloat16_fp8_product``)."""
+        if isinstance(weight, Int8Weight):
+            return A8_INT8_ROWS
         if self._bfloat16_fp8(weight):
             return BFLOAT16_FP8_NATIVE_ROWS
         return super().native_row_limit(weight)
