@@ -67,7 +67,7 @@ from framework.layers.quantization.weights import QuantizedWeight
 NATIVE_ROWS = 32
 #: The same for int8 weights, which the ``cpu`` kernel multiplies in integers on int16
 #: activations (``int8_rows_a16``): ahead of widening to 64 rows (one Zen 4 thread, 2048 x
-#: 1024: 0.40 against 0.92 ms at 8 rows, 3.2 against 3.4 at 64).
+#: 1024: 0.32 against 0.92 ms at 8 rows, 2.5 against 3.4 at 64).
 NATIVE_INT8_ROWS = 64
 #: The most rows of an int8 product ``cpu_a8`` hands to ``int8_rows_a8``: past them torch's
 #: int8 GEMM runs them (``int8_activation_product``: 64 rows of 2048 x 1024 in 1.3 ms on a
