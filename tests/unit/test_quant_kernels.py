@@ -418,13 +418,15 @@ def test_cpu_4bit_and_int8_products_multiply_int16_activations(weight_name: str)
     # the rounded x (float rounding apart); each output within half an activation step
     # (largest |x| / 32767) times the group's |w|, summed over groups, of x's own product.
     # One large feature makes its group's step coarse enough for the rounding to show.
-    # Up to 64 rows (a decode step of 64 requests) multiply in integers.
+    # Up to 64 rows (a decode step of 64 requests) multiply in integers; int8 weights and
+    # 4-bit groups of 128 features or more up to 256 (a short prefill).
     native_kernels()
     weight = WEIGHTS[weight_name]()
     kernel = CpuQuantLinear(packed_ops=False)
     prepared = kernel.prepare(weight)
     group_weight = sorted_groups(weight.dequantize().double().abs(), prepared).sum(-1)
-    for rows in (1, 4, 7, 64):
+    most = 256 if weight_name in ("int8", "int8-30-out", "gptq-one-group") else 64
+    for rows in (1, 4, 7, most):
         x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(20 + rows)) * 3
         x[:, 5] = 1000.0
         y = kernel.apply(prepared, x).double()

@@ -66,9 +66,10 @@ from framework.layers.quantization.weights import QuantizedWeight
 #: rows, 13.5 against 6.8 at 64).
 NATIVE_ROWS = 32
 #: The same for int8 weights, which the ``cpu`` kernel multiplies in integers on int16
-#: activations (``int8_rows_a16``): ahead of widening to 64 rows (one Zen 4 thread, 2048 x
-#: 1024: 0.32 against 0.92 ms at 8 rows, 2.5 against 3.4 at 64).
-NATIVE_INT8_ROWS = 64
+#: activations (``int8_rows_a16``): ahead of widening at every count measured, to 256
+#: rows (one Zen 4 thread: 2048 x 1024, 0.32 against 0.92 ms at 8 rows, 1.9 against 5.0
+#: at 64, 10.8 against 15.5 at 256; 5632 x 1024, 22.2 against 53.1 at 256).
+NATIVE_INT8_ROWS = 256
 #: The most rows of an int8 product ``cpu_a8`` hands to ``int8_rows_a8``: past them torch's
 #: int8 GEMM runs them (``int8_activation_product``: 64 rows of 2048 x 1024 in 1.3 ms on a
 #: Zen 4 thread, where the kernel takes 4.3).
@@ -79,6 +80,12 @@ A8_INT8_ROWS = 8
 #: rows: 2048 x 1024 in groups of 128, 3.2 and 2.6 ms against 4.8 widened; 1024 x 2816,
 #: 5.5 and 3.9 against 7.5; 5632 x 1024 in groups of 32, 14.4 and 14.9 against 15.6).
 INT4_CODES_NATIVE_ROWS = 64
+#: The same for groups of at least ``INT4_LARGE_GROUP`` features, whose per-group float
+#: work is less: ahead of widening to 256 rows (int4_rows_a16, one Zen 4 thread, groups of
+#: 128: 2048 x 1024, 12.6 against 16.5 ms at 256 rows; 1024 x 2816, 13.2 against 19.4;
+#: groups of 32 fall behind from 128 rows, 25.5 against 22.4 on 5632 x 1024).
+INT4_LARGE_GROUP_NATIVE_ROWS = 256
+INT4_LARGE_GROUP = 128
 #: The most rows of an FP8 product (one scale per channel) the ``cpu_a8`` kernel hands to
 #: ``fp8_rows`` where the CPU multiplies bfloat16 at full speed: past them torch's
 #: bfloat16 GEMM on the widened codes is faster (one Zen 4 thread, 9 to 64 rows: 2048 x
@@ -406,6 +413,8 @@ class CpuQuantLinear:
             return NATIVE_INT8_ROWS
         if (isinstance(weight, CpuInt4Weight)
                 and weight.group_size % INT4_CODES_GROUP_MULTIPLE == 0):
+            if weight.group_size >= INT4_LARGE_GROUP:
+                return INT4_LARGE_GROUP_NATIVE_ROWS
             return INT4_CODES_NATIVE_ROWS
         return NATIVE_ROWS
 
